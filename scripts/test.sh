@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run the test suite: set up .venv, run pytest over tests/, then rerun the vtensor equivalence
+# tests with dirty freed memory (MALLOC_PERTURB_) so a use-after-evict bug cannot hide.
+#
+# Extra arguments go to the first pytest run, e.g. `scripts/test.sh -k equivalence -x`.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+bash scripts/setup.sh
+
+# glibc serves allocations of 64 KiB and more with mmap, so freed activations go back to the
+# OS at once and RSS measurements match what is really live.
+export MALLOC_MMAP_THRESHOLD_=65536
+PY="$ROOT/.venv/bin/python"
+failed=0
+
+# pytest's exit code 5 means "no tests collected": not a failure while the suite is being written.
+run_pytest() {
+    local rc=0
+    "$@" || rc=$?
+    if [[ $rc -eq 5 ]]; then
+        echo "test: no tests collected by: ${*:2}" >&2
+        rc=0
+    fi
+    if [[ $rc -ne 0 ]]; then
+        echo "test: FAILED (exit $rc): ${*:2}" >&2
+        failed=1
+    fi
+}
+
+run_pytest "$PY" -m pytest -q tests "$@"
+
+EQUIVALENCE=tests/vtensor/test_equivalence.py
+if [[ -f "$EQUIVALENCE" ]]; then
+    # 165 = 0xa5: glibc fills freed (and new) malloc memory with this byte pattern.
+    echo "test: rerunning $EQUIVALENCE with MALLOC_PERTURB_=165" >&2
+    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE"
+fi
+
+exit "$failed"

@@ -1,0 +1,80 @@
+"""vTensor chunks: identity, sizes, residency states and the legal moves between them."""
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from vtensor.errors import IllegalMoveError
+
+# NOTE [default chunk size]
+# 1 MiB: the trace-driven study behind this project (docs/vtensor.md) measured that 1 MiB chunks
+# capture nearly all of the swap-volume reduction over whole-tensor swapping (64-256 KiB chunks
+# moved < 1% fewer bytes), while chunks below ~1 MiB make every transfer syscall- and
+# latency-bound (DeepSpeed's MIN_AIO_BYTES is 1 MiB for the same reason). It is also a multiple
+# of the 4 KiB page, so file offsets stay page-aligned.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class ChunkState(StrEnum):
+    """Where a chunk's bytes are."""
+
+    DEVICE = "device"  # resident in the budgeted tier
+    EVICTING = "evicting"  # copy to a slower tier in flight; device bytes still valid
+    HOST = "host"  # in pinned host memory (CUDA only)
+    STORAGE = "storage"  # in the swap file
+    RESTORING = "restoring"  # copy back in flight; device bytes not valid yet
+    FREED = "freed"  # the vTensor died; terminal
+
+
+# NOTE [chunk residency]
+# DEVICE -> EVICTING -> {HOST, STORAGE} -> RESTORING -> DEVICE is the swap cycle.
+# EVICTING -> DEVICE cancels an eviction (the bytes were needed before the write finished, or the
+# write failed): the device copy was never released, so nothing is lost.
+# FREED is reachable only from states where no transfer is in flight: a dying vTensor first waits
+# for its transfers.
+LEGAL_MOVES: dict[ChunkState, frozenset[ChunkState]] = {
+    ChunkState.DEVICE: frozenset({ChunkState.EVICTING, ChunkState.FREED}),
+    ChunkState.EVICTING: frozenset({ChunkState.HOST, ChunkState.STORAGE, ChunkState.DEVICE}),
+    ChunkState.HOST: frozenset({ChunkState.RESTORING, ChunkState.FREED}),
+    ChunkState.STORAGE: frozenset({ChunkState.RESTORING, ChunkState.FREED}),
+    ChunkState.RESTORING: frozenset({ChunkState.DEVICE}),
+    ChunkState.FREED: frozenset(),
+}
+
+
+@dataclass
+class Chunk:
+    """One fixed-size piece of a vTensor's bytes.
+
+    Attributes:
+        index: position within its vTensor.
+        offset_bytes: start within the vTensor's storage.
+        nbytes: length (the last chunk may be shorter than the chunk size).
+        state: current residency.
+        slot: where the bytes are in the slower tier while not on the device, else None.
+    """
+
+    index: int
+    offset_bytes: int
+    nbytes: int
+    state: ChunkState = ChunkState.DEVICE
+    slot: int | None = None
+
+    def move(self, new_state: ChunkState) -> None:
+        """Change residency, raising if the transition is not legal."""
+        if new_state not in LEGAL_MOVES[self.state]:
+            raise IllegalMoveError(
+                f"chunk {self.index} (offset {self.offset_bytes}, {self.nbytes} bytes) cannot move "
+                f"from {self.state.value!r} to {new_state.value!r}; legal: "
+                f"{sorted(s.value for s in LEGAL_MOVES[self.state]) or 'none (terminal)'}"
+            )
+        self.state = new_state
+
+
+def split_into_chunks(nbytes: int, chunk_bytes: int | None) -> list[Chunk]:
+    """Cut ``nbytes`` into chunks of ``chunk_bytes`` (None: one chunk, the whole-tensor baseline)."""
+    if nbytes <= 0:
+        return []
+    size = nbytes if chunk_bytes is None else chunk_bytes
+    count = math.ceil(nbytes / size)
+    return [Chunk(i, i * size, min(size, nbytes - i * size)) for i in range(count)]

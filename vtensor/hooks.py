@@ -1,0 +1,141 @@
+"""Torch glue: saved-tensor pack/unpack hooks and module boundary hooks. They only route events."""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from vtensor.errors import InPlaceModificationError
+from vtensor.store import ChunkStore, VTensor
+
+
+class HookTarget(Protocol):
+    """What the hooks report to (the session)."""
+
+    store: ChunkStore
+    step_index: int
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` may be virtualized."""
+        ...
+
+    def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
+        """A saved tensor was adopted into ``record``."""
+        ...
+
+    def before_unpack(self, record: VTensor) -> None:
+        """Backward is about to use ``record``: make room for it."""
+        ...
+
+    def after_unpack(self, record: VTensor) -> None:
+        """Backward has the bytes of ``record``."""
+        ...
+
+    def begin_step(self, name: str) -> None:
+        """A module boundary was crossed."""
+        ...
+
+
+class SavedHandle:
+    """What autograd holds instead of a saved tensor: the record and a detached alias.
+
+    The alias shares the saved tensor's version counter, so an in-place change after saving is
+    seen at unpack (the hooks switch off autograd's own check); it also rebuilds the exact view
+    (size, strides, offset) over the storage. Its death releases the record.
+    """
+
+    __slots__ = ("alias", "record", "store", "version")
+
+    def __init__(self, store: ChunkStore, record: VTensor, tensor: torch.Tensor) -> None:
+        self.store = store
+        self.record = record
+        self.alias = tensor.detach()
+        self.version = tensor._version
+        record.handles += 1
+
+    def __del__(self) -> None:
+        self.alias = None
+        self.store.drop_handle(self.record)
+
+
+def make_saved_tensor_hooks(
+    target: HookTarget,
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if not target.accepts(tensor):
+            return tensor
+        record = target.store.adopt(tensor.untyped_storage(), step=target.step_index)
+        if not record.fully_resident():
+            target.store.ensure_resident(record)
+        handle = SavedHandle(target.store, record, tensor)
+        target.on_pack(record, tensor)
+        return handle
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        handle: SavedHandle = packed
+        target.before_unpack(handle.record)
+        target.store.ensure_resident(handle.record)
+        alias = handle.alias
+        assert alias is not None
+        if alias._version != handle.version:
+            raise InPlaceModificationError(
+                f"a tensor of shape {tuple(alias.shape)} and dtype {alias.dtype} saved for "
+                f"backward was modified in place after it was saved (version {handle.version} "
+                f"at save, {alias._version} now). Autograd would compute a wrong gradient: "
+                "use the out-of-place op, or .clone() the tensor before modifying it."
+            )
+        target.after_unpack(handle.record)
+        # A fresh alias per unpack: while backward holds it, the storage's use count exceeds the
+        # store's own references, which pins the record against eviction until it is consumed.
+        return alias.detach()
+
+    return pack, unpack
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+
+
+def install_module_hooks(model: nn.Module, target: HookTarget) -> list[RemovableHandle]:
+    """Mark forward and backward step boundaries of every module of ``model``.
+
+    Forward boundaries come from forward pre-hooks. Backward boundaries come from pre-hooks on
+    the autograd nodes of module outputs, which leave the graph unchanged (full backward hooks
+    would wrap outputs and break modules that modify their input in place, such as
+    ``ReLU(inplace=True)``).
+    """
+    handles: list[RemovableHandle] = []
+    seen_nodes: set[int] = set()
+    for qualname, module in model.named_modules():
+        name = qualname or "model"
+
+        def pre(_module: nn.Module, _args: Any, name: str = name) -> None:
+            target.begin_step(f"forward:{name}")
+
+        def post(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
+            for tensor in _tensors_in(output):
+                node = tensor.grad_fn
+                if node is None or id(node) in seen_nodes:
+                    continue
+                seen_nodes.add(id(node))
+
+                def on_backward(_grads: Any, name: str = name) -> None:
+                    target.begin_step(f"backward:{name}")
+
+                node.register_prehook(on_backward)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    return handles

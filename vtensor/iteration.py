@@ -1,0 +1,248 @@
+"""One managed training iteration: routes hook events to the store and policy, keeps the books."""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vtensor.accounting import DeviceTracker
+from vtensor.policy import ReactivePolicy
+from vtensor.report import StepStats
+from vtensor.store import ChunkStore, StoreStats, VTensor
+from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
+
+logger = logging.getLogger(__name__)
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+MIN_BUDGET_MARGIN_BYTES = 64 * 1024
+
+
+@dataclass
+class _OpenStep:
+    index: int
+    name: str
+    started: float
+    live_start: int
+    peak: int
+    stats_at_start: StoreStats
+
+
+@dataclass
+class IterationBooks:
+    """What an iteration measured, for its report and trace."""
+
+    steps: list[StepStats] = field(default_factory=list)
+    trace_steps: list[TraceStep] = field(default_factory=list)
+    tensors: dict[int, VTensor] = field(default_factory=dict)
+    dtypes: dict[int, set[str]] = field(default_factory=dict)
+    unmanaged_saved_bytes: int = 0
+    peak_bytes: int = 0
+    min_budget_bytes: int = 0
+    min_budget_step: str = ""
+    violated: bool = False
+
+
+class Iteration:
+    """The hook target of one ``MemoryManager.step`` (see ``vtensor.hooks.HookTarget``)."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        policy: ReactivePolicy,
+        tracker: DeviceTracker,
+        device: torch.device,
+        protected_storages: set[int],
+        baseline_bytes: int,
+        min_tensor_bytes: int,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.tracker = tracker
+        self.device = device
+        self.protected = protected_storages
+        self.baseline_bytes = baseline_bytes
+        self.min_tensor_bytes = min_tensor_bytes
+        # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
+        self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
+        # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
+        # count the growth since entry on top of the tensors known to exist at entry.
+        self._absolute = device.type == "cuda"
+        self._entry_counter = tracker.current_bytes()
+        self.books = IterationBooks()
+        self.step_index = -1
+        self._open: _OpenStep | None = None
+        self._last_live = self.live_bytes()
+        self._backward_done_queued = False
+        self._prev_evictable = 0
+        self.begin_step("other:start")
+
+    # -- measurement --------------------------------------------------------------------------
+    def live_bytes(self) -> int:
+        """Tracked device bytes now."""
+        now = self.tracker.current_bytes()
+        return now if self._absolute else self.baseline_bytes + now - self._entry_counter
+
+    def _sample(self, live: int) -> None:
+        if live > self.policy.budget_bytes + self.overshoot_bytes:
+            # The budget broke before the policy could act (an op allocated more than the
+            # headroom): the iteration is infeasible at this budget as run.
+            self.books.violated = True
+            if live > self.books.min_budget_bytes:
+                self.books.min_budget_bytes = live + MIN_BUDGET_MARGIN_BYTES
+                self.books.min_budget_step = self._open.name if self._open else "start"
+        self.books.peak_bytes = max(self.books.peak_bytes, live)
+        if self._open is not None:
+            self._open.peak = max(self._open.peak, live)
+
+    # -- hook target --------------------------------------------------------------------------
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Plain dense tensors on the managed device, not parameters or buffers, not tiny."""
+        if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
+            return False
+        if tensor.device.type != self.device.type or tensor.is_quantized or tensor.is_nested:
+            return False
+        storage = tensor.untyped_storage()
+        if storage._cdata in self.protected:
+            return False
+        if storage.nbytes() < self.min_tensor_bytes or not storage.resizable():
+            self.books.unmanaged_saved_bytes += tensor.nbytes
+            return False
+        return True
+
+    def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
+        """Account a newly saved tensor and keep the budget."""
+        self.books.tensors.setdefault(record.vid, record)
+        self.books.dtypes.setdefault(record.vid, set()).add(str(tensor.dtype).replace("torch.", ""))
+        self.enforce()
+
+    def before_unpack(self, record: VTensor) -> None:
+        """Make room for the bytes of ``record`` that must come back."""
+        incoming = sum(c.nbytes for c in record.offloaded_chunks())
+        self.enforce(incoming_bytes=incoming, pinned=record)
+
+    def after_unpack(self, record: VTensor) -> None:
+        """Note the use and prefetch what backward needs next."""
+        if self.step_index not in record.uses:
+            record.uses.append(self.step_index)
+        live = self.live_bytes()
+        self._sample(live)
+        if self.policy.prefetch(live, record):
+            live = self.live_bytes()
+            self._sample(live)
+        self._last_live = live
+
+    def begin_step(self, name: str) -> None:
+        """Close the open step and open the next one."""
+        if self._open is not None and self._open.name == name:
+            return
+        if name.startswith("backward:") and not self._backward_done_queued:
+            # Mark the end of backward (optimizer work that follows is its own step).
+            self._backward_done_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self._close_step()
+        self.step_index += 1
+        live = self.live_bytes()
+        self._open = _OpenStep(
+            self.step_index, name, time.perf_counter(), live, live, _copy(self.store.stats)
+        )
+        self.enforce()
+
+    def _backward_done(self) -> None:
+        self._backward_done_queued = False
+        self.begin_step("other:after-backward")
+
+    # -- the budget ---------------------------------------------------------------------------
+    def enforce(self, incoming_bytes: int = 0, pinned: VTensor | None = None) -> None:
+        """Keep tracked device bytes (plus ``incoming_bytes`` about to arrive) under the budget.
+
+        ``pinned`` is the vTensor about to be used: it is neither evicted nor counted as
+        evictable.
+        """
+        self.store.reap()
+        live = self.live_bytes()
+        self._sample(live)
+        self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)
+        self.policy.enforce(live + incoming_bytes, pinned)
+        live = self.live_bytes()
+        if live + incoming_bytes > self.policy.high_watermark():
+            # Still no headroom for the next op: evict down to the watermark and wait for it.
+            self.store.reap(block=True)
+            self.policy.evict_down_to(
+                self.live_bytes() + incoming_bytes, self.policy.high_watermark(), pinned
+            )
+            self.store.reap(block=True)
+            live = self.live_bytes()
+        self._note_feasibility(live + incoming_bytes, pinned)
+        self._last_live = live
+
+    def _note_feasibility(self, need: int, pinned: VTensor | None) -> None:
+        evictable_now = sum(
+            self.store.evictable_bytes(r) for r in self.store.records.values() if r is not pinned
+        )
+        # Bytes that only became evictable at this point (inputs the op just finished with)
+        # could not have been evicted before the op allocated: only what was evictable at the
+        # previous point could have made room.
+        evictable = min(evictable_now, self._prev_evictable)
+        self._prev_evictable = evictable_now
+        # NOTE [minimum budget]: the floor is what could not be evicted at this point. The margin
+        # covers the noise of the heap counter (small non-tensor allocations) and the run-to-run
+        # differences in what happens to be resident at a point, so that retrying at the stated
+        # minimum works.
+        floor = need - evictable + MIN_BUDGET_MARGIN_BYTES + need // 100
+        if floor > self.books.min_budget_bytes:
+            self.books.min_budget_bytes = floor
+            self.books.min_budget_step = self._open.name if self._open else "start"
+        if need > self.policy.budget_bytes:
+            self.books.violated = True
+
+    # -- closing ------------------------------------------------------------------------------
+    def _close_step(self) -> None:
+        step = self._open
+        if step is None:
+            return
+        now = time.perf_counter()
+        stats, before = self.store.stats, step.stats_at_start
+        phase = Phase(step.name.split(":", 1)[0])
+        self.books.steps.append(
+            StepStats(
+                step.index,
+                step.name,
+                phase,
+                now - step.started,
+                step.peak,
+                stats.bytes_out - before.bytes_out,
+                stats.bytes_in - before.bytes_in,
+                stats.transfer_s - before.transfer_s,
+                stats.stall_s - before.stall_s,
+            )
+        )
+        self.books.trace_steps.append(
+            TraceStep(step.index, step.name, phase, now - step.started, step.live_start, step.peak)
+        )
+        self._open = None
+
+    def finish(self) -> None:
+        """Close the last step."""
+        self._close_step()
+
+    def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
+        """The iteration as a ``Trace``."""
+        tensors = tuple(
+            TraceTensor(r.vid, r.nbytes, tuple(sorted(self.books.dtypes[r.vid])), r.saved_step,
+                        tuple(r.uses))
+            for r in sorted(self.books.tensors.values(), key=lambda r: r.vid)
+        )
+        return Trace(
+            steps=tuple(self.books.trace_steps),
+            tensors=tensors,
+            unmanaged_saved_bytes=self.books.unmanaged_saved_bytes,
+            baseline_bytes=self.baseline_bytes,
+            budget_bytes=budget_bytes,
+            chunk_bytes=chunk_bytes,
+            device=self.device.type,
+        )
+
+
+def _copy(stats: StoreStats) -> StoreStats:
+    return StoreStats(stats.bytes_out, stats.bytes_in, stats.transfer_s, stats.stall_s)

@@ -1,0 +1,103 @@
+"""The reactive swap policy: evict the vTensors used farthest in the future, prefetch the nearest."""
+
+import logging
+from dataclasses import dataclass
+
+from vtensor.store import ChunkStore, VTensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Decision:
+    """What one enforcement point did: bytes scheduled out, bytes prefetched, whether it blocked."""
+
+    evicted_bytes: int = 0
+    prefetched_bytes: int = 0
+    blocked: bool = False
+
+
+def eviction_order(records: list[VTensor]) -> list[VTensor]:
+    """Farthest next use first: in a forward/backward iteration the oldest saved is used last."""
+    return sorted(records, key=lambda r: r.vid)
+
+
+def prefetch_order(records: list[VTensor], before_vid: int) -> list[VTensor]:
+    """Nearest next use first: backward consumes saved tensors in reverse order of saving."""
+    return sorted((r for r in records if r.vid < before_vid), key=lambda r: -r.vid)
+
+
+class ReactivePolicy:
+    """Keeps the tracked device bytes under a budget by evicting exactly the deficit.
+
+    NOTE [reactive watermarks]
+    Hooks only see a tensor after the op that made it has allocated it, so the policy keeps a
+    ``reserve`` of headroom: the largest growth of device bytes seen between two enforcement
+    points. Above ``budget - reserve`` it must free bytes before the next op and blocks on the
+    writes; above ``budget - 2 * reserve`` it starts writes early without waiting, so that the
+    copies overlap compute. Evictions cover the deficit rounded up to whole chunks (whole
+    tensors at tensor granularity), taken from the tail of the victims.
+    """
+
+    name = "reactive"
+
+    def __init__(self, store: ChunkStore, budget_bytes: int, prefetch_depth: int = 2) -> None:
+        self.store = store
+        self.budget_bytes = budget_bytes
+        self.reserve_bytes = 0
+        self.prefetch_depth = prefetch_depth
+
+    def high_watermark(self) -> int:
+        """Device bytes above which the next allocation could break the budget."""
+        return self.budget_bytes - self.reserve_bytes
+
+    def evict_down_to(
+        self, live_bytes: int, target_bytes: int, pinned: VTensor | None = None
+    ) -> int:
+        """Schedule evictions so that ``live_bytes`` falls to ``target_bytes``; returns bytes."""
+        in_flight_out = sum(
+            sum(c.nbytes for c in r.pending.chunks)
+            for r in self.store.in_flight()
+            if r.pending is not None and r.pending.outgoing
+        )
+        deficit = live_bytes - in_flight_out - target_bytes
+        scheduled = 0
+        for record in eviction_order(list(self.store.records.values())):
+            if deficit - scheduled <= 0:
+                break
+            if record is pinned:
+                continue
+            available = self.store.evictable_bytes(record)
+            if available == 0:
+                continue
+            want = available if self.store.chunk_bytes is None else deficit - scheduled
+            scheduled += self.store.evict(record, min(want, available))
+        return scheduled
+
+    def enforce(self, live_bytes: int, pinned: VTensor | None = None) -> Decision:
+        """Start evictions above the early watermark; wait for writes above the high one.
+
+        The caller measures the device bytes again afterwards.
+        """
+        decision = Decision()
+        high = self.high_watermark()
+        early = high - self.reserve_bytes
+        if live_bytes > early:
+            decision.evicted_bytes = self.evict_down_to(live_bytes, max(early, 0), pinned)
+        if live_bytes > high and self.store.in_flight():
+            self.store.reap(block=True)
+            decision.blocked = True
+        return decision
+
+    def prefetch(self, live_bytes: int, current: VTensor) -> int:
+        """Start restoring the vTensors backward will use next, as far as headroom allows."""
+        headroom = self.high_watermark() - self.reserve_bytes - live_bytes
+        started = 0
+        candidates = [r for r in self.store.records.values() if r.offloaded_chunks()]
+        for record in prefetch_order(candidates, current.vid)[: self.prefetch_depth]:
+            need = sum(c.nbytes for c in record.offloaded_chunks())
+            if record.pending is not None or need > headroom - started:
+                break
+            self.store.restore(record)
+            started += need
+        return started

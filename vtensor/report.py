@@ -1,0 +1,84 @@
+"""Typed statistics of a managed iteration, per step and in total."""
+
+from dataclasses import dataclass
+
+from vtensor.trace import Phase
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What happened during one step.
+
+    Attributes:
+        index: position in execution order.
+        name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
+        phase: forward, backward or other.
+        duration_s: wall time of the step.
+        peak_device_bytes: largest tracked device bytes sampled during the step.
+        bytes_out: bytes whose eviction completed during the step.
+        bytes_in: bytes whose restore completed during the step.
+        transfer_s: time the transfers completed in this step spent copying.
+        stall_s: time compute waited on transfers during the step.
+    """
+
+    index: int
+    name: str
+    phase: Phase
+    duration_s: float
+    peak_device_bytes: int
+    bytes_out: int
+    bytes_in: int
+    transfer_s: float
+    stall_s: float
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    """Statistics of one iteration run under ``MemoryManager.step``.
+
+    Attributes:
+        iteration: 0 for the first managed iteration.
+        policy: the swap policy used ("reactive").
+        granularity: "chunk" or "tensor".
+        plan_source: where the swap decisions came from ("profiled": this process's own
+            profiling of the model; "cached" once a stored plan was loaded).
+        device: "cpu" or "cuda".
+        budget_bytes: the budget.
+        chunk_bytes: chunk size (None at tensor granularity).
+        peak_device_bytes: tracked peak (allocator statistics: glibc mallinfo2 on CPU,
+            ``torch.cuda.memory_allocated`` on CUDA), sampled at every hook point.
+        peak_independent_bytes: independent peak: on CPU, baseline + growth of the process's
+            peak RSS (VmHWM) over the iteration; on CUDA, ``torch.cuda.max_memory_allocated``.
+            None when it could not be measured.
+        independent_kind: how the independent figure was measured.
+        min_budget_bytes: the smallest budget that would have worked for this iteration.
+        bytes_out: bytes moved to the slower tier.
+        bytes_in: bytes moved back.
+        transfer_s: time spent copying.
+        stall_s: time compute waited on transfers.
+        wall_s: wall time of the iteration.
+        steps: per-step statistics.
+    """
+
+    iteration: int
+    policy: str
+    granularity: str
+    plan_source: str
+    device: str
+    budget_bytes: int
+    chunk_bytes: int | None
+    peak_device_bytes: int
+    peak_independent_bytes: int | None
+    independent_kind: str
+    min_budget_bytes: int
+    bytes_out: int
+    bytes_in: int
+    transfer_s: float
+    stall_s: float
+    wall_s: float
+    steps: tuple[StepStats, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes moved in both directions."""
+        return self.bytes_out + self.bytes_in

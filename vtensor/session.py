@@ -1,0 +1,315 @@
+"""The public memory manager: one context manager per training iteration under a budget."""
+
+import gc
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from enum import StrEnum
+from os import PathLike
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from vtensor.accounting import RssMeter, make_device_tracker
+from vtensor.budget import format_bytes, parse_bytes
+from vtensor.chunk import DEFAULT_CHUNK_BYTES
+from vtensor.errors import InfeasibleBudgetError, VTensorError
+from vtensor.hooks import install_module_hooks, make_saved_tensor_hooks
+from vtensor.iteration import Iteration
+from vtensor.policy import ReactivePolicy
+from vtensor.report import IterationReport
+from vtensor.store import ChunkStore
+from vtensor.tiers import HostTier, StorageTier
+from vtensor.trace import Trace
+from vtensor.transfer import CudaTransferEngine, FileTransferEngine, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+class Granularity(StrEnum):
+    """Unit of swapping."""
+
+    CHUNK = "chunk"  # fixed-size chunks: move exactly what the budget demands
+    TENSOR = "tensor"  # whole saved tensors: the prior-work baseline
+
+
+class MemoryManager:
+    """Trains any ``nn.Module`` under a hard memory budget by swapping chunks of saved activations.
+
+    Usage::
+
+        mm = vtensor.MemoryManager(budget="256MiB")
+        with mm.step(model):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        optimizer.step()
+        print(mm.report())
+
+    Args:
+        budget: device-tier bytes, as an int or a string such as ``"256MiB"`` or ``"1.5GB"``.
+        chunk_bytes: chunk size (default 1 MiB, see NOTE [default chunk size]).
+        storage_dir: directory of the swap file (CPU); default: the system temporary directory.
+        granularity: ``"chunk"`` or ``"tensor"`` (whole tensors, the prior-work baseline).
+        device: the managed device; default: the device of the model's first parameter.
+        min_tensor_bytes: saved tensors smaller than this stay resident (not worth a transfer).
+        prefetch_depth: how many saved tensors backward prefetches ahead.
+        drop_page_cache: flush and drop swap-file pages from the page cache after each transfer,
+            so swapped-out bytes really leave RAM.
+        host_capacity_bytes: bound of the pinned host tier (CUDA).
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str,
+        *,
+        chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+        storage_dir: str | PathLike[str] | None = None,
+        granularity: str = "chunk",
+        device: str | torch.device | None = None,
+        min_tensor_bytes: int = 4096,
+        prefetch_depth: int = 2,
+        drop_page_cache: bool = True,
+        host_capacity_bytes: int | None = None,
+    ) -> None:
+        self.budget_bytes = parse_bytes(budget)
+        self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
+        try:
+            self.granularity = Granularity(granularity)
+        except ValueError:
+            raise VTensorError(
+                f"granularity={granularity!r} is not one of {[g.value for g in Granularity]}"
+            ) from None
+        self.storage_dir = storage_dir
+        self.device = torch.device(device) if device is not None else None
+        self.min_tensor_bytes = min_tensor_bytes
+        self.prefetch_depth = prefetch_depth
+        self.drop_page_cache = drop_page_cache
+        self.host_capacity_bytes = host_capacity_bytes
+        self._store: ChunkStore | None = None
+        self._policy: ReactivePolicy | None = None
+        self._rss: RssMeter | None = None
+        self._reports: list[IterationReport] = []
+        self._trace: Trace | None = None
+        self._active = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> "MemoryManager":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for transfers, free every chunk and delete the swap file."""
+        if self._store is not None:
+            self._store.close()
+            self._store.engine.close()
+            self._store = None
+        if self._rss is not None:
+            self._rss.close()
+            self._rss = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing more can be done
+            pass
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Bytes per chunk, or None at tensor granularity."""
+        return None if self.granularity is Granularity.TENSOR else self.chunk_bytes
+
+    def _ensure_started(self, device: torch.device) -> tuple[ChunkStore, ReactivePolicy]:
+        if self._store is not None and self._policy is not None:
+            return self._store, self._policy
+        engine: TransferEngine
+        if device.type == "cuda":
+            engine = CudaTransferEngine(device, HostTier(self.host_capacity_bytes))
+        elif device.type == "cpu":
+            engine = FileTransferEngine(StorageTier(self.storage_dir, self.drop_page_cache))
+        else:
+            raise VTensorError(f"device {device} is not supported; use a cpu or cuda device")
+        self._store = ChunkStore(engine, self.chunk_size)
+        self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
+        return self._store, self._policy
+
+    # -- one iteration ------------------------------------------------------------------------
+    @contextmanager
+    def step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> Iterator[None]:
+        """Manage one training iteration (forward and backward) of ``model`` under the budget.
+
+        Args:
+            model: the module being trained; its parameters and buffers are never swapped here.
+            optimizer: its state counts toward the budget when given.
+            inputs: tensors made before the step (the batch) that count toward the budget on CPU.
+
+        Raises:
+            InfeasibleBudgetError: the budget cannot be met; the error states the smallest
+                budget that would have worked (raised when the block exits, after backward).
+        """
+        if self._active:
+            raise VTensorError("MemoryManager.step is already active; steps cannot nest")
+        device = self.device or _device_of(model)
+        store, policy = self._ensure_started(device)
+        protected = _storages_of(model, optimizer)
+        baseline = _baseline_bytes(model, optimizer, inputs, device)
+        if baseline > self.budget_bytes:
+            raise InfeasibleBudgetError(
+                self.budget_bytes, baseline, "start",
+                f"parameters, gradients, optimizer state and inputs alone take "
+                f"{format_bytes(baseline)} before any activation is saved",
+            )
+        if self._rss is None and device.type == "cpu":
+            self._rss = RssMeter()
+        # NOTE [quiet heap]: on CPU the tracker reads the process-wide heap counter, so garbage
+        # of earlier code freed by the cycle collector mid-step would look like the step
+        # freeing memory. Collect it now and hold the collector until the step ends.
+        gc_was_enabled = gc.isenabled()
+        if device.type == "cpu":
+            gc.collect()
+            gc.disable()
+        rss_start = self._start_independent(device)
+        iteration = Iteration(
+            store, policy, make_device_tracker(device), device, protected, baseline,
+            self.min_tensor_bytes,
+        )
+        pack, unpack = make_saved_tensor_hooks(iteration)
+        module_hooks = install_module_hooks(model, iteration)
+        started = time.perf_counter()
+        stats_before = _snapshot(store)
+        self._active = True
+        failed = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+            failed = False
+        finally:
+            self._active = False
+            if gc_was_enabled:
+                gc.enable()
+            for hook in module_hooks:
+                hook.remove()
+            iteration.finish()
+            store.reap()
+            if not failed:
+                self._record(iteration, device, started, stats_before, rss_start)
+        books = iteration.books
+        if books.violated:
+            raise InfeasibleBudgetError(self.budget_bytes, books.min_budget_bytes,
+                                        books.min_budget_step)
+
+    def _start_independent(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return 0
+        assert self._rss is not None
+        self._rss.reset_peak()
+        return self._rss.current_rss_bytes()
+
+    def _independent_peak(self, device: torch.device, baseline: int, rss_start: int) -> int:
+        if device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(device))
+        assert self._rss is not None
+        return baseline + max(0, self._rss.peak_rss_bytes() - rss_start)
+
+    def _record(
+        self, iteration: Iteration, device: torch.device, started: float,
+        before: tuple[int, int, float, float], rss_start: int,
+    ) -> None:
+        assert self._store is not None and self._policy is not None
+        stats = self._store.stats
+        books = iteration.books
+        report = IterationReport(
+            iteration=len(self._reports),
+            policy=self._policy.name,
+            granularity=self.granularity.value,
+            plan_source="profiled",
+            device=device.type,
+            budget_bytes=self.budget_bytes,
+            chunk_bytes=self.chunk_size,
+            peak_device_bytes=books.peak_bytes,
+            peak_independent_bytes=self._independent_peak(device, iteration.baseline_bytes,
+                                                          rss_start),
+            independent_kind="cuda-max-allocated" if device.type == "cuda" else "rss-vmhwm",
+            min_budget_bytes=books.min_budget_bytes,
+            bytes_out=stats.bytes_out - before[0],
+            bytes_in=stats.bytes_in - before[1],
+            transfer_s=stats.transfer_s - before[2],
+            stall_s=stats.stall_s - before[3],
+            wall_s=time.perf_counter() - started,
+            steps=tuple(books.steps),
+        )
+        self._reports.append(report)
+        if self._trace is None:
+            self._trace = iteration.trace(self.budget_bytes, self.chunk_size)
+        logger.debug("iteration %d: peak %s of %s, out %s, in %s", report.iteration,
+                     format_bytes(report.peak_device_bytes), format_bytes(self.budget_bytes),
+                     format_bytes(report.bytes_out), format_bytes(report.bytes_in))
+
+    # -- results ------------------------------------------------------------------------------
+    def report(self) -> IterationReport:
+        """Statistics of the last completed iteration."""
+        if not self._reports:
+            raise VTensorError("no iteration has completed under this MemoryManager yet")
+        return self._reports[-1]
+
+    @property
+    def reports(self) -> tuple[IterationReport, ...]:
+        """Statistics of every completed iteration, in order."""
+        return tuple(self._reports)
+
+    @property
+    def trace(self) -> Trace | None:
+        """The trace of the first (profiled) iteration."""
+        return self._trace
+
+
+def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:
+    s = store.stats
+    return s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _state_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[torch.Tensor]:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _storages_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+    return {t.untyped_storage()._cdata for t in _state_tensors(model, optimizer)}
+
+
+def _baseline_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    inputs: Sequence[torch.Tensor], device: torch.device,
+) -> int:
+    seen: dict[int, int] = {}
+    for tensor in [*_state_tensors(model, optimizer), *inputs]:
+        if tensor.device.type == device.type:
+            storage = tensor.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,267 @@
+"""Where each vTensor chunk lives: adoption of saved storages, evictions, restores, frees."""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vtensor.chunk import Chunk, ChunkState, split_into_chunks
+from vtensor.errors import VTensorError
+from vtensor.transfer import Transfer, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+_RESIDENT = (ChunkState.DEVICE, ChunkState.EVICTING, ChunkState.RESTORING)
+
+
+@dataclass
+class Pending:
+    """A transfer in flight for some chunks of one vTensor."""
+
+    transfer: Transfer
+    chunks: list[Chunk]
+    outgoing: bool
+
+
+@dataclass(eq=False)
+class VTensor:
+    """One saved storage, virtualized into chunks. Views of it share this one record.
+
+    Attributes:
+        vid: identity within the session, in pack order.
+        storage: the storage; its size is the resident prefix of the chunks.
+        nbytes: full size of the storage.
+        chunks: its chunks; the resident ones always form a prefix (eviction takes the tail).
+        saved_step: step index at which it was first packed.
+        handles: live pack handles (autograd's references to it).
+    """
+
+    vid: int
+    storage: torch.UntypedStorage | None
+    nbytes: int
+    chunks: list[Chunk]
+    saved_step: int
+    handles: int = 0
+    pending: Pending | None = None
+    dead: bool = False
+    uses: list[int] = field(default_factory=list)
+
+    def device_chunks(self) -> list[Chunk]:
+        """Chunks resident and idle on the device."""
+        return [c for c in self.chunks if c.state == ChunkState.DEVICE]
+
+    def offloaded_chunks(self) -> list[Chunk]:
+        """Chunks held by a slower tier."""
+        return [c for c in self.chunks if c.state in (ChunkState.HOST, ChunkState.STORAGE)]
+
+    def fully_resident(self) -> bool:
+        """True when every chunk is on the device and idle."""
+        return all(c.state == ChunkState.DEVICE for c in self.chunks)
+
+
+@dataclass
+class StoreStats:
+    """Transfer counters, accumulated until read and reset by the session."""
+
+    bytes_out: int = 0
+    bytes_in: int = 0
+    transfer_s: float = 0.0
+    stall_s: float = 0.0
+
+
+class ChunkStore:
+    """Owns the vTensors of a session and carries out the moves a policy asks for."""
+
+    def __init__(self, engine: TransferEngine, chunk_bytes: int | None) -> None:
+        self.engine = engine
+        self.chunk_bytes = chunk_bytes
+        self.records: dict[int, VTensor] = {}
+        self._by_storage: dict[int, VTensor] = {}
+        self._next_vid = 0
+        self._owner = threading.get_ident()
+        self._deferred: list[VTensor] = []  # died on another thread or with a transfer in flight
+        self._lock = threading.Lock()
+        self.stats = StoreStats()
+
+    # -- adoption and death -------------------------------------------------------------------
+    def adopt(self, storage: torch.UntypedStorage, step: int) -> VTensor:
+        """The record of ``storage``, created on first sight (views and aliases share one)."""
+        record = self._by_storage.get(storage._cdata)
+        if record is not None and not record.dead:
+            return record
+        record = VTensor(
+            self._next_vid, storage, storage.nbytes(), split_into_chunks(storage.nbytes(),
+                                                                         self.chunk_bytes), step
+        )
+        self._next_vid += 1
+        self.records[record.vid] = record
+        # Keyed by the StorageImpl address: safe because the record holds the storage, so the
+        # address cannot be recycled while the key exists.
+        self._by_storage[storage._cdata] = record
+        return record
+
+    def drop_handle(self, record: VTensor) -> None:
+        """Called when autograd releases one handle; frees the record with its last handle."""
+        record.handles -= 1
+        if record.handles > 0:
+            return
+        if threading.get_ident() != self._owner or record.pending is not None:
+            with self._lock:
+                self._deferred.append(record)
+            return
+        self._free(record)
+
+    def _free(self, record: VTensor) -> None:
+        if record.dead:
+            return
+        record.dead = True
+        self.engine.release([c for c in record.chunks if c.slot is not None])
+        for chunk in record.chunks:
+            if chunk.state in (ChunkState.DEVICE, ChunkState.HOST, ChunkState.STORAGE):
+                chunk.move(ChunkState.FREED)
+        if record.storage is not None:
+            self._by_storage.pop(record.storage._cdata, None)
+        record.storage = None
+        self.records.pop(record.vid, None)
+
+    def collect(self) -> None:
+        """Free records that died on another thread or while a transfer was in flight."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for record in deferred:
+            if record.pending is not None:
+                self._finish(record)
+            self._free(record)
+
+    # -- queries ------------------------------------------------------------------------------
+    def own_references(self, record: VTensor) -> int:
+        """References to the storage held by this store: the record and one alias per handle."""
+        return 1 + record.handles
+
+    def evictable(self, record: VTensor) -> bool:
+        """True when no one but the store references the storage and nothing is in flight."""
+        if record.dead or record.pending is not None or record.storage is None:
+            return False
+        if not record.device_chunks():
+            return False
+        # +1: the temporary reference of this call's own ``_cdata`` lookup is not counted, but
+        # the record's Python storage object is.
+        return bool(torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(record))
+
+    def evictable_bytes(self, record: VTensor) -> int:
+        """Device bytes of ``record`` that an eviction could release now."""
+        return sum(c.nbytes for c in record.device_chunks()) if self.evictable(record) else 0
+
+    def device_bytes(self) -> int:
+        """Bytes the managed storages occupy on the device now."""
+        return sum(r.storage.nbytes() for r in self.records.values() if r.storage is not None)
+
+    def in_flight(self) -> list[VTensor]:
+        """Records with a transfer in flight."""
+        return [r for r in self.records.values() if r.pending is not None]
+
+    # -- moves --------------------------------------------------------------------------------
+    def evict(self, record: VTensor, nbytes: int) -> int:
+        """Start evicting tail chunks of ``record`` covering at least ``nbytes``; returns bytes."""
+        tail: list[Chunk] = []
+        covered = 0
+        for chunk in reversed(record.device_chunks()):
+            if covered >= nbytes:
+                break
+            tail.append(chunk)
+            covered += chunk.nbytes
+        if not tail:
+            return 0
+        tail.reverse()
+        for chunk in tail:
+            chunk.move(ChunkState.EVICTING)
+        assert record.storage is not None
+        record.pending = Pending(self.engine.evict(record.storage, tail), tail, outgoing=True)
+        return covered
+
+    def restore(self, record: VTensor) -> None:
+        """Start bringing every offloaded chunk of ``record`` back to the device."""
+        chunks = record.offloaded_chunks()
+        if not chunks or record.pending is not None:
+            return
+        assert record.storage is not None
+        record.storage.resize_(record.nbytes)
+        for chunk in chunks:
+            chunk.move(ChunkState.RESTORING)
+        record.pending = Pending(self.engine.restore(record.storage, chunks), chunks, False)
+
+    def reap(self, *, block: bool = False) -> None:
+        """Complete finished transfers (all in-flight ones when ``block``)."""
+        for record in self.in_flight():
+            if block or record.pending is not None and record.pending.transfer.done():
+                self._finish(record)
+        self.collect()
+
+    def ensure_resident(self, record: VTensor) -> None:
+        """Make every chunk of ``record`` valid on the device, waiting on transfers if needed."""
+        if record.pending is not None and record.pending.outgoing:
+            self._finish(record, cancel=True)
+        if record.offloaded_chunks():
+            self.restore(record)
+        if record.pending is not None:
+            self._finish(record)
+
+    def _finish(self, record: VTensor, *, cancel: bool = False) -> None:
+        pending = record.pending
+        assert pending is not None
+        begin = time.perf_counter()
+        already_done = pending.transfer.done()
+        try:
+            pending.transfer.wait()
+        except Exception:
+            self._rollback(record, pending)
+            raise
+        finally:
+            if not already_done:  # compute waited on this transfer
+                self.stats.stall_s += time.perf_counter() - begin
+        record.pending = None
+        self.stats.transfer_s += pending.transfer.busy_s()
+        if not pending.outgoing:
+            for chunk in pending.chunks:
+                chunk.move(ChunkState.DEVICE)
+            self.engine.release(pending.chunks)
+            self.stats.bytes_in += pending.transfer.nbytes
+            return
+        assert record.storage is not None
+        still_ours = torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(record)
+        if cancel or record.dead or not still_ours:
+            self._rollback(record, pending)
+            return
+        for chunk in pending.chunks:
+            chunk.move(self._offloaded_state())
+        record.storage.resize_(pending.chunks[0].offset_bytes)
+        self.stats.bytes_out += pending.transfer.nbytes
+
+    def _rollback(self, record: VTensor, pending: Pending) -> None:
+        record.pending = None
+        if pending.outgoing:
+            for chunk in pending.chunks:
+                chunk.move(ChunkState.DEVICE)
+            self.engine.release(pending.chunks)
+        else:
+            raise VTensorError(
+                f"restoring vTensor {record.vid} failed; its swapped bytes are unrecoverable"
+            )
+
+    def _offloaded_state(self) -> ChunkState:
+        from vtensor.transfer import CudaTransferEngine
+
+        return ChunkState.HOST if isinstance(self.engine, CudaTransferEngine) else ChunkState.STORAGE
+
+    def close(self) -> None:
+        """Wait for transfers and drop every record."""
+        for record in list(self.records.values()):
+            if record.pending is not None:
+                try:
+                    self._finish(record)
+                except Exception:  # closing anyway: the error was already raised once
+                    logger.debug("transfer failed during close", exc_info=True)
+            self._free(record)
+        self._deferred.clear()

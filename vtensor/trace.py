@@ -1,0 +1,108 @@
+"""One profiled iteration as plain data: steps, saved tensors, durations, the live-bytes curve."""
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+TRACE_SCHEMA_VERSION = 1
+
+
+class Phase(StrEnum):
+    """Which pass a step belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OTHER = "other"  # after backward until the end of the managed iteration (optimizer, logging)
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One layer of the Layered Graph Model: the execution between two module boundaries.
+
+    Attributes:
+        index: position in execution order.
+        name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
+        phase: forward, backward or other.
+        duration_s: measured wall time of the step.
+        live_bytes_start: tracked device bytes when the step began.
+        peak_live_bytes: largest tracked device bytes sampled during the step.
+    """
+
+    index: int
+    name: str
+    phase: Phase
+    duration_s: float
+    live_bytes_start: int
+    peak_live_bytes: int
+
+
+@dataclass(frozen=True)
+class TraceTensor:
+    """One saved storage (all the views autograd saved of it).
+
+    Attributes:
+        vid: identity, in order of first save.
+        nbytes: size of its storage.
+        dtypes: dtypes of the views saved of it.
+        saved_step: step index of the first save.
+        use_steps: step indices at which backward unpacked it, in order.
+    """
+
+    vid: int
+    nbytes: int
+    dtypes: tuple[str, ...]
+    saved_step: int
+    use_steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A profiled iteration, the input of the planner.
+
+    Attributes:
+        steps: the steps in execution order.
+        tensors: the saved storages the manager could move.
+        unmanaged_saved_bytes: bytes saved for backward that stay resident (parameters, tiny).
+        baseline_bytes: tracked device bytes at the start (parameters, gradients, state, inputs).
+        budget_bytes: the budget the iteration ran under.
+        chunk_bytes: chunk size (None: whole tensors).
+        device: device type, "cpu" or "cuda".
+        schema_version: bumped when fields change meaning.
+    """
+
+    steps: tuple[TraceStep, ...]
+    tensors: tuple[TraceTensor, ...]
+    unmanaged_saved_bytes: int
+    baseline_bytes: int
+    budget_bytes: int
+    chunk_bytes: int | None
+    device: str
+    schema_version: int = TRACE_SCHEMA_VERSION
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def live_curve(self) -> list[tuple[int, int]]:
+        """(step index, peak tracked device bytes) per step."""
+        return [(s.index, s.peak_live_bytes) for s in self.steps]
+
+    def to_json(self) -> str:
+        """Serialize to JSON text."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        """Parse the output of :meth:`to_json`."""
+        raw: dict[str, Any] = json.loads(text)
+        if raw.get("schema_version") != TRACE_SCHEMA_VERSION:
+            raise ValueError(
+                f"trace schema_version {raw.get('schema_version')!r} is not "
+                f"{TRACE_SCHEMA_VERSION}; re-profile the model"
+            )
+        steps = tuple(
+            TraceStep(**{**s, "phase": Phase(s["phase"])}) for s in raw.pop("steps")
+        )
+        tensors = tuple(
+            TraceTensor(**{**t, "dtypes": tuple(t["dtypes"]), "use_steps": tuple(t["use_steps"])})
+            for t in raw.pop("tensors")
+        )
+        return cls(steps=steps, tensors=tensors, **raw)

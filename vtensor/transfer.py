@@ -1,0 +1,212 @@
+"""Asynchronous transfer engines: a background thread for file I/O, a side stream for CUDA."""
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from vtensor.chunk import Chunk
+from vtensor.tiers import HostTier, StorageTier
+
+
+class Transfer(Protocol):
+    """A copy in flight. ``wait`` makes its result visible to the compute that follows."""
+
+    nbytes: int
+
+    def done(self) -> bool:
+        """True once the copy has finished (successfully or not)."""
+        ...
+
+    def wait(self) -> None:
+        """Block (or make the compute stream wait) until the copy is complete; re-raise failures."""
+        ...
+
+    def busy_s(self) -> float:
+        """Seconds the transfer itself took (valid once done)."""
+        ...
+
+
+@dataclass
+class ThreadTransfer:
+    """A file transfer running on the engine's I/O thread."""
+
+    future: concurrent.futures.Future[float]
+    nbytes: int
+
+    def done(self) -> bool:  # noqa: D102
+        return self.future.done()
+
+    def wait(self) -> None:  # noqa: D102
+        self.future.result()
+
+    def busy_s(self) -> float:  # noqa: D102
+        return self.future.result() if self.future.done() else 0.0
+
+
+@dataclass
+class CudaTransfer:
+    """A copy on the side stream, fenced by events; holds its operands until complete."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    nbytes: int
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+
+    def done(self) -> bool:  # noqa: D102
+        finished = bool(self.end.query())
+        if finished:
+            self.keepalive.clear()
+        return finished
+
+    def wait(self) -> None:  # noqa: D102
+        # Wait-on-use without blocking the host: the compute stream waits for the side stream.
+        torch.cuda.current_stream().wait_event(self.end)
+
+    def busy_s(self) -> float:  # noqa: D102
+        return float(self.start.elapsed_time(self.end)) / 1000.0 if self.done() else 0.0
+
+
+class TransferEngine(Protocol):
+    """Moves chunk bytes between a storage's memory and a slower tier."""
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
+        """Start copying ``chunks`` of ``storage`` out; assigns each chunk a slot."""
+        ...
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
+        """Start copying ``chunks`` back into ``storage`` (already at full size)."""
+        ...
+
+    def release(self, chunks: Sequence[Chunk]) -> None:
+        """Free the slots of chunks whose transfers have completed."""
+        ...
+
+    def close(self) -> None:
+        """Wait for outstanding work and release the tier."""
+        ...
+
+
+class FileTransferEngine:
+    """Storage-tier transfers on one background thread (raw syscalls release the GIL)."""
+
+    def __init__(self, tier: StorageTier) -> None:
+        self.tier = tier
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
+
+    def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
+        def timed() -> float:
+            begin = time.perf_counter()
+            job()
+            return time.perf_counter() - begin
+
+        return ThreadTransfer(self._pool.submit(timed), nbytes)
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        base = storage.data_ptr()
+        plan = []
+        for chunk in chunks:
+            chunk.slot = self.tier.extents.alloc(chunk.nbytes)
+            plan.append((chunk.slot, base + chunk.offset_bytes, chunk.nbytes))
+
+        def job() -> None:
+            for slot, address, nbytes in plan:
+                self.tier.write(slot, address, nbytes)
+            for i, (slot, _, nbytes) in enumerate(plan):
+                self.tier.release_cache(slot, nbytes, dirty=i == 0)
+
+        return self._submit(job, sum(c.nbytes for c in chunks))
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        base = storage.data_ptr()
+        plan = [(chunk.slot, base + chunk.offset_bytes, chunk.nbytes) for chunk in chunks]
+
+        def job() -> None:
+            for slot, address, nbytes in plan:
+                assert slot is not None, "restoring a chunk that has no slot"
+                self.tier.read(slot, address, nbytes)
+                self.tier.release_cache(slot, nbytes, dirty=False)
+
+        return self._submit(job, sum(c.nbytes for c in chunks))
+
+    def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
+        for chunk in chunks:
+            if chunk.slot is not None:
+                self.tier.extents.free(chunk.slot, chunk.nbytes)
+                chunk.slot = None
+
+    def close(self) -> None:  # noqa: D102
+        self._pool.shutdown(wait=True)
+        self.tier.close()
+
+
+class CudaTransferEngine:
+    """Host-tier transfers on a side CUDA stream into a pool of pinned buffers.
+
+    NOTE [cuda transfers]
+    Copies are ordered after the compute stream's pending work (``wait_stream``), fenced by an
+    event, and the operands are held by the transfer until its event has completed, instead of
+    ``record_stream``, whose deferred frees make allocation non-deterministic. A restore waits on
+    the compute stream (``wait_event``), so an unpack never sees partial data and the host never
+    blocks.
+    """
+
+    def __init__(self, device: torch.device, tier: HostTier) -> None:
+        self.device = device
+        self.tier = tier
+        self.stream = torch.cuda.Stream(device)
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._next_slot = 0
+        self._retiring: list[tuple[CudaTransfer, list[torch.Tensor]]] = []
+
+    def _bytes_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+
+    def _copy(
+        self, storage: torch.UntypedStorage, chunks: Sequence[Chunk], out: bool
+    ) -> CudaTransfer:
+        flat = self._bytes_of(storage)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        keep = [flat]
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            for chunk in chunks:
+                window = flat[chunk.offset_bytes : chunk.offset_bytes + chunk.nbytes]
+                if out:
+                    buffer = self.tier.take(chunk.nbytes)
+                    chunk.slot = self._next_slot
+                    self._next_slot += 1
+                    self._buffers[chunk.slot] = buffer
+                    buffer.copy_(window, non_blocking=True)
+                else:
+                    assert chunk.slot is not None, "restoring a chunk that has no slot"
+                    buffer = self._buffers[chunk.slot]
+                    window.copy_(buffer, non_blocking=True)
+                keep.append(buffer)
+            end.record(self.stream)
+        return CudaTransfer(start, end, sum(c.nbytes for c in chunks), keep)
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        return self._copy(storage, chunks, out=True)
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        return self._copy(storage, chunks, out=False)
+
+    def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
+        for chunk in chunks:
+            if chunk.slot is not None:
+                # The copy back was fenced before release is called (the chunk is DEVICE), so the
+                # pinned buffer may be reused once the side stream has passed it.
+                self.stream.synchronize()
+                self.tier.give_back(self._buffers.pop(chunk.slot))
+                chunk.slot = None
+
+    def close(self) -> None:  # noqa: D102
+        self.stream.synchronize()
+        self._buffers.clear()
+        self.tier.close()
