@@ -44,8 +44,9 @@ def parse_bytes(value: int | float | str, *, what: str = "budget") -> int:
         nbytes = value
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise BudgetFormatError(f"{what}={value!r} is not a whole number of bytes; "
-                                    f"expected {ACCEPTED_FORMS}")
+            raise BudgetFormatError(
+                f"{what}={value!r} is not a whole number of bytes; expected {ACCEPTED_FORMS}"
+            )
         nbytes = int(value)
     elif isinstance(value, str):
         match = _PATTERN.match(value)

@@ -72,7 +72,7 @@ class Chunk:
 
 
 def split_into_chunks(nbytes: int, chunk_bytes: int | None) -> list[Chunk]:
-    """Cut ``nbytes`` into chunks of ``chunk_bytes`` (None: one chunk, the whole-tensor baseline)."""
+    """Cut ``nbytes`` into chunks of ``chunk_bytes`` (None: one chunk, the whole tensor)."""
     if nbytes <= 0:
         return []
     size = nbytes if chunk_bytes is None else chunk_bytes

@@ -18,12 +18,15 @@ class InfeasibleBudgetError(VTensorError):
         step: name of the step that dominates the minimum.
     """
 
-    def __init__(self, budget_bytes: int, min_budget_bytes: int, step: str, detail: str = "") -> None:
+    def __init__(
+        self, budget_bytes: int, min_budget_bytes: int, step: str, detail: str = ""
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.step = step
         msg = (
-            f"memory budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB) cannot be met: "
+            f"memory budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB) "
+            "cannot be met: "
             f"step {step!r} needs at least {min_budget_bytes} bytes "
             f"({min_budget_bytes / 2**20:.1f} MiB) with everything evictable swapped out. "
             f"Raise the budget to at least {min_budget_bytes} bytes, or lower the batch size."

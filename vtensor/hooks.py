@@ -51,7 +51,7 @@ class SavedHandle:
     def __init__(self, store: ChunkStore, record: VTensor, tensor: torch.Tensor) -> None:
         self.store = store
         self.record = record
-        self.alias = tensor.detach()
+        self.alias: torch.Tensor | None = tensor.detach()
         self.version = tensor._version
         record.handles += 1
 

@@ -229,8 +229,13 @@ class Iteration:
     def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
         """The iteration as a ``Trace``."""
         tensors = tuple(
-            TraceTensor(r.vid, r.nbytes, tuple(sorted(self.books.dtypes[r.vid])), r.saved_step,
-                        tuple(r.uses))
+            TraceTensor(
+                r.vid,
+                r.nbytes,
+                tuple(sorted(self.books.dtypes[r.vid])),
+                r.saved_step,
+                tuple(r.uses),
+            )
             for r in sorted(self.books.tensors.values(), key=lambda r: r.vid)
         )
         return Trace(

@@ -1,4 +1,4 @@
-"""The reactive swap policy: evict the vTensors used farthest in the future, prefetch the nearest."""
+"""The reactive swap policy: evict the vTensors used farthest ahead, prefetch the nearest."""
 
 import logging
 from dataclasses import dataclass

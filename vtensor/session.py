@@ -1,5 +1,6 @@
 """The public memory manager: one context manager per training iteration under a budget."""
 
+import contextlib
 import gc
 import logging
 import time
@@ -99,7 +100,9 @@ class MemoryManager:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.close()
@@ -115,10 +118,8 @@ class MemoryManager:
             self._rss = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing more can be done
             self.close()
-        except Exception:  # interpreter shutdown: nothing more can be done
-            pass
 
     @property
     def chunk_size(self) -> int | None:
@@ -166,7 +167,9 @@ class MemoryManager:
         baseline = _baseline_bytes(model, optimizer, inputs, device)
         if baseline > self.budget_bytes:
             raise InfeasibleBudgetError(
-                self.budget_bytes, baseline, "start",
+                self.budget_bytes,
+                baseline,
+                "start",
                 f"parameters, gradients, optimizer state and inputs alone take "
                 f"{format_bytes(baseline)} before any activation is saved",
             )
@@ -181,7 +184,12 @@ class MemoryManager:
             gc.disable()
         rss_start = self._start_independent(device)
         iteration = Iteration(
-            store, policy, make_device_tracker(device), device, protected, baseline,
+            store,
+            policy,
+            make_device_tracker(device),
+            device,
+            protected,
+            baseline,
             self.min_tensor_bytes,
         )
         pack, unpack = make_saved_tensor_hooks(iteration)
@@ -206,8 +214,9 @@ class MemoryManager:
                 self._record(iteration, device, started, stats_before, rss_start)
         books = iteration.books
         if books.violated:
-            raise InfeasibleBudgetError(self.budget_bytes, books.min_budget_bytes,
-                                        books.min_budget_step)
+            raise InfeasibleBudgetError(
+                self.budget_bytes, books.min_budget_bytes, books.min_budget_step
+            )
 
     def _start_independent(self, device: torch.device) -> int:
         if device.type == "cuda":
@@ -224,8 +233,12 @@ class MemoryManager:
         return baseline + max(0, self._rss.peak_rss_bytes() - rss_start)
 
     def _record(
-        self, iteration: Iteration, device: torch.device, started: float,
-        before: tuple[int, int, float, float], rss_start: int,
+        self,
+        iteration: Iteration,
+        device: torch.device,
+        started: float,
+        before: tuple[int, int, float, float],
+        rss_start: int,
     ) -> None:
         assert self._store is not None and self._policy is not None
         stats = self._store.stats
@@ -239,8 +252,9 @@ class MemoryManager:
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_size,
             peak_device_bytes=books.peak_bytes,
-            peak_independent_bytes=self._independent_peak(device, iteration.baseline_bytes,
-                                                          rss_start),
+            peak_independent_bytes=self._independent_peak(
+                device, iteration.baseline_bytes, rss_start
+            ),
             independent_kind="cuda-max-allocated" if device.type == "cuda" else "rss-vmhwm",
             min_budget_bytes=books.min_budget_bytes,
             bytes_out=stats.bytes_out - before[0],
@@ -253,9 +267,14 @@ class MemoryManager:
         self._reports.append(report)
         if self._trace is None:
             self._trace = iteration.trace(self.budget_bytes, self.chunk_size)
-        logger.debug("iteration %d: peak %s of %s, out %s, in %s", report.iteration,
-                     format_bytes(report.peak_device_bytes), format_bytes(self.budget_bytes),
-                     format_bytes(report.bytes_out), format_bytes(report.bytes_in))
+        logger.debug(
+            "iteration %d: peak %s of %s, out %s, in %s",
+            report.iteration,
+            format_bytes(report.peak_device_bytes),
+            format_bytes(self.budget_bytes),
+            format_bytes(report.bytes_out),
+            format_bytes(report.bytes_in),
+        )
 
     # -- results ------------------------------------------------------------------------------
     def report(self) -> IterationReport:
@@ -281,17 +300,15 @@ def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for param in model.parameters():
+        return param.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
-def _state_tensors(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> list[torch.Tensor]:
-    tensors = [*model.parameters(), *model.buffers()]
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     if optimizer is not None:
         for state in optimizer.state.values():
@@ -304,8 +321,10 @@ def _storages_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> s
 
 
 def _baseline_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None,
-    inputs: Sequence[torch.Tensor], device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    inputs: Sequence[torch.Tensor],
+    device: torch.device,
 ) -> int:
     seen: dict[int, int] = {}
     for tensor in [*_state_tensors(model, optimizer), *inputs]:

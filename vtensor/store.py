@@ -92,8 +92,11 @@ class ChunkStore:
         if record is not None and not record.dead:
             return record
         record = VTensor(
-            self._next_vid, storage, storage.nbytes(), split_into_chunks(storage.nbytes(),
-                                                                         self.chunk_bytes), step
+            self._next_vid,
+            storage,
+            storage.nbytes(),
+            split_into_chunks(storage.nbytes(), self.chunk_bytes),
+            step,
         )
         self._next_vid += 1
         self.records[record.vid] = record
@@ -148,7 +151,9 @@ class ChunkStore:
             return False
         # +1: the temporary reference of this call's own ``_cdata`` lookup is not counted, but
         # the record's Python storage object is.
-        return bool(torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(record))
+        return bool(
+            torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(record)
+        )
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
@@ -195,7 +200,7 @@ class ChunkStore:
     def reap(self, *, block: bool = False) -> None:
         """Complete finished transfers (all in-flight ones when ``block``)."""
         for record in self.in_flight():
-            if block or record.pending is not None and record.pending.transfer.done():
+            if block or (record.pending is not None and record.pending.transfer.done()):
                 self._finish(record)
         self.collect()
 
@@ -230,7 +235,9 @@ class ChunkStore:
             self.stats.bytes_in += pending.transfer.nbytes
             return
         assert record.storage is not None
-        still_ours = torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(record)
+        still_ours = torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(
+            record
+        )
         if cancel or record.dead or not still_ours:
             self._rollback(record, pending)
             return
@@ -253,7 +260,9 @@ class ChunkStore:
     def _offloaded_state(self) -> ChunkState:
         from vtensor.transfer import CudaTransferEngine
 
-        return ChunkState.HOST if isinstance(self.engine, CudaTransferEngine) else ChunkState.STORAGE
+        return (
+            ChunkState.HOST if isinstance(self.engine, CudaTransferEngine) else ChunkState.STORAGE
+        )
 
     def close(self) -> None:
         """Wait for transfers and drop every record."""

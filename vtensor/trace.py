@@ -98,9 +98,7 @@ class Trace:
                 f"trace schema_version {raw.get('schema_version')!r} is not "
                 f"{TRACE_SCHEMA_VERSION}; re-profile the model"
             )
-        steps = tuple(
-            TraceStep(**{**s, "phase": Phase(s["phase"])}) for s in raw.pop("steps")
-        )
+        steps = tuple(TraceStep(**{**s, "phase": Phase(s["phase"])}) for s in raw.pop("steps"))
         tensors = tuple(
             TraceTensor(**{**t, "dtypes": tuple(t["dtypes"]), "use_steps": tuple(t["use_steps"])})
             for t in raw.pop("tensors")

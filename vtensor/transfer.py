@@ -57,7 +57,7 @@ class CudaTransfer:
     keepalive: list[torch.Tensor] = field(default_factory=list)
 
     def done(self) -> bool:  # noqa: D102
-        finished = bool(self.end.query())
+        finished = bool(self.end.query())  # type: ignore[no-untyped-call]
         if finished:
             self.keepalive.clear()
         return finished
@@ -157,7 +157,7 @@ class CudaTransferEngine:
     def __init__(self, device: torch.device, tier: HostTier) -> None:
         self.device = device
         self.tier = tier
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._buffers: dict[int, torch.Tensor] = {}
         self._next_slot = 0
         self._retiring: list[tuple[CudaTransfer, list[torch.Tensor]]] = []
@@ -169,8 +169,8 @@ class CudaTransferEngine:
         self, storage: torch.UntypedStorage, chunks: Sequence[Chunk], out: bool
     ) -> CudaTransfer:
         flat = self._bytes_of(storage)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         keep = [flat]
         with torch.cuda.stream(self.stream):

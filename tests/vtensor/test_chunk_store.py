@@ -36,8 +36,15 @@ def test_chunk_split_covers_every_byte_once():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("256MiB", 256 * 2**20), ("1.5GB", 1_500_000_000), ("512 KiB", 512 * 1024), (4096, 4096),
-     ("4096", 4096), ("2g", 2_000_000_000), (1e6, 1_000_000)],
+    [
+        ("256MiB", 256 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("512 KiB", 512 * 1024),
+        (4096, 4096),
+        ("4096", 4096),
+        ("2g", 2_000_000_000),
+        (1e6, 1_000_000),
+    ],
 )
 def test_budget_accepted_forms(text, expected):
     assert vtensor.parse_bytes(text) == expected

@@ -10,8 +10,9 @@ import vtensor
 
 
 def _manager(tmp_path: object, budget: int | str = "1GiB", **kw: object) -> vtensor.MemoryManager:
-    return vtensor.MemoryManager(budget, chunk_bytes=4096, storage_dir=str(tmp_path),
-                                 min_tensor_bytes=1, **kw)  # type: ignore[arg-type]
+    return vtensor.MemoryManager(
+        budget, chunk_bytes=4096, storage_dir=str(tmp_path), min_tensor_bytes=1, **kw
+    )  # type: ignore[arg-type]
 
 
 def _tight_budget(model: nn.Module, x: torch.Tensor, tmp_path: object, frac: float = 0.3) -> int:
@@ -70,8 +71,10 @@ def test_parameters_saved_for_backward_are_not_copied(tmp_path):
         store = mm._store
         assert store is not None
         param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-        assert all(r.storage is None or r.storage._cdata not in param_storages
-                   for r in store.records.values())
+        assert all(
+            r.storage is None or r.storage._cdata not in param_storages
+            for r in store.records.values()
+        )
     assert mm.trace is not None
     weight_bytes = 256 * 256 * 4
     assert all(t.nbytes != weight_bytes for t in mm.trace.tensors)
@@ -168,8 +171,9 @@ def test_mixed_dtypes_survive_eviction(tmp_path):
 
 def test_retain_graph_and_double_backward(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 1))
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
     x = torch.randn(4096, 32, requires_grad=True)
 
     def run(mm: vtensor.MemoryManager | None) -> list[torch.Tensor]:
@@ -235,6 +239,46 @@ def test_unwritable_storage_dir_is_a_clear_error(tmp_path):
     blocker.write_text("x")
     model = nn.Linear(4, 4)
     mm = vtensor.MemoryManager("1MiB", storage_dir=str(blocker / "sub"))
-    with pytest.raises(vtensor.StorageTierError, match="storage_dir"):
+    with pytest.raises(vtensor.StorageTierError, match="storage_dir"), mm.step(model):
+        pass
+
+
+FULL_DISK_SCRIPT = r"""
+import resource, signal, sys, torch, vtensor
+from torch import nn
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+x = torch.randn(2048, 64)
+before = [p.detach().clone() for p in model.parameters()]
+try:
+    with vtensor.MemoryManager(3 * 2**20, chunk_bytes=4096, storage_dir=sys.argv[1]) as mm:
         with mm.step(model):
-            pass
+            model(x).sum().backward()
+except vtensor.StorageTierError as err:
+    print("ERROR", err)
+assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+model.zero_grad()
+with vtensor.MemoryManager(3 * 2**20, chunk_bytes=4096, storage_dir=sys.argv[1]) as mm:
+    with mm.step(model):
+        model(x).sum().backward()
+print("RECOVERED", mm.report().bytes_out)
+"""
+
+
+def test_full_disk_is_a_clear_error_and_loses_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "to the swap file in" in proc.stdout and "storage_dir" in proc.stdout
+    recovered = [line for line in proc.stdout.splitlines() if line.startswith("RECOVERED")]
+    assert recovered and int(recovered[0].split()[1]) > 0
