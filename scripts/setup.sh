@@ -6,6 +6,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SELF="$ROOT/scripts/$(basename "${BASH_SOURCE[0]}")"
 cd "$ROOT"
 
 VENV="$ROOT/.venv"
@@ -33,7 +34,7 @@ find_python() {
 # The repo path is part of the stamp: a venv copied from another checkout holds an editable
 # install that points at the old path, so it must be reinstalled.
 stamp_value() {
-    { cat pyproject.toml "${BASH_SOURCE[0]}"; echo "$ROOT"; } | sha256sum | cut -d' ' -f1
+    { cat pyproject.toml "$SELF"; echo "$ROOT"; } | sha256sum | cut -d' ' -f1
 }
 
 want="$(stamp_value)"

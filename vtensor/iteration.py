@@ -81,7 +81,11 @@ class Iteration:
     def live_bytes(self) -> int:
         """Tracked device bytes now."""
         now = self.tracker.current_bytes()
-        return now if self._absolute else self.baseline_bytes + now - self._entry_counter
+        if self._absolute:
+            return now
+        # Frees of memory allocated before the step (a previous loss, say) lower the counter
+        # below its entry value; never report less than nothing.
+        return max(0, self.baseline_bytes + now - self._entry_counter)
 
     def _sample(self, live: int) -> None:
         if live > self.policy.budget_bytes + self.overshoot_bytes:
