@@ -123,6 +123,18 @@ class Iteration:
     def before_unpack(self, record: VTensor) -> None:
         """Make room for the bytes of ``record`` that must come back."""
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
+        resident = record.storage.nbytes() if record.storage is not None else 0
+        if incoming and resident:
+            # NOTE [growing a partial vTensor]: growing a storage reallocates it, so the resident
+            # prefix and the full size coexist while the prefix is copied. Make room for the
+            # whole size; if that is impossible, send the prefix out as well, which trades a
+            # write and a read of the prefix for the transient.
+            self.enforce(incoming_bytes=record.nbytes, pinned=record, judge=False)
+            too_big = self.live_bytes() + record.nbytes > self.policy.budget_bytes
+            if too_big and self.store.evictable(record):
+                self.store.evict(record, resident)
+                self.store.reap(block=True)
+                incoming = sum(c.nbytes for c in record.offloaded_chunks())
         self.enforce(incoming_bytes=incoming, pinned=record)
 
     def after_unpack(self, record: VTensor) -> None:
@@ -157,13 +169,18 @@ class Iteration:
         self.begin_step("other:after-backward")
 
     # -- the budget ---------------------------------------------------------------------------
-    def enforce(self, incoming_bytes: int = 0, pinned: VTensor | None = None) -> None:
+    def enforce(
+        self, incoming_bytes: int = 0, pinned: VTensor | None = None, *, judge: bool = True
+    ) -> None:
         """Keep tracked device bytes (plus ``incoming_bytes`` about to arrive) under the budget.
 
         ``pinned`` is the vTensor about to be used: it is neither evicted nor counted as
-        evictable.
+        evictable. ``judge=False`` makes room without recording feasibility (a first attempt).
         """
-        self.store.reap()
+        # NOTE [deterministic reaping]: every transfer started before this point completes here
+        # (it has had at least one op of compute to overlap with). Decisions then depend only on
+        # the sequence of hook events, not on how fast the disk was, so runs are reproducible.
+        self.store.reap(block=True)
         live = self.live_bytes()
         self._sample(live)
         self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)
@@ -177,7 +194,8 @@ class Iteration:
             )
             self.store.reap(block=True)
             live = self.live_bytes()
-        self._note_feasibility(live + incoming_bytes, pinned)
+        if judge:
+            self._note_feasibility(live + incoming_bytes, pinned)
         self._last_live = live
 
     def _note_feasibility(self, need: int, pinned: VTensor | None) -> None:

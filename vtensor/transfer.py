@@ -106,41 +106,55 @@ class FileTransferEngine:
         return ThreadTransfer(self._pool.submit(timed), nbytes)
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
-        base = storage.data_ptr()
-        plan = []
+        # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
+        # one contiguous extent so the whole run is one write and one cache drop.
+        total = sum(c.nbytes for c in chunks)
+        start = self.tier.extents.alloc(total)
+        slot = start
         for chunk in chunks:
-            chunk.slot = self.tier.extents.alloc(chunk.nbytes)
-            plan.append((chunk.slot, base + chunk.offset_bytes, chunk.nbytes))
+            chunk.slot = slot
+            slot += chunk.nbytes
+        address = storage.data_ptr() + chunks[0].offset_bytes
 
         def job() -> None:
-            for slot, address, nbytes in plan:
-                self.tier.write(slot, address, nbytes)
-            for i, (slot, _, nbytes) in enumerate(plan):
-                self.tier.release_cache(slot, nbytes, dirty=i == 0)
+            self.tier.write(start, address, total)
+            self.tier.release_cache(start, total, dirty=True)
 
-        return self._submit(job, sum(c.nbytes for c in chunks))
+        return self._submit(job, total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         base = storage.data_ptr()
-        plan = [(chunk.slot, base + chunk.offset_bytes, chunk.nbytes) for chunk in chunks]
+        runs = _contiguous_runs(chunks)
 
         def job() -> None:
-            for slot, address, nbytes in plan:
-                assert slot is not None, "restoring a chunk that has no slot"
-                self.tier.read(slot, address, nbytes)
+            for slot, offset, nbytes in runs:
+                self.tier.read(slot, base + offset, nbytes)
                 self.tier.release_cache(slot, nbytes, dirty=False)
 
         return self._submit(job, sum(c.nbytes for c in chunks))
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
+        for slot, _, nbytes in _contiguous_runs([c for c in chunks if c.slot is not None]):
+            self.tier.extents.free(slot, nbytes)
         for chunk in chunks:
-            if chunk.slot is not None:
-                self.tier.extents.free(chunk.slot, chunk.nbytes)
-                chunk.slot = None
+            chunk.slot = None
 
     def close(self) -> None:  # noqa: D102
         self._pool.shutdown(wait=True)
         self.tier.close()
+
+
+def _contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
+    """(slot, memory offset, bytes) runs of chunks adjacent both in the file and in memory."""
+    runs: list[list[int]] = []
+    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
+        assert chunk.slot is not None, "chunk has no slot"
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == chunk.slot and last[1] + last[2] == chunk.offset_bytes:
+            last[2] += chunk.nbytes
+        else:
+            runs.append([chunk.slot, chunk.offset_bytes, chunk.nbytes])
+    return [(slot, offset, nbytes) for slot, offset, nbytes in runs]
 
 
 class CudaTransferEngine:
