@@ -26,6 +26,7 @@ class _OpenStep:
     live_start: int
     peak: int
     stats_at_start: StoreStats
+    unmanaged_peak: int = 0
 
 
 @dataclass
@@ -36,6 +37,7 @@ class IterationBooks:
     trace_steps: list[TraceStep] = field(default_factory=list)
     tensors: dict[int, VTensor] = field(default_factory=dict)
     dtypes: dict[int, set[str]] = field(default_factory=dict)
+    evictable_step: dict[int, int] = field(default_factory=dict)
     unmanaged_saved_bytes: int = 0
     peak_bytes: int = 0
     min_budget_bytes: int = 0
@@ -55,6 +57,7 @@ class Iteration:
         protected_storages: set[int],
         baseline_bytes: int,
         min_tensor_bytes: int,
+        record_trace: bool = False,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -63,6 +66,7 @@ class Iteration:
         self.protected = protected_storages
         self.baseline_bytes = baseline_bytes
         self.min_tensor_bytes = min_tensor_bytes
+        self.record_trace = record_trace
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
         self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
         # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
@@ -98,6 +102,9 @@ class Iteration:
         self.books.peak_bytes = max(self.books.peak_bytes, live)
         if self._open is not None:
             self._open.peak = max(self._open.peak, live)
+            if self.record_trace:
+                unmanaged = live - self.store.device_bytes()
+                self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
 
     # -- hook target --------------------------------------------------------------------------
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -199,9 +206,14 @@ class Iteration:
         self._last_live = live
 
     def _note_feasibility(self, need: int, pinned: VTensor | None) -> None:
-        evictable_now = sum(
-            self.store.evictable_bytes(r) for r in self.store.records.values() if r is not pinned
-        )
+        evictable_now = 0
+        for record in self.store.records.values():
+            if record is pinned:
+                continue
+            nbytes = self.store.evictable_bytes(record)
+            evictable_now += nbytes
+            if nbytes and record.vid not in self.books.evictable_step:
+                self.books.evictable_step[record.vid] = self.step_index
         # Bytes that only became evictable at this point (inputs the op just finished with)
         # could not have been evicted before the op allocated: only what was evictable at the
         # previous point could have made room.
@@ -240,7 +252,15 @@ class Iteration:
             )
         )
         self.books.trace_steps.append(
-            TraceStep(step.index, step.name, phase, now - step.started, step.live_start, step.peak)
+            TraceStep(
+                step.index,
+                step.name,
+                phase,
+                now - step.started,
+                step.live_start,
+                step.peak,
+                max(step.unmanaged_peak, 0),
+            )
         )
         self._open = None
 
@@ -252,11 +272,12 @@ class Iteration:
         """The iteration as a ``Trace``."""
         tensors = tuple(
             TraceTensor(
-                r.vid,
-                r.nbytes,
-                tuple(sorted(self.books.dtypes[r.vid])),
-                r.saved_step,
-                tuple(r.uses),
+                vid=r.vid,
+                nbytes=r.nbytes,
+                dtypes=tuple(sorted(self.books.dtypes[r.vid])),
+                saved_step=r.saved_step,
+                evictable_step=self.books.evictable_step.get(r.vid, -1),
+                use_steps=tuple(r.uses),
             )
             for r in sorted(self.books.tensors.values(), key=lambda r: r.vid)
         )

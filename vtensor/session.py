@@ -191,6 +191,7 @@ class MemoryManager:
             protected,
             baseline,
             self.min_tensor_bytes,
+            record_trace=self._trace is None,
         )
         pack, unpack = make_saved_tensor_hooks(iteration)
         module_hooks = install_module_hooks(model, iteration)

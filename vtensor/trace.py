@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 1
+TRACE_SCHEMA_VERSION = 2
 
 
 class Phase(StrEnum):
@@ -27,6 +27,8 @@ class TraceStep:
         duration_s: measured wall time of the step.
         live_bytes_start: tracked device bytes when the step began.
         peak_live_bytes: largest tracked device bytes sampled during the step.
+        unmanaged_peak_bytes: largest tracked device bytes sampled during the step that were not
+            in managed vTensors (parameters, gradients, outputs not saved yet, temporaries).
     """
 
     index: int
@@ -35,6 +37,7 @@ class TraceStep:
     duration_s: float
     live_bytes_start: int
     peak_live_bytes: int
+    unmanaged_peak_bytes: int
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class TraceTensor:
         nbytes: size of its storage.
         dtypes: dtypes of the views saved of it.
         saved_step: step index of the first save.
+        evictable_step: first step index at which nothing but autograd referenced it (it could
+            be swapped from then on); -1 if that never happened.
         use_steps: step indices at which backward unpacked it, in order.
     """
 
@@ -53,6 +58,7 @@ class TraceTensor:
     nbytes: int
     dtypes: tuple[str, ...]
     saved_step: int
+    evictable_step: int
     use_steps: tuple[int, ...]
 
 
