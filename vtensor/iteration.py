@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vtensor.accounting import DeviceTracker
+from vtensor.executor import PlanExecutor
 from vtensor.policy import ReactivePolicy
 from vtensor.report import StepStats
 from vtensor.store import ChunkStore, StoreStats, VTensor
@@ -58,6 +59,7 @@ class Iteration:
         baseline_bytes: int,
         min_tensor_bytes: int,
         record_trace: bool = False,
+        executor: PlanExecutor | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -67,6 +69,7 @@ class Iteration:
         self.baseline_bytes = baseline_bytes
         self.min_tensor_bytes = min_tensor_bytes
         self.record_trace = record_trace
+        self.executor = executor
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
         self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
         # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
@@ -123,7 +126,10 @@ class Iteration:
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """Account a newly saved tensor and keep the budget."""
-        self.books.tensors.setdefault(record.vid, record)
+        if record.vid not in self.books.tensors:
+            self.books.tensors[record.vid] = record
+            if self.executor is not None:
+                self.executor.on_record(record)
         self.books.dtypes.setdefault(record.vid, set()).add(str(tensor.dtype).replace("torch.", ""))
         self.enforce()
 
@@ -150,7 +156,9 @@ class Iteration:
             record.uses.append(self.step_index)
         live = self.live_bytes()
         self._sample(live)
-        if self.policy.prefetch(live, record):
+        if (self.executor is None or not self.executor.active) and self.policy.prefetch(
+            live, record
+        ):
             live = self.live_bytes()
             self._sample(live)
         self._last_live = live
@@ -169,6 +177,9 @@ class Iteration:
         self._open = _OpenStep(
             self.step_index, name, time.perf_counter(), live, live, _copy(self.store.stats)
         )
+        if self.executor is not None:
+            self.executor.on_step(self.step_index, name)
+            self.policy.early_eviction = not self.executor.active
         self.enforce()
 
     def _backward_done(self) -> None:
@@ -270,16 +281,17 @@ class Iteration:
 
     def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
         """The iteration as a ``Trace``."""
+        ordered = sorted(self.books.tensors.values(), key=lambda r: r.vid)
         tensors = tuple(
             TraceTensor(
-                vid=r.vid,
+                vid=position,  # position in order of first save: stable across iterations
                 nbytes=r.nbytes,
                 dtypes=tuple(sorted(self.books.dtypes[r.vid])),
                 saved_step=r.saved_step,
                 evictable_step=self.books.evictable_step.get(r.vid, -1),
-                use_steps=tuple(r.uses),
+                use_steps=tuple(u for u in r.uses),
             )
-            for r in sorted(self.books.tensors.values(), key=lambda r: r.vid)
+            for position, r in enumerate(ordered)
         )
         return Trace(
             steps=tuple(self.books.trace_steps),

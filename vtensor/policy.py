@@ -46,6 +46,8 @@ class ReactivePolicy:
         self.budget_bytes = budget_bytes
         self.reserve_bytes = 0
         self.prefetch_depth = prefetch_depth
+        # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
+        self.early_eviction = True
 
     def high_watermark(self) -> int:
         """Device bytes above which the next allocation could break the budget."""
@@ -81,7 +83,7 @@ class ReactivePolicy:
         """
         decision = Decision()
         high = self.high_watermark()
-        early = high - self.reserve_bytes
+        early = high - self.reserve_bytes if self.early_eviction else high
         if live_bytes > early:
             decision.evicted_bytes = self.evict_down_to(live_bytes, max(early, 0), pinned)
         if live_bytes > high and self.store.in_flight():

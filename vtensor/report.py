@@ -38,10 +38,13 @@ class IterationReport:
 
     Attributes:
         iteration: 0 for the first managed iteration.
-        policy: the swap policy used ("reactive").
+        policy: the swap policy that decided the iteration: "planned" (a plan was replayed to
+            the end) or "reactive".
         granularity: "chunk" or "tensor".
-        plan_source: where the swap decisions came from ("profiled": this process's own
-            profiling of the model; "cached" once a stored plan was loaded).
+        plan_source: where the swap decisions came from: "profiled" (no plan yet: reactive,
+            and this iteration was recorded and planned), "planned" (a plan made in this
+            process), "cached" (a plan loaded from the plan cache, no profiling), "fallback"
+            (the run diverged from its plan), "reactive" (no planning).
         device: "cpu" or "cuda".
         budget_bytes: the budget.
         chunk_bytes: chunk size (None at tensor granularity).
@@ -58,6 +61,10 @@ class IterationReport:
         stall_s: time compute waited on transfers.
         wall_s: wall time of the iteration.
         steps: per-step statistics.
+        predicted_peak_bytes: the plan's predicted peak (None without a plan).
+        predicted_stall_s: the plan's predicted stall (None without a plan).
+        planning_s: time spent planning after this iteration.
+        cache_load_s: time spent loading the plan from the cache before it.
     """
 
     iteration: int
@@ -77,6 +84,10 @@ class IterationReport:
     stall_s: float
     wall_s: float
     steps: tuple[StepStats, ...]
+    predicted_peak_bytes: int | None = None
+    predicted_stall_s: float | None = None
+    planning_s: float = 0.0
+    cache_load_s: float = 0.0
 
     @property
     def bytes_moved(self) -> int:

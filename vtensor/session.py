@@ -19,6 +19,7 @@ from vtensor.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.iteration import Iteration
+from vtensor.planning import IterationPlan, PlanBook
 from vtensor.policy import ReactivePolicy
 from vtensor.report import IterationReport
 from vtensor.store import ChunkStore
@@ -59,6 +60,10 @@ class MemoryManager:
         drop_page_cache: flush and drop swap-file pages from the page cache after each transfer,
             so swapped-out bytes really leave RAM.
         host_capacity_bytes: bound of the pinned host tier (CUDA).
+        plan_cache_dir: directory of the plan cache, shared by processes (None: plans live only
+            in this manager).
+        policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
+            ``"reactive"`` (no planning).
     """
 
     def __init__(
@@ -73,6 +78,8 @@ class MemoryManager:
         prefetch_depth: int = 2,
         drop_page_cache: bool = True,
         host_capacity_bytes: int | None = None,
+        plan_cache_dir: str | PathLike[str] | None = None,
+        policy: str = "planned",
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -88,6 +95,11 @@ class MemoryManager:
         self.prefetch_depth = prefetch_depth
         self.drop_page_cache = drop_page_cache
         self.host_capacity_bytes = host_capacity_bytes
+        if policy not in ("planned", "reactive"):
+            raise VTensorError(f"policy={policy!r} is not one of ['planned', 'reactive']")
+        self._plans = PlanBook(
+            self.budget_bytes, self.chunk_size, plan_cache_dir, planned=policy == "planned"
+        )
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
         self._rss: RssMeter | None = None
@@ -183,6 +195,7 @@ class MemoryManager:
             gc.collect()
             gc.disable()
         rss_start = self._start_independent(device)
+        chosen = self._plans.for_iteration(model, inputs, device, store)
         iteration = Iteration(
             store,
             policy,
@@ -191,7 +204,8 @@ class MemoryManager:
             protected,
             baseline,
             self.min_tensor_bytes,
-            record_trace=self._trace is None,
+            record_trace=chosen.record_trace,
+            executor=chosen.executor,
         )
         pack, unpack = make_saved_tensor_hooks(iteration)
         module_hooks = install_module_hooks(model, iteration)
@@ -211,9 +225,9 @@ class MemoryManager:
                 hook.remove()
             iteration.finish()
             store.reap()
-            if not failed:
-                self._record(iteration, device, started, stats_before, rss_start)
         books = iteration.books
+        if not failed and not books.violated:
+            self._record(iteration, chosen, device, started, stats_before, rss_start)
         if books.violated:
             raise InfeasibleBudgetError(
                 self.budget_bytes, books.min_budget_bytes, books.min_budget_step
@@ -236,6 +250,7 @@ class MemoryManager:
     def _record(
         self,
         iteration: Iteration,
+        chosen: IterationPlan,
         device: torch.device,
         started: float,
         before: tuple[int, int, float, float],
@@ -244,11 +259,18 @@ class MemoryManager:
         assert self._store is not None and self._policy is not None
         stats = self._store.stats
         books = iteration.books
+        trace = None
+        if chosen.record_trace:
+            trace = iteration.trace(self.budget_bytes, self.chunk_size)
+            self._trace = trace
+        source = self._plans.after_iteration(chosen, trace)
+        executor = chosen.executor
+        plan = executor.plan if executor is not None else None
         report = IterationReport(
             iteration=len(self._reports),
-            policy=self._policy.name,
+            policy="planned" if executor is not None and executor.active else "reactive",
             granularity=self.granularity.value,
-            plan_source="profiled",
+            plan_source=source.value,
             device=device.type,
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_size,
@@ -264,10 +286,12 @@ class MemoryManager:
             stall_s=stats.stall_s - before[3],
             wall_s=time.perf_counter() - started,
             steps=tuple(books.steps),
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan is not None else None,
+            predicted_stall_s=plan.predicted_stall_s if plan is not None else None,
+            planning_s=chosen.planning_s,
+            cache_load_s=chosen.cache_load_s,
         )
         self._reports.append(report)
-        if self._trace is None:
-            self._trace = iteration.trace(self.budget_bytes, self.chunk_size)
         logger.debug(
             "iteration %d: peak %s of %s, out %s, in %s",
             report.iteration,
@@ -291,7 +315,7 @@ class MemoryManager:
 
     @property
     def trace(self) -> Trace | None:
-        """The trace of the first (profiled) iteration."""
+        """The trace of the last profiled iteration."""
         return self._trace
 
 

@@ -1,0 +1,399 @@
+"""The Layered Graph Model of a trace, and plan_lgm: a pure planner from a Trace to a swap Plan.
+
+The model and the algorithm are written down in docs/lgm.md; NOTE [memory model] in plan.py
+states what occupies memory when.
+"""
+
+import bisect
+import logging
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.plan import (
+    Plan,
+    TensorMove,
+    last_live_step,
+    next_use,
+    predict_stalls,
+    simulate,
+    tail_chunk_bytes,
+)
+from vtensor.trace import Trace, TraceTensor
+
+logger = logging.getLogger(__name__)
+
+# Measured on the development machine: swap-file writes with fdatasync, cold reads.
+DEFAULT_WRITE_BYTES_PER_S = 0.3e9
+DEFAULT_READ_BYTES_PER_S = 1.2e9
+PLANNER_VERSION = "lgm-belady/1"  # name/version; bump when plans change meaning
+
+Bytes = npt.NDArray[np.int64]
+
+
+class _Default(Enum):
+    TRACE = "trace"
+
+
+FROM_TRACE: Literal[_Default.TRACE] = _Default.TRACE
+"""Default of ``chunk_bytes``: the trace's own chunk size."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One live vTensor in one layer of the LGM.
+
+    Attributes:
+        vid: the vTensor.
+        nbytes: its size.
+        n_chunks: its chunks (1 at tensor granularity).
+        next_use: the first use at or after this layer; None if it is never used again.
+        evictable: whether the layer may have some of its chunks away (not used here, and
+            evictable since ``evictable_step``).
+    """
+
+    vid: int
+    nbytes: int
+    n_chunks: int
+    next_use: int | None
+    evictable: bool
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One execution step of the LGM with the vTensors live in it."""
+
+    index: int
+    name: str
+    duration_s: float
+    unmanaged_bytes: int
+    live: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class LayeredGraph:
+    """The Layered Graph Model: one layer per step, vTensor lives across layers, move costs.
+
+    Layers are materialised on demand (``layer``); the planner works on the lives directly,
+    so that building the model is linear in the trace. Between two layers each live chunk
+    stays, is swapped out (``write_s``) or swapped in (``read_s``).
+    """
+
+    trace: Trace
+    chunk_bytes: int | None
+    write_bytes_per_s: float
+    read_bytes_per_s: float
+
+    @property
+    def n_steps(self) -> int:
+        """Number of layers."""
+        return len(self.trace.steps)
+
+    def n_chunks(self, t: TraceTensor) -> int:
+        """Chunks of a vTensor."""
+        return 1 if self.chunk_bytes is None else -(-t.nbytes // self.chunk_bytes)
+
+    def write_s(self, nbytes: int) -> float:
+        """Seconds to swap ``nbytes`` out."""
+        return nbytes / self.write_bytes_per_s
+
+    def read_s(self, nbytes: int) -> float:
+        """Seconds to swap ``nbytes`` in."""
+        return nbytes / self.read_bytes_per_s
+
+    def layer(self, index: int) -> Layer:
+        """The layer of step ``index`` with its live vTensors."""
+        step = self.trace.steps[index]
+        live = tuple(
+            Node(t.vid, t.nbytes, self.n_chunks(t), next_use(t, index), evictable_at(t, index))
+            for t in self.trace.tensors
+            if t.saved_step <= index <= last_live_step(t, self.n_steps)
+        )
+        return Layer(index, step.name, step.duration_s, step.unmanaged_peak_bytes, live)
+
+    def full_resident(self) -> Bytes:
+        """Resident bytes per layer with nothing swapped out."""
+        empty = _empty_plan(self.trace, 0, self.chunk_bytes)
+        return np.array(simulate(empty, self.trace), dtype=np.int64)
+
+    def floors(self) -> Bytes:
+        """Bytes per layer that no plan can swap out (NOTE [memory model], docs/lgm.md)."""
+        n = self.n_steps
+        delta = np.zeros(n + 1, dtype=np.int64)
+        for s in self.trace.steps:
+            delta[s.index] += s.unmanaged_peak_bytes
+            delta[s.index + 1] -= s.unmanaged_peak_bytes
+        for t in self.trace.tensors:
+            stop = last_live_step(t, n) + 1
+            pinned_to = stop if t.evictable_step < 0 else min(t.evictable_step, stop)
+            delta[t.saved_step] += t.nbytes
+            delta[pinned_to] -= t.nbytes
+            for u in sorted(set(t.use_steps)):
+                if u >= pinned_to:
+                    delta[u] += t.nbytes
+                    delta[u + 1] -= t.nbytes
+        return np.cumsum(delta[:n])
+
+
+def evictable_at(t: TraceTensor, step: int) -> bool:
+    """Whether ``t`` may have bytes away at ``step``."""
+    return 0 <= t.evictable_step <= step and step not in t.use_steps
+
+
+def build_lgm(
+    trace: Trace,
+    chunk_bytes: int | None,
+    write_bytes_per_s: float = DEFAULT_WRITE_BYTES_PER_S,
+    read_bytes_per_s: float = DEFAULT_READ_BYTES_PER_S,
+) -> LayeredGraph:
+    """Check ``trace`` and the parameters, and build its Layered Graph Model.
+
+    Raises:
+        ValueError: the trace is inconsistent or a parameter is not positive.
+    """
+    if chunk_bytes is not None and chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be positive or None (whole tensors)")
+    if write_bytes_per_s <= 0 or read_bytes_per_s <= 0:
+        raise ValueError("write_bytes_per_s and read_bytes_per_s must be positive")
+    n = len(trace.steps)
+    if any(s.index != i for i, s in enumerate(trace.steps)):
+        raise ValueError("trace steps must be numbered 0, 1, ... in order; re-profile the model")
+    for i, t in enumerate(trace.tensors):
+        inside = all(t.saved_step <= u < n for u in t.use_steps)
+        evictable = t.evictable_step == -1 or t.saved_step <= t.evictable_step < n
+        if t.vid != i or t.nbytes <= 0 or not 0 <= t.saved_step < n or not inside or not evictable:
+            raise ValueError(f"trace tensor {t} is inconsistent; re-profile the model")
+    return LayeredGraph(trace, chunk_bytes, write_bytes_per_s, read_bytes_per_s)
+
+
+def min_budget(lgm: LayeredGraph) -> tuple[int, int]:
+    """The smallest feasible budget and the step that dominates it (first of the largest)."""
+    floors = lgm.floors()
+    if floors.size == 0:
+        return 0, -1
+    step = int(np.argmax(floors))
+    return int(floors[step]), step
+
+
+def _empty_plan(trace: Trace, budget_bytes: int, chunk_bytes: int | None) -> Plan:
+    return Plan(
+        budget_bytes=budget_bytes,
+        chunk_bytes=chunk_bytes,
+        moves=(),
+        step_names=tuple(s.name for s in trace.steps),
+        tensor_bytes=tuple(t.nbytes for t in trace.tensors),
+        predicted_peak_bytes=0,
+        predicted_stall_s=0.0,
+        planner=PLANNER_VERSION,
+    )
+
+
+# -- the planner ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Window:
+    """Working record of one move: ``nbytes`` of ``vid`` away during ``[first, stop)``."""
+
+    vid: int
+    first: int
+    stop: int
+    n_chunks: int = 0
+    nbytes: int = 0
+
+
+def plan_lgm(
+    trace: Trace,
+    budget_bytes: int,
+    *,
+    chunk_bytes: int | Literal[_Default.TRACE] | None = FROM_TRACE,
+    write_bytes_per_s: float = DEFAULT_WRITE_BYTES_PER_S,
+    read_bytes_per_s: float = DEFAULT_READ_BYTES_PER_S,
+) -> Plan:
+    """Plan which chunks leave and return at which step so that ``trace`` fits ``budget_bytes``.
+
+    Pure and deterministic. Farthest-next-use (Belady) eviction of exactly the deficit at each
+    over-budget layer, then each prefetch as early as memory allows (docs/lgm.md).
+
+    Args:
+        trace: the profiled iteration.
+        budget_bytes: device bytes never to exceed.
+        chunk_bytes: unit of eviction; None for whole tensors; default: the trace's.
+        write_bytes_per_s: swap-out bandwidth of the slower tier.
+        read_bytes_per_s: swap-in bandwidth of the slower tier.
+
+    Returns:
+        The plan, with its predicted peak and stall.
+
+    Raises:
+        InfeasibleBudgetError: even with every evictable byte away some step exceeds the budget.
+        ValueError: the trace is inconsistent or a parameter is not positive.
+    """
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes={budget_bytes} must not be negative")
+    chunk = trace.chunk_bytes if chunk_bytes is FROM_TRACE else chunk_bytes
+    lgm = build_lgm(trace, chunk, write_bytes_per_s, read_bytes_per_s)
+    floor, step = min_budget(lgm)
+    if budget_bytes < floor:
+        name = trace.steps[step].name
+        raise InfeasibleBudgetError(budget_bytes, floor, name, "planning on the trace")
+    resident = lgm.full_resident()
+    windows = _evict_farthest(lgm, resident, budget_bytes)
+    windows = _trim_overshoot(lgm, windows, resident, budget_bytes)
+    _schedule_prefetches(lgm, windows, resident, budget_bytes)
+    moves = sorted(
+        (TensorMove(w.vid, w.nbytes, w.first, w.stop) for w in windows),
+        key=lambda m: (m.evict_step, m.vid),
+    )
+    plan = replace(
+        _empty_plan(trace, budget_bytes, chunk),
+        moves=tuple(moves),
+        predicted_peak_bytes=int(resident.max(initial=0)),
+    )
+    stall_s = sum(predict_stalls(plan, trace, write_bytes_per_s, read_bytes_per_s))
+    plan = replace(plan, predicted_stall_s=stall_s)
+    logger.info(
+        "LGM plan: %d moves, %d bytes moved, peak %d of %d, predicted stall %.4f s",
+        len(moves), plan.bytes_moved, plan.predicted_peak_bytes, budget_bytes, stall_s,
+    )  # fmt: skip
+    return plan
+
+
+def _evict_farthest(lgm: LayeredGraph, resident: Bytes, budget_bytes: int) -> list[_Window]:
+    """Walk the layers; at each over budget, evict exactly the deficit, farthest next use first.
+
+    Each victim's bytes stay away for the whole gap between its uses that holds the layer
+    (they are brought back at its next use; ``_schedule_prefetches`` moves that earlier).
+    ``resident`` is updated in place.
+    """
+    starting: dict[int, list[TraceTensor]] = {}
+    for t in lgm.trace.tensors:
+        starting.setdefault(t.saved_step, []).append(t)
+    active: list[TraceTensor] = []
+    windows: dict[tuple[int, int], _Window] = {}
+    never = lgm.n_steps  # sorts after every real use
+    for s in range(lgm.n_steps):
+        active += starting.get(s, [])
+        deficit = int(resident[s]) - budget_bytes
+        if deficit <= 0:
+            continue
+        active = [t for t in active if last_live_step(t, lgm.n_steps) >= s]
+        by_use: dict[int, list[TraceTensor]] = {}
+        for t in active:
+            if evictable_at(t, s):
+                use = next_use(t, s)
+                by_use.setdefault(never if use is None else use, []).append(t)
+        for use in sorted(by_use, reverse=True):
+            deficit = _evict_group(lgm, s, deficit, by_use[use], windows, resident)
+            if deficit <= 0:
+                break
+        assert deficit <= 0, "min_budget() guarantees every deficit can be covered"
+    return sorted(windows.values(), key=lambda w: (w.stop, w.vid))
+
+
+def _evict_group(
+    lgm: LayeredGraph,
+    step: int,
+    deficit: int,
+    group: list[TraceTensor],
+    windows: dict[tuple[int, int], _Window],
+    resident: Bytes,
+) -> int:
+    """Cover ``deficit`` from vTensors with the same next use; return what is left of it.
+
+    The smallest that covers it alone goes, else the largest and repeat: at tensor
+    granularity this keeps the overshoot small.
+    """
+    stops = {t.vid: _gap(t, step, lgm.n_steps)[1] for t in group}
+    away = {
+        t.vid: windows[(t.vid, stops[t.vid])].nbytes
+        for t in group
+        if (t.vid, stops[t.vid]) in windows
+    }
+    sizes = sorted((t.nbytes - away.get(t.vid, 0), t.vid, t) for t in group)
+    sizes = [entry for entry in sizes if entry[0] > 0]
+    while deficit > 0 and sizes:
+        i = bisect.bisect_left(sizes, deficit, key=lambda entry: entry[0])
+        _, _, t = sizes.pop(i if i < len(sizes) else -1)
+        deficit -= _evict_more(lgm, t, step, deficit, windows, resident)
+    return deficit
+
+
+def _gap(t: TraceTensor, step: int, n_steps: int) -> tuple[int, int]:
+    """The longest ``[first, stop)`` around ``step`` during which ``t`` may be away."""
+    uses = sorted(set(t.use_steps))
+    i = bisect.bisect_right(uses, step)
+    previous = uses[i - 1] if i else -1
+    first = max(t.saved_step, t.evictable_step, previous + 1)
+    return first, uses[i] if i < len(uses) else n_steps
+
+
+def _evict_more(
+    lgm: LayeredGraph,
+    t: TraceTensor,
+    step: int,
+    deficit: int,
+    windows: dict[tuple[int, int], _Window],
+    resident: Bytes,
+) -> int:
+    """Evict the fewest more tail chunks of ``t`` covering ``deficit``; return bytes freed."""
+    first, stop = _gap(t, step, lgm.n_steps)
+    w = windows.setdefault((t.vid, stop), _Window(t.vid, first, stop))
+    total = lgm.n_chunks(t)
+    if w.n_chunks == total:
+        return 0
+    k = max(w.n_chunks + 1, _chunks_for(lgm, t, w.nbytes + deficit))
+    freed = tail_chunk_bytes(t.nbytes, lgm.chunk_bytes, k) - w.nbytes
+    w.n_chunks, w.nbytes = k, w.nbytes + freed
+    resident[first:stop] -= freed
+    return freed
+
+
+def _chunks_for(lgm: LayeredGraph, t: TraceTensor, nbytes: int) -> int:
+    """The fewest tail chunks of ``t`` that hold at least ``nbytes``."""
+    if nbytes <= 0:
+        return 0
+    if lgm.chunk_bytes is None or nbytes >= t.nbytes:
+        return lgm.n_chunks(t)
+    return lgm.n_chunks(t) - (t.nbytes - nbytes) // lgm.chunk_bytes
+
+
+def _trim_overshoot(
+    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, budget_bytes: int
+) -> list[_Window]:
+    """Bring back whole chunks that no layer of their window needs away any more.
+
+    Evictions at later layers can make earlier ones partly redundant, and whole tensors
+    overshoot their deficit. Largest first; windows left empty are dropped.
+    """
+    for w in sorted(windows, key=lambda w: (-w.nbytes, w.vid, w.first)):
+        slack = budget_bytes - int(resident[w.first : w.stop].max())
+        t = lgm.trace.tensors[w.vid]
+        k = _chunks_for(lgm, t, w.nbytes - slack)
+        if k < w.n_chunks:
+            kept = tail_chunk_bytes(t.nbytes, lgm.chunk_bytes, k)
+            resident[w.first : w.stop] += w.nbytes - kept
+            w.n_chunks, w.nbytes = k, kept
+    return [w for w in windows if w.n_chunks]
+
+
+def _schedule_prefetches(
+    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, budget_bytes: int
+) -> None:
+    """Issue each restore as early as memory allows, scanning back from its use.
+
+    Earliest use first, so that the restores nearest in time get the memory first. Windows
+    whose vTensor is never used again are not restored.
+    """
+    for w in windows:
+        if w.stop >= lgm.n_steps:
+            continue
+        fits = resident[w.first + 1 : w.stop] + w.nbytes <= budget_bytes
+        blocked = np.flatnonzero(~fits)
+        start = w.first + 1 + (int(blocked[-1]) + 1 if blocked.size else 0)
+        resident[start : w.stop] += w.nbytes
+        w.stop = start

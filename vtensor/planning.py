@@ -1,0 +1,135 @@
+"""Where an iteration's swap plan comes from: this process's plans, the plan cache, or profiling."""
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from os import PathLike
+
+import torch
+from torch import nn
+
+from vtensor.errors import InfeasibleBudgetError, VTensorError
+from vtensor.executor import PlanExecutor
+from vtensor.fingerprint import (
+    PlanKey,
+    architecture_fingerprint,
+    input_signature,
+    parameter_dtype,
+)
+from vtensor.lgm import PLANNER_VERSION, plan_lgm
+from vtensor.plan import Plan
+from vtensor.plan_cache import PlanCache
+from vtensor.store import ChunkStore
+from vtensor.trace import Trace
+
+logger = logging.getLogger(__name__)
+
+
+class PlanSource(StrEnum):
+    """Where the swap decisions of an iteration came from."""
+
+    PROFILED = "profiled"  # no plan yet: reactive policy, and the iteration is recorded
+    PLANNED = "planned"  # a plan made in this process from an earlier iteration
+    CACHED = "cached"  # a plan loaded from the plan cache: no profiling in this process
+    FALLBACK = "fallback"  # the run diverged from its plan: reactive for the rest
+    REACTIVE = "reactive"  # reactive only (policy="reactive", or the planner found no plan)
+
+
+@dataclass
+class IterationPlan:
+    """What one iteration runs with."""
+
+    signature: str
+    source: PlanSource
+    executor: PlanExecutor | None
+    record_trace: bool
+    key: PlanKey | None
+    planning_s: float = 0.0
+    cache_load_s: float = 0.0
+
+
+class PlanBook:
+    """Keeps a plan per input signature; profiles, plans and caches as needed.
+
+    Args:
+        budget_bytes: the budget plans are made for.
+        chunk_bytes: chunk size (None: tensor granularity).
+        cache_dir: plan cache directory shared by processes (None: no cache).
+        planned: False to run the reactive policy only.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        chunk_bytes: int | None,
+        cache_dir: str | PathLike[str] | None,
+        planned: bool = True,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self.cache = PlanCache(cache_dir) if cache_dir is not None else None
+        self.planned = planned
+        self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
+
+    def _key(
+        self, model: nn.Module, inputs: Sequence[torch.Tensor], device: torch.device
+    ) -> PlanKey:
+        return PlanKey(
+            architecture=architecture_fingerprint(model),
+            input_signature=input_signature(*inputs),
+            dtype=parameter_dtype(model),
+            budget_bytes=self.budget_bytes,
+            chunk_bytes=self.chunk_bytes,
+            device_kind=device.type,
+            planner_version=PLANNER_VERSION,
+            torch_version=torch.__version__,
+        )
+
+    def for_iteration(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        store: ChunkStore,
+    ) -> IterationPlan:
+        """Choose the plan (or profiling) for the coming iteration."""
+        if not self.planned:
+            return IterationPlan("", PlanSource.REACTIVE, None, False, None)
+        key = self._key(model, inputs, device)
+        signature = key.digest()
+        if signature in self._plans:
+            plan = self._plans[signature]
+            if plan is None:
+                return IterationPlan(signature, PlanSource.REACTIVE, None, False, key)
+            return IterationPlan(signature, PlanSource.PLANNED, PlanExecutor(plan, store), False,
+                                 key)
+        if self.cache is not None:
+            cached = self.cache.get(key)
+            if cached is not None:
+                self._plans[signature] = cached
+                return IterationPlan(signature, PlanSource.CACHED, PlanExecutor(cached, store),
+                                     False, key, cache_load_s=self.cache.last_load_s)
+        return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
+
+    def after_iteration(self, chosen: IterationPlan, trace: Trace | None) -> PlanSource:
+        """Learn from a finished iteration; returns the source to report for it."""
+        if chosen.executor is not None and not chosen.executor.active:
+            self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
+            return PlanSource.FALLBACK
+        if chosen.source is PlanSource.PROFILED and trace is not None:
+            begin = time.perf_counter()
+            try:
+                plan: Plan | None = plan_lgm(trace, self.budget_bytes, chunk_bytes=self.chunk_bytes)
+            except InfeasibleBudgetError as err:
+                logger.warning("no swap plan at this budget, staying reactive: %s", err)
+                plan = None
+            chosen.planning_s = time.perf_counter() - begin
+            self._plans[chosen.signature] = plan
+            if plan is not None and self.cache is not None and chosen.key is not None:
+                try:
+                    self.cache.put(chosen.key, plan)
+                except VTensorError as err:
+                    logger.warning("plan not cached: %s", err)
+        return chosen.source
