@@ -55,8 +55,10 @@ class PlanExecutor:
             return
         names = self.plan.step_names
         if index >= len(names) or names[index] != name:
-            self._diverge(f"step {index} is {name!r}, plan: "
-                          f"{names[index] if index < len(names) else 'none'!r}")
+            self._diverge(
+                f"step {index} is {name!r}, plan: "
+                f"{names[index] if index < len(names) else 'none'!r}"
+            )
             return
         for move in self._evictions.get(index, ()):
             record = self._record(move)

@@ -1,5 +1,6 @@
 """Where an iteration's swap plan comes from: this process's plans, the plan cache, or profiling."""
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -25,6 +26,14 @@ from vtensor.store import ChunkStore
 from vtensor.trace import Trace
 
 logger = logging.getLogger(__name__)
+
+
+RESERVE_KEY = "reserve_bytes"
+
+
+def plan_reserve_bytes(plan: Plan) -> int:
+    """The guard headroom recorded with a plan (0 if none)."""
+    return int(plan.meta.get(RESERVE_KEY, "0"))
 
 
 class PlanSource(StrEnum):
@@ -103,18 +112,31 @@ class PlanBook:
             plan = self._plans[signature]
             if plan is None:
                 return IterationPlan(signature, PlanSource.REACTIVE, None, False, key)
-            return IterationPlan(signature, PlanSource.PLANNED, PlanExecutor(plan, store), False,
-                                 key)
+            return IterationPlan(
+                signature, PlanSource.PLANNED, PlanExecutor(plan, store), False, key
+            )
         if self.cache is not None:
             cached = self.cache.get(key)
             if cached is not None:
                 self._plans[signature] = cached
-                return IterationPlan(signature, PlanSource.CACHED, PlanExecutor(cached, store),
-                                     False, key, cache_load_s=self.cache.last_load_s)
+                return IterationPlan(
+                    signature,
+                    PlanSource.CACHED,
+                    PlanExecutor(cached, store),
+                    False,
+                    key,
+                    cache_load_s=self.cache.last_load_s,
+                )
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
 
-    def after_iteration(self, chosen: IterationPlan, trace: Trace | None) -> PlanSource:
-        """Learn from a finished iteration; returns the source to report for it."""
+    def after_iteration(
+        self, chosen: IterationPlan, trace: Trace | None, reserve_bytes: int
+    ) -> PlanSource:
+        """Learn from a finished iteration; returns the source to report for it.
+
+        ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
+        so that a process replaying a cached plan guards the budget from its first step.
+        """
         if chosen.executor is not None and not chosen.executor.active:
             self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
             return PlanSource.FALLBACK
@@ -122,6 +144,9 @@ class PlanBook:
             begin = time.perf_counter()
             try:
                 plan: Plan | None = plan_lgm(trace, self.budget_bytes, chunk_bytes=self.chunk_bytes)
+                if plan is not None:
+                    meta = {**plan.meta, RESERVE_KEY: str(reserve_bytes)}
+                    plan = dataclasses.replace(plan, meta=meta)
             except InfeasibleBudgetError as err:
                 logger.warning("no swap plan at this budget, staying reactive: %s", err)
                 plan = None

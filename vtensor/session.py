@@ -19,7 +19,7 @@ from vtensor.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.iteration import Iteration
-from vtensor.planning import IterationPlan, PlanBook
+from vtensor.planning import IterationPlan, PlanBook, plan_reserve_bytes
 from vtensor.policy import ReactivePolicy
 from vtensor.report import IterationReport
 from vtensor.store import ChunkStore
@@ -196,6 +196,10 @@ class MemoryManager:
             gc.disable()
         rss_start = self._start_independent(device)
         chosen = self._plans.for_iteration(model, inputs, device, store)
+        if chosen.executor is not None:
+            policy.reserve_bytes = max(
+                policy.reserve_bytes, plan_reserve_bytes(chosen.executor.plan)
+            )
         iteration = Iteration(
             store,
             policy,
@@ -263,7 +267,7 @@ class MemoryManager:
         if chosen.record_trace:
             trace = iteration.trace(self.budget_bytes, self.chunk_size)
             self._trace = trace
-        source = self._plans.after_iteration(chosen, trace)
+        source = self._plans.after_iteration(chosen, trace, self._policy.reserve_bytes)
         executor = chosen.executor
         plan = executor.plan if executor is not None else None
         report = IterationReport(

@@ -290,3 +290,12 @@ def test_plan_lgm_on_a_real_trace_at_half_the_peak(tmp_storage_dir: object) -> N
     assert plan.moves
     assert check_plan(plan, trace, budget) == []
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_plan_lgm_refuses_an_inconsistent_trace_or_budget() -> None:
+    with pytest.raises(ValueError, match="inconsistent"):
+        plan_lgm(make_trace([0, 0], [(10, 0, 5, (1,))], None), 100)
+    with pytest.raises(ValueError, match="negative"):
+        plan_lgm(worked_example(), -1)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_lgm(worked_example(), 7 * MB, chunk_bytes=0)

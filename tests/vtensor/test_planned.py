@@ -1,0 +1,151 @@
+"""Planned execution: replay, divergence and fallback, plan cache across processes."""
+
+import logging
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+import vtensor
+
+
+class Branchy(nn.Module):
+    """An MLP whose depth depends on a flag: data-dependent control flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8))
+        self.extra = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+        self.take_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:4]:
+            x = layer(x)
+        if self.take_extra:
+            x = self.extra(x)
+        for layer in self.layers[4:]:
+            x = layer(x)
+        return x
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+
+
+def _run(model: nn.Module, x: torch.Tensor, mm: vtensor.MemoryManager | None, **kw: object):
+    model.zero_grad()
+    if mm is None:
+        model(x).square().mean().backward()
+    else:
+        with mm.step(model, **kw):
+            model(x).square().mean().backward()
+    return _grads(model)
+
+
+def _budget(model: nn.Module, x: torch.Tensor, fraction: float) -> int:
+    with vtensor.MemoryManager("1GiB") as mm:
+        _run(model, x, mm)
+        return int(mm.report().peak_device_bytes * fraction)
+
+
+def test_planned_replay_matches_prediction_and_moves_bytes(tmp_path):
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4096, 64)
+    budget = _budget(model, x, 0.5)
+    ref = _run(model, x, None)
+    with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
+        for _ in range(3):
+            assert all(map(torch.equal, ref, _run(model, x, mm, inputs=(x,))))
+        sources = [r.plan_source for r in mm.reports]
+        assert sources == ["profiled", "planned", "planned"]
+        planned = mm.reports[-1]
+        assert planned.policy == "planned"
+        assert planned.bytes_out > 0 and planned.predicted_peak_bytes is not None
+        assert planned.peak_device_bytes <= budget + 65536
+    assert mm.trace is not None and vtensor.Trace.from_json(mm.trace.to_json()) == mm.trace
+
+
+def test_divergence_falls_back_within_budget_and_replans(tmp_path):
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4096, 64)
+    budget = _budget(model, x, 0.6)
+    with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
+        _run(model, x, mm)
+        _run(model, x, mm)
+        model.take_extra = True  # data-dependent control flow: one more layer than the plan
+        ref = _run(model, x, None)
+        assert all(map(torch.equal, ref, _run(model, x, mm)))
+        assert mm.report().plan_source == "fallback"
+        assert mm.report().peak_device_bytes <= budget + 65536
+        _run(model, x, mm)  # profiles the new shape of the run
+        _run(model, x, mm)
+        assert [r.plan_source for r in mm.reports[-2:]] == ["profiled", "planned"]
+
+
+def test_smaller_last_batch_works_with_and_without_its_signature(tmp_path):
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4096, 64)
+    budget = _budget(model, x, 0.6)
+    small = x[:1000]
+    ref = _run(model, small, None)
+    with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
+        _run(model, x, mm)
+        _run(model, x, mm)
+        # Without inputs the manager cannot tell the batch changed: the replay notices it.
+        assert all(map(torch.equal, ref, _run(model, small, mm)))
+        assert mm.report().plan_source == "fallback"
+    with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
+        _run(model, x, mm, inputs=(x,))
+        _run(model, x, mm, inputs=(x,))
+        # With inputs the smaller batch has a plan of its own.
+        assert all(map(torch.equal, ref, _run(model, small, mm, inputs=(small,))))
+        assert mm.report().plan_source == "profiled"
+
+
+FRESH_PROCESS = r"""
+import sys, torch, vtensor
+sys.path.insert(0, sys.argv[2])
+from test_planned import Branchy, _run
+torch.manual_seed(0)
+model, x = Branchy(), torch.randn(4096, 64)
+# The first backward of a process allocates one-time buffers (thread pools, kernel caches) that
+# the profiled process had already made: run it once outside the manager.
+_run(model, x, None)
+with vtensor.MemoryManager(int(sys.argv[3]), chunk_bytes=65536, plan_cache_dir=sys.argv[1]) as mm:
+    _run(model, x, mm, inputs=(x,))
+    print("SOURCE", mm.report().plan_source, mm.report().cache_load_s)
+"""
+
+
+def test_fresh_process_uses_cached_plan_and_corrupt_cache_replans(tmp_path, caplog):
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4096, 64)
+    budget = _budget(model, x, 0.5)
+    cache = tmp_path / "plans"
+    with vtensor.MemoryManager(budget, chunk_bytes=65536, plan_cache_dir=cache) as mm:
+        _run(model, x, mm, inputs=(x,))
+        assert mm.report().plan_source == "profiled"
+    here = str(__import__("pathlib").Path(__file__).parent)
+
+    def fresh() -> str:
+        proc = subprocess.run(
+            [sys.executable, "-c", FRESH_PROCESS, str(cache), here, str(budget)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        return next(line for line in out.splitlines() if line.startswith("SOURCE")).split()[1]
+
+    assert fresh() == "cached"  # no profiling iteration in the new process
+    (entry,) = cache.glob("*.json")
+    entry.write_text(entry.read_text()[: len(entry.read_text()) // 2])  # truncate it
+    with caplog.at_level(logging.WARNING):
+        with vtensor.MemoryManager(budget, chunk_bytes=65536, plan_cache_dir=cache) as mm:
+            ref = _run(model, x, None)
+            assert all(map(torch.equal, ref, _run(model, x, mm, inputs=(x,))))
+            assert mm.report().plan_source == "profiled"
+    assert any("plan" in r.getMessage().lower() for r in caplog.records)
+    assert fresh() == "cached"  # the corrupt entry was replaced by the new plan
