@@ -1,7 +1,7 @@
-"""``python -m vtensor``: the training demo under a memory budget."""
+"""``python -m vtensor``: the command line (``demo``, ``plan``); no subcommand runs the demo."""
 
 import sys
 
-from vtensor.demo import main
+from vtensor.cli import main
 
 sys.exit(main())

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fraction",
         type=float,
-        default=0.5,
-        help="budget as a fraction of the unmanaged peak (default 0.5)",
+        default=0.75,
+        help="budget as a fraction of the unmanaged peak (default 0.75)",
     )
     parser.add_argument(
         "--budget",
@@ -119,13 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         managed_s = time.perf_counter() - begin
 
     print(
-        f"{'iter':>4} {'peak':>10} {'indep.':>10} {'out':>10} {'in':>10} {'stall s':>8} "
-        f"{'wall s':>7}"
+        f"{'iter':>4} {'source':>9} {'peak':>10} {'predicted':>10} {'indep.':>10} {'out':>10} "
+        f"{'in':>10} {'stall s':>8} {'wall s':>7}"
     )
     for rep in manager.reports:
+        predicted = format_bytes(rep.predicted_peak_bytes) if rep.predicted_peak_bytes else "-"
         print(
-            f"{rep.iteration:>4} {format_bytes(rep.peak_device_bytes):>10} "
-            f"{format_bytes(rep.peak_independent_bytes or 0):>10} "
+            f"{rep.iteration:>4} {rep.plan_source:>9} {format_bytes(rep.peak_device_bytes):>10} "
+            f"{predicted:>10} {format_bytes(rep.peak_independent_bytes or 0):>10} "
             f"{format_bytes(rep.bytes_out):>10} {format_bytes(rep.bytes_in):>10} "
             f"{rep.stall_s:>8.3f} {rep.wall_s:>7.2f}"
         )
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nweights after {args.steps} steps bit-identical to unmanaged training: {same}")
     print(f"time: unmanaged {plain_s:.2f} s, managed {managed_s:.2f} s")
     print(
-        "peak = tracked device bytes (heap counter at every hook point); indep. = baseline + "
-        "growth of the process's peak RSS"
+        "peak = tracked device bytes (heap counter at every hook point); predicted = the plan's "
+        "peak (with the op workspaces measured while profiling); indep. = baseline + growth of "
+        "the process's peak RSS"
     )
     return 0 if same else 1
 

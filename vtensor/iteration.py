@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vtensor.accounting import DeviceTracker
+from vtensor.accounting import DeviceTracker, RssMeter
 from vtensor.executor import PlanExecutor
 from vtensor.policy import ReactivePolicy
 from vtensor.report import StepStats
@@ -28,6 +28,7 @@ class _OpenStep:
     peak: int
     stats_at_start: StoreStats
     unmanaged_peak: int = 0
+    rss_start: int = 0
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Iteration:
         min_tensor_bytes: int,
         record_trace: bool = False,
         executor: PlanExecutor | None = None,
+        rss: RssMeter | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -70,6 +72,14 @@ class Iteration:
         self.min_tensor_bytes = min_tensor_bytes
         self.record_trace = record_trace
         self.executor = executor
+        # NOTE [transient bytes]: ops allocate workspaces (convolution im2col buffers, say) that
+        # live only inside one call, where no hook can sample them. While profiling, the
+        # process's RSS high-water mark is read at every step boundary: what a step grew in RSS
+        # beyond what it grew in tracked bytes is its transient, which the trace and the policy
+        # then budget for. It also keeps the iteration's RSS peak (``rss_peak_bytes``).
+        self.rss = rss if record_trace else None
+        self.rss_peak_bytes = 0
+        self.transients: list[int] = []
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
         self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
         # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
@@ -177,6 +187,9 @@ class Iteration:
         self._open = _OpenStep(
             self.step_index, name, time.perf_counter(), live, live, _copy(self.store.stats)
         )
+        if self.rss is not None:
+            self.rss.reset_peak()
+            self._open.rss_start = self.rss.current_rss_bytes()
         if self.executor is not None:
             self.executor.on_step(self.step_index, name)
             self.policy.early_eviction = not self.executor.active
@@ -223,7 +236,9 @@ class Iteration:
                 continue
             nbytes = self.store.evictable_bytes(record)
             evictable_now += nbytes
-            if nbytes and record.vid not in self.books.evictable_step:
+            # Evicted (or being evicted) counts too: it was evictable when the policy chose it.
+            moved = record.pending is not None or bool(record.offloaded_chunks())
+            if (nbytes or moved) and record.vid not in self.books.evictable_step:
                 self.books.evictable_step[record.vid] = self.step_index
         # Bytes that only became evictable at this point (inputs the op just finished with)
         # could not have been evicted before the op allocated: only what was evictable at the
@@ -246,6 +261,18 @@ class Iteration:
         step = self._open
         if step is None:
             return
+        transient = 0
+        if self.rss is not None:
+            # How far the step's peak rose above its end level, in RSS beyond what the samples
+            # saw: allocations still held at the end (one-time kernel caches, outputs) are not
+            # transient and are excluded.
+            high_water = self.rss.peak_rss_bytes()
+            self.rss_peak_bytes = max(self.rss_peak_bytes, high_water)
+            rss_rise = high_water - self.rss.current_rss_bytes()
+            sampled_rise = step.peak - self.live_bytes()
+            transient = max(0, rss_rise - max(sampled_rise, 0))
+            self.policy.transient_bytes = max(self.policy.transient_bytes, transient)
+        self.transients.append(transient)
         now = time.perf_counter()
         stats, before = self.store.stats, step.stats_at_start
         phase = Phase(step.name.split(":", 1)[0])
@@ -270,7 +297,8 @@ class Iteration:
                 now - step.started,
                 step.live_start,
                 step.peak,
-                max(step.unmanaged_peak, 0),
+                max(step.unmanaged_peak, 0) + transient,
+                transient,
             )
         )
         self._open = None

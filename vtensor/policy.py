@@ -45,13 +45,17 @@ class ReactivePolicy:
         self.store = store
         self.budget_bytes = budget_bytes
         self.reserve_bytes = 0
+        self.transient_bytes = 0  # the largest workspace seen inside one op (profiling)
         self.prefetch_depth = prefetch_depth
         # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
         self.early_eviction = True
 
     def high_watermark(self) -> int:
         """Device bytes above which the next allocation could break the budget."""
-        return self.budget_bytes - self.reserve_bytes
+        # A replayed plan budgets each step's op workspaces itself (its trace measured them);
+        # the reactive policy does not know which step needs one, so it keeps the largest free.
+        transient = self.transient_bytes if self.early_eviction else 0
+        return self.budget_bytes - self.reserve_bytes - transient
 
     def evict_down_to(
         self, live_bytes: int, target_bytes: int, pinned: VTensor | None = None

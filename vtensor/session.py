@@ -210,6 +210,7 @@ class MemoryManager:
             self.min_tensor_bytes,
             record_trace=chosen.record_trace,
             executor=chosen.executor,
+            rss=self._rss,
         )
         pack, unpack = make_saved_tensor_hooks(iteration)
         module_hooks = install_module_hooks(model, iteration)
@@ -245,11 +246,15 @@ class MemoryManager:
         self._rss.reset_peak()
         return self._rss.current_rss_bytes()
 
-    def _independent_peak(self, device: torch.device, baseline: int, rss_start: int) -> int:
+    def _independent_peak(
+        self, device: torch.device, baseline: int, rss_start: int, seen_peak: int
+    ) -> int:
         if device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(device))
         assert self._rss is not None
-        return baseline + max(0, self._rss.peak_rss_bytes() - rss_start)
+        # A profiling iteration resets the high-water mark per step and keeps the maximum.
+        peak = max(self._rss.peak_rss_bytes(), seen_peak)
+        return baseline + max(0, peak - rss_start)
 
     def _record(
         self,
@@ -280,7 +285,7 @@ class MemoryManager:
             chunk_bytes=self.chunk_size,
             peak_device_bytes=books.peak_bytes,
             peak_independent_bytes=self._independent_peak(
-                device, iteration.baseline_bytes, rss_start
+                device, iteration.baseline_bytes, rss_start, iteration.rss_peak_bytes
             ),
             independent_kind="cuda-max-allocated" if device.type == "cuda" else "rss-vmhwm",
             min_budget_bytes=books.min_budget_bytes,

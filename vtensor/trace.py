@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 2
+TRACE_SCHEMA_VERSION = 3
 
 
 class Phase(StrEnum):
@@ -28,7 +28,11 @@ class TraceStep:
         live_bytes_start: tracked device bytes when the step began.
         peak_live_bytes: largest tracked device bytes sampled during the step.
         unmanaged_peak_bytes: largest tracked device bytes sampled during the step that were not
-            in managed vTensors (parameters, gradients, outputs not saved yet, temporaries).
+            in managed vTensors (parameters, gradients, outputs not saved yet, temporaries),
+            plus ``transient_bytes``.
+        transient_bytes: what the step needed beyond its sampled peak, for workspaces that live
+            only inside one op (measured from the process's RSS high-water mark on CPU; 0 where
+            it could not be measured).
     """
 
     index: int
@@ -38,6 +42,7 @@ class TraceStep:
     live_bytes_start: int
     peak_live_bytes: int
     unmanaged_peak_bytes: int
+    transient_bytes: int = 0
 
 
 @dataclass(frozen=True)
