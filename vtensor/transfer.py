@@ -212,13 +212,16 @@ class CudaTransferEngine:
         return self._copy(storage, chunks, out=False)
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
-        for chunk in chunks:
-            if chunk.slot is not None:
-                # The copy back was fenced before release is called (the chunk is DEVICE), so the
-                # pinned buffer may be reused once the side stream has passed it.
-                self.stream.synchronize()
-                self.tier.give_back(self._buffers.pop(chunk.slot))
-                chunk.slot = None
+        held = [chunk for chunk in chunks if chunk.slot is not None]
+        if not held:
+            return
+        # The copies that used these pinned buffers were issued on the side stream; they may be
+        # reused once it has passed them.
+        self.stream.synchronize()
+        for chunk in held:
+            assert chunk.slot is not None
+            self.tier.give_back(self._buffers.pop(chunk.slot))
+            chunk.slot = None
 
     def close(self) -> None:  # noqa: D102
         self.stream.synchronize()
