@@ -1,10 +1,11 @@
 """Command line of vtensor: ``python -m vtensor demo|plan``; ``plan`` profiles, plans and replays.
 
-``plan MODEL`` builds a model (a name of the edgefl zoo, or ``package.module:factory``), trains
-it on one random batch: one step unmanaged (its peak), ``--steps`` plain steps (reference time
-and weights), then ``--steps`` iterations under a ``MemoryManager`` at the budget (the first is
-profiled and planned, the next ones replay the plan). It prints the figures, writes a plot of the
-unmanaged, profiled and planned iterations, and optionally the figures as JSON.
+``plan MODEL`` builds a model (a name of the edgefl zoo, or ``package.module:factory``) and
+trains it on one random batch: ``--steps`` plain steps (reference time and weights; they also
+warm the kernels up), one step at a 1 TiB budget (the unmanaged peak and trace), then ``--steps``
+iterations under a ``MemoryManager`` at the budget (the first is profiled and planned, the next
+ones replay the plan). It prints the figures, writes a plot of the unmanaged, profiled and
+planned iterations, and optionally the figures as JSON. Progress goes to stderr.
 
 Loss: cross-entropy when the output holds logits over the targets (``(N, C)`` for targets
 ``(N,)``, ``(N, T, V)`` for token targets ``(N, T)``, flattened), else ``output.square().mean()``.
@@ -86,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="{demo,plan}")
     sub.add_parser("demo", help="train a small CNN under a budget (the default; see demo --help)")
-    p = sub.add_parser("plan", help="profile MODEL, plan swaps at a budget, replay and plot them")
+    p = sub.add_parser(
+        "plan",
+        help="profile MODEL, plan swaps at a budget, replay and plot them",
+        description=(__doc__ or "").split("\n\n", 1)[-1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", metavar="MODEL", help="zoo name (edgefl.models) or pkg.module:factory")
     p.add_argument("--batch-shape", type=_shape, required=True, help="input shape, e.g. 32,3,64,64")
     p.add_argument("--target-shape", type=_shape, help="targets (default: (N,), tokens: input's)")
@@ -94,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, help="token vocabulary size (with --input-dtype long)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget", type=_size("budget"), help="absolute budget, e.g. 64MiB")
-    budget.add_argument("--fraction", type=_fraction, default=0.5, help="of the unmanaged peak")
+    budget.add_argument(
+        "--fraction", type=_fraction, default=0.5, help="of the unmanaged peak (default 0.5)"
+    )
     p.add_argument(
         "--chunk-bytes", type=_size("chunk_bytes"), default=parse_bytes("1MiB"), help="default 1MiB"
     )

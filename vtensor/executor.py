@@ -24,6 +24,7 @@ class PlanExecutor:
         self.records: list[VTensor] = []
         self.diverged: str | None = None
         self.missed = 0  # planned evictions that could not be issued (vTensor still in use)
+        self._started: set[tuple[int, int]] = set()  # (vid, planned step) started a step early
         self._evictions: dict[int, list[TensorMove]] = defaultdict(list)
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
         for move in plan.moves:
@@ -60,12 +61,27 @@ class PlanExecutor:
                 f"{names[index] if index < len(names) else 'none'!r}"
             )
             return
+        # NOTE [eviction timing]: the plan counts an eviction's bytes as gone from its step on.
+        # Evictions of the next step whose vTensors can already go are started now, so their
+        # writes overlap this step and are complete (reaped) when the next one begins; the ones
+        # that could not be started early are written now and waited for.
+        blocking = False
         for move in self._evictions.get(index, ()):
+            if (move.vid, index) in self._started:
+                continue
             record = self._record(move)
             if record is not None and self.store.evictable(record):
                 self.store.evict(record, move.evict_bytes)
+                blocking = True
             else:
                 self.missed += 1
+        if blocking:
+            self.store.reap(block=True)
+        for move in self._evictions.get(index + 1, ()):
+            record = self._record(move)
+            if record is not None and self.store.evictable(record):
+                self.store.evict(record, move.evict_bytes)
+                self._started.add((move.vid, index + 1))
         for move in self._prefetches.get(index, ()):
             record = self._record(move)
             if record is not None and record.offloaded_chunks():

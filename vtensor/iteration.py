@@ -266,10 +266,12 @@ class Iteration:
             # How far the step's peak rose above its end level, in RSS beyond what the samples
             # saw: allocations still held at the end (one-time kernel caches, outputs) are not
             # transient and are excluded.
+            # Both rises are measured from the higher of the step's start and end levels, so
+            # memory freed during the step (garbage of earlier code) is not mistaken for one.
             high_water = self.rss.peak_rss_bytes()
             self.rss_peak_bytes = max(self.rss_peak_bytes, high_water)
-            rss_rise = high_water - self.rss.current_rss_bytes()
-            sampled_rise = step.peak - self.live_bytes()
+            rss_rise = high_water - max(step.rss_start, self.rss.current_rss_bytes())
+            sampled_rise = step.peak - max(step.live_start, self.live_bytes())
             transient = max(0, rss_rise - max(sampled_rise, 0))
             self.policy.transient_bytes = max(self.policy.transient_bytes, transient)
         self.transients.append(transient)
@@ -316,7 +318,8 @@ class Iteration:
                 nbytes=r.nbytes,
                 dtypes=tuple(sorted(self.books.dtypes[r.vid])),
                 saved_step=r.saved_step,
-                evictable_step=self.books.evictable_step.get(r.vid, -1),
+                # First step at whose start it could go: it became evictable during this one.
+                evictable_step=self.books.evictable_step.get(r.vid, -2) + 1,
                 use_steps=tuple(u for u in r.uses),
             )
             for position, r in enumerate(ordered)

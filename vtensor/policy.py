@@ -46,16 +46,21 @@ class ReactivePolicy:
         self.budget_bytes = budget_bytes
         self.reserve_bytes = 0
         self.transient_bytes = 0  # the largest workspace seen inside one op (profiling)
+        self.guard_bytes = store.chunk_bytes or 64 * 1024  # headroom kept while replaying a plan
         self.prefetch_depth = prefetch_depth
         # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
         self.early_eviction = True
 
     def high_watermark(self) -> int:
         """Device bytes above which the next allocation could break the budget."""
-        # A replayed plan budgets each step's op workspaces itself (its trace measured them);
-        # the reactive policy does not know which step needs one, so it keeps the largest free.
-        transient = self.transient_bytes if self.early_eviction else 0
-        return self.budget_bytes - self.reserve_bytes - transient
+        if not self.early_eviction:
+            # A replayed plan budgets each step's op workspaces itself (its trace measured
+            # them); the guard keeps the largest growth between two hook points free, because
+            # the plan's per-step model cannot place every allocation within a step.
+            return self.budget_bytes - max(self.reserve_bytes, self.guard_bytes)
+        # The reactive policy does not know which step needs a workspace, so it keeps the
+        # largest one seen free as well.
+        return self.budget_bytes - self.reserve_bytes - self.transient_bytes
 
     def evict_down_to(
         self, live_bytes: int, target_bytes: int, pinned: VTensor | None = None

@@ -54,8 +54,9 @@ class TraceTensor:
         nbytes: size of its storage.
         dtypes: dtypes of the views saved of it.
         saved_step: step index of the first save.
-        evictable_step: first step index at which nothing but autograd referenced it (it could
-            be swapped from then on); -1 if that never happened.
+        evictable_step: first step at whose start nothing but autograd referenced it (it could
+            be swapped from then on: the step after the one during which that became true);
+            -1 if that never happened.
         use_steps: step indices at which backward unpacked it, in order.
     """
 

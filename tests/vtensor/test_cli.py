@@ -55,13 +55,13 @@ def test_cli_plan_profiles_plans_replays_and_writes_plot_and_json(tiny_models: P
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tiny_models)])}
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "vtensor", "plan", "tiny_models:make_model"]
-    command += ["--batch-shape", "2048,256", "--fraction", "0.8", "--chunk-bytes", "64KiB"]
+    command += ["--batch-shape", "2048,256", "--fraction", "0.9", "--chunk-bytes", "64KiB"]
     command += ["--steps", "2", "--plot", str(png), "--json", str(out_json)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     peak, budget = _figure(out, "unmanaged peak"), _figure(out, "budget")
-    assert budget == int(peak * 0.8)
+    assert budget == int(peak * 0.9)
     assert 0 < _figure(out, "smallest feasible budget (planner)") <= budget
     assert _figure(out, "bytes to move per iteration (plan)") > 0
     assert _figure(out, "predicted peak") <= budget

@@ -40,9 +40,9 @@ def test_cuda_engine_round_trips_chunks_through_pinned_memory():
 def test_cuda_training_is_bit_identical_under_half_the_peak(granularity):
     device = torch.device("cuda")
     torch.manual_seed(0)
-    model = nn.Sequential(
-        *[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]
-    ).to(device)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]).to(
+        device
+    )
     x = torch.randn(4096, 1024, device=device)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 

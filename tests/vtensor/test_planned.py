@@ -52,7 +52,7 @@ def _budget(model: nn.Module, x: torch.Tensor, fraction: float) -> int:
 def test_planned_replay_matches_prediction_and_moves_bytes(tmp_path):
     torch.manual_seed(0)
     model, x = Branchy(), torch.randn(4096, 64)
-    budget = _budget(model, x, 0.5)
+    budget = _budget(model, x, 0.85)
     ref = _run(model, x, None)
     with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
         for _ in range(3):
@@ -69,7 +69,7 @@ def test_planned_replay_matches_prediction_and_moves_bytes(tmp_path):
 def test_divergence_falls_back_within_budget_and_replans(tmp_path):
     torch.manual_seed(0)
     model, x = Branchy(), torch.randn(4096, 64)
-    budget = _budget(model, x, 0.6)
+    budget = _budget(model, x, 0.85)
     with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
         _run(model, x, mm)
         _run(model, x, mm)
@@ -86,7 +86,7 @@ def test_divergence_falls_back_within_budget_and_replans(tmp_path):
 def test_smaller_last_batch_works_with_and_without_its_signature(tmp_path):
     torch.manual_seed(0)
     model, x = Branchy(), torch.randn(4096, 64)
-    budget = _budget(model, x, 0.6)
+    budget = _budget(model, x, 0.85)
     small = x[:1000]
     ref = _run(model, small, None)
     with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
@@ -121,7 +121,7 @@ with vtensor.MemoryManager(int(sys.argv[3]), chunk_bytes=65536, plan_cache_dir=s
 def test_fresh_process_uses_cached_plan_and_corrupt_cache_replans(tmp_path, caplog):
     torch.manual_seed(0)
     model, x = Branchy(), torch.randn(4096, 64)
-    budget = _budget(model, x, 0.5)
+    budget = _budget(model, x, 0.85)
     cache = tmp_path / "plans"
     with vtensor.MemoryManager(budget, chunk_bytes=65536, plan_cache_dir=cache) as mm:
         _run(model, x, mm, inputs=(x,))
