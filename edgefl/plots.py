@@ -1,0 +1,93 @@
+"""PNG plots of a run with matplotlib's headless Agg backend."""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from edgefl.history import RunHistory
+from edgefl.settings import DeviceClass
+
+ACCURACY_PNG = "accuracy_loss.png"
+MEMORY_PNG = "client_memory.png"
+_MIB = float(1 << 20)
+
+
+def plot_accuracy_loss(history: RunHistory, path: Path) -> Path:
+    """Central accuracy and loss (and clients' mean train loss) per round."""
+    rounds = [r for r in history.rounds if r.central_acc is not None]
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_acc.plot([r.server_round for r in rounds], [r.central_acc for r in rounds], "o-")
+    ax_acc.set(xlabel="round", ylabel="accuracy", title="central accuracy (held-out test set)")
+    ax_loss.plot(
+        [r.server_round for r in rounds],
+        [r.central_loss for r in rounds],
+        "o-",
+        label="central test loss",
+    )
+    trained = [r for r in history.rounds if r.train_loss is not None]
+    ax_loss.plot(
+        [r.server_round for r in trained],
+        [r.train_loss for r in trained],
+        "s--",
+        label="clients' train loss",
+    )
+    ax_loss.set(xlabel="round", ylabel="loss", title="loss")
+    ax_loss.legend()
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _save(fig, path)
+
+
+def plot_client_memory(
+    history: RunHistory,
+    classes: Sequence[DeviceClass],
+    unmanaged_peak_bytes: int | None,
+    path: Path,
+) -> Path:
+    """Each client's peak device memory per round, coloured by device class, against budgets."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colours = plt.get_cmap("tab10")
+    rows = [c for c in history.clients if c.phase == "train" and c.error is None]
+    partition_of = {c.node_id: c.metrics["partition-id"] for c in rows}
+    for node in sorted(partition_of, key=partition_of.__getitem__):
+        mine = sorted((c for c in rows if c.node_id == node), key=lambda c: c.server_round)
+        index = int(mine[0].metrics.get("device-class", -1))
+        ax.plot(
+            [c.server_round for c in mine],
+            [c.metrics["peak-device-bytes"] / _MIB for c in mine],
+            "o-",
+            alpha=0.7,
+            color=colours(index % 10),
+            label=f"client {int(mine[0].metrics['partition-id'])}",
+        )
+    for index, device in enumerate(classes):  # budgets as the clients resolved them
+        budgets = [c.metrics["budget-bytes"] for c in rows if c.metrics["device-class"] == index]
+        if budgets:
+            ax.axhline(
+                max(budgets) / _MIB,
+                ls="--",
+                color=colours(index % 10),
+                label=f"budget {device.name}",
+            )
+    if unmanaged_peak_bytes:
+        ax.axhline(unmanaged_peak_bytes / _MIB, ls=":", color="black", label="unmanaged peak")
+    ax.set(xlabel="round", ylabel="MiB", title="per-client peak device memory vs budget")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,102 @@
+"""A Grid that delegates to Flower's and reports every exchange (instructions and replies)."""
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One ``send_and_receive``: the instructions sent and the replies that came back."""
+
+    message_type: str
+    server_round: int  # from the instructions' config "server-round"; 0 if absent
+    sent: Sequence[Message]
+    replies: Sequence[Message]
+
+
+ExchangeObserver = Callable[[Exchange], None]
+
+
+class RecordingGrid(Grid):
+    """Wraps a Grid; after each ``send_and_receive`` calls every observer with the Exchange.
+
+    Replies are returned sorted by the ``partition-id`` metric (errors last): they arrive in
+    whatever order clients finish, and a strategy's floating-point sums then differ between
+    runs in the last bits. Sorted, a run with fixed seeds is reproducible bit for bit.
+    """
+
+    def __init__(self, grid: Grid, observers: Sequence[ExchangeObserver]) -> None:
+        self._grid = grid
+        self._observers = list(observers)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Delegate, then report the exchange."""
+        sent = list(messages)
+        replies = sorted(self._grid.send_and_receive(sent, timeout=timeout), key=_reply_order)
+        if sent:
+            exchange = Exchange(sent[0].metadata.message_type, _round_of(sent[0]), sent, replies)
+            for observer in self._observers:
+                observer(exchange)
+        return replies
+
+    # -- plain delegation ---------------------------------------------------------------------
+    def set_run(self, run: Any) -> None:
+        """Delegate."""
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        """Delegate."""
+        return self._grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Delegate (deprecated in Flower; kept for the ABC)."""
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """Delegate."""
+        return self._grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[Any]:
+        """Delegate."""
+        return self._grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Delegate."""
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Delegate."""
+        return self._grid.pull_messages(message_ids)
+
+
+def _round_of(message: Message) -> int:
+    for record in message.content.config_records.values():
+        value = record.get("server-round")
+        if isinstance(value, int | float):
+            return int(value)
+    return 0
+
+
+def _reply_order(reply: Message) -> tuple[int, float, int]:
+    """Sort key: content replies by partition id, then error replies; node id breaks ties."""
+    if reply.has_error():
+        return 1, 0.0, reply.metadata.src_node_id
+    for record in reply.content.metric_records.values():
+        value = record.get("partition-id")
+        if isinstance(value, int | float):
+            return 0, float(value), reply.metadata.src_node_id
+    return 0, float("inf"), reply.metadata.src_node_id

@@ -1,0 +1,58 @@
+"""Write a run's results: per-round metrics (JSON, CSV), per-client metrics, model, settings."""
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgefl.history import RunHistory
+from edgefl.settings import RunSettings
+
+ROUNDS_JSON, ROUNDS_CSV = "rounds.json", "rounds.csv"
+CLIENTS_CSV = "clients.csv"
+MODEL_FILE = "final_model.pt"
+SETTINGS_JSON = "settings.json"
+SUMMARY_TXT = "summary.txt"
+
+
+def write_results(
+    out_dir: Path,
+    history: RunHistory,
+    final_state: dict[str, torch.Tensor],
+    settings: RunSettings,
+    extra: dict[str, Any],
+) -> list[Path]:
+    """Write every result file into ``out_dir`` (created) and return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rounds = [dataclasses.asdict(r) for r in history.rounds]
+    (out_dir / ROUNDS_JSON).write_text(json.dumps({"rounds": rounds, **extra}, indent=2))
+    _write_csv(out_dir / ROUNDS_CSV, rounds)
+    clients = [
+        {
+            "server_round": c.server_round,
+            "phase": c.phase,
+            "node_id": c.node_id,
+            "error": c.error or "",
+            **c.metrics,
+        }
+        for c in history.clients
+    ]
+    _write_csv(out_dir / CLIENTS_CSV, clients)
+    torch.save(final_state, out_dir / MODEL_FILE)
+    (out_dir / SETTINGS_JSON).write_text(
+        json.dumps(dataclasses.asdict(settings), indent=2, default=str)
+    )
+    return [out_dir / n for n in (ROUNDS_JSON, ROUNDS_CSV, CLIENTS_CSV, MODEL_FILE, SETTINGS_JSON)]
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)

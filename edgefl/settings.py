@@ -1,0 +1,120 @@
+"""Typed, frozen settings of a run: plain data built by edgefl.config, read by everything else."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgefl.budget import Budget
+from edgefl.data.partition import Partitioner
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Which dataset, how it is split over clients, and how much of it is used."""
+
+    name: str = "mnist"
+    root: str | None = None  # folder holding the dataset files; None = the installed package
+    partitioner: Partitioner = Partitioner.DIRICHLET
+    alpha: float = 0.5
+    min_partition_size: int = 10
+    max_examples_per_client: int = 0  # training examples kept per client; 0 = all
+    local_test_fraction: float = 0.1  # share of a client's partition kept for its local evaluation
+    central_test_examples: int = 0  # examples of the held-out test set the server uses; 0 = all
+    seq_len: int = 80  # characters per example (text datasets)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """A model of the zoo and its own options."""
+
+    name: str = "cnn"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Local training; the server sends lr, epochs and batch size in each round's config."""
+
+    lr: float = 0.05
+    momentum: float = 0.9
+    local_epochs: int = 1
+    batch_size: int = 32
+    eval_batch_size: int = 256
+    torch_threads: int = 1  # per client process; more threads only oversubscribe a small host
+
+
+@dataclass(frozen=True)
+class VTensorSettings:
+    """The memory manager: on or off, and its chunking and storage."""
+
+    enabled: bool = True
+    chunk_bytes: int = 1 << 20
+    storage_dir: str | None = None
+    granularity: str = "chunk"
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """One kind of device in a simulated fleet."""
+
+    name: str
+    budget: Budget
+    share: float  # fraction of the fleet's clients
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """Device classes of a simulated fleet and where each class keeps its plan cache."""
+
+    classes: tuple[DeviceClass, ...]
+    plan_cache_root: str | None = None  # None = <tmp>/edgefl-plan-cache
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Everything a ClientApp needs besides its node config."""
+
+    seed: int
+    data: DataSettings
+    model: ModelSettings
+    train: TrainSettings
+    vtensor: VTensorSettings
+    fleet: FleetSettings
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A Flower strategy as a Hydra target and its keyword arguments."""
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The ServerApp's run: rounds, strategy, outputs."""
+
+    num_rounds: int
+    num_supernodes: int
+    strategy: StrategySpec
+    output_dir: str
+    round_timeout_s: float = 3600.0
+    central_eval: bool = True
+    save_plots: bool = True
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    """Resources of Flower's Ray simulation engine."""
+
+    client_num_cpus: float = 1.0
+    ray_num_cpus: int = 2
+    flower_log_level: str = "WARNING"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One experiment: the client side, the server side and the simulation engine."""
+
+    client: ClientSettings
+    server: ServerSettings
+    simulation: SimulationSettings

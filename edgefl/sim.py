@@ -1,0 +1,173 @@
+"""Run a federated simulation from Hydra config on Flower's simulation engine (``edgefl-sim``).
+
+NOTE [simulation path]: this entry point uses ``flwr.simulation.run_simulation`` (deprecated in
+1.42, still supported) rather than ``flwr run``: it runs the ServerApp in this process and the
+ClientApps in Ray actors, so the full nested Hydra config travels in closures (``flwr run``
+flattens config to ``[tool.flwr.app.config]`` keys), results come straight back, and nothing is
+left running afterwards (``flwr run`` spawns a detached SuperLink on a fixed port that outlives
+the command and is shared by every FLWR_HOME on the machine). ``flwr run .`` works too, through
+the module-level ``app`` objects and ``--run-config`` keys (see edgefl.config).
+"""
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgefl.client_app import build_client_app
+from edgefl.client_data import client_split
+from edgefl.config import GROUPS, group_options, load_run_settings
+from edgefl.errors import EdgeFLError
+from edgefl.log_setup import configure_logging
+from edgefl.models import build_model
+from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
+from edgefl.recording_grid import ExchangeObserver
+from edgefl.server_app import build_server_app
+from edgefl.settings import RunSettings
+from vtensor import format_bytes
+
+logger = logging.getLogger("edgefl.sim")  # not __name__: "__main__" under python -m
+_OFFLINE_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TQDM_DISABLE": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",  # silences a FutureWarning; no GPUs are used
+}
+
+
+def prepare(settings: RunSettings) -> RunSettings:
+    """Fill run-time defaults and fail fast on bad config.
+
+    The plan cache goes under the output folder; client 0's data is loaded and the model built
+    before any simulation engine starts.
+    """
+    fleet = settings.client.fleet
+    if fleet.plan_cache_root is None:
+        fleet = dataclasses.replace(
+            fleet, plan_cache_root=str(Path(settings.server.output_dir) / "plan-cache")
+        )
+    client = dataclasses.replace(settings.client, fleet=fleet)
+    info, _, _ = client_split(
+        client.data, client.data.root, 0, settings.server.num_supernodes, client.seed
+    )
+    build_model(client.model.name, info, client.model.options)
+    return dataclasses.replace(settings, client=client)
+
+
+def measure_peak(settings: RunSettings) -> PeakMeasurement:
+    """Measure the unmanaged training peak on client 0's data in this (still quiet) process.
+
+    Warns about device classes whose budget is outside [smallest workable, unmanaged peak).
+    """
+    c = settings.client
+    info, train, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
+    torch.manual_seed(c.seed)
+    torch.set_num_threads(c.train.torch_threads)  # as clients train: threads change workspaces
+    peak = measure_unmanaged_peak(
+        build_model(c.model.name, info, c.model.options), train, c.train.batch_size
+    )
+    resolved = []
+    for device in c.fleet.classes:
+        budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
+        resolved.append(f"{device.name} {device.budget} = {format_bytes(budget)}")
+        if budget >= peak.unmanaged_peak_bytes:
+            logger.warning(
+                "device class %s: budget %s is not below the unmanaged peak %s; "
+                "vtensor has nothing to do",
+                device.name,
+                format_bytes(budget),
+                format_bytes(peak.unmanaged_peak_bytes),
+            )
+        elif budget < peak.min_budget_bytes:
+            logger.warning(
+                "device class %s: budget %s is below the smallest workable budget %s; "
+                "its clients will reply with errors",
+                device.name,
+                format_bytes(budget),
+                format_bytes(peak.min_budget_bytes),
+            )
+    logger.info(
+        "unmanaged training peak %s, smallest workable budget %s (measured here); budgets: %s",
+        format_bytes(peak.unmanaged_peak_bytes),
+        format_bytes(peak.min_budget_bytes),
+        ", ".join(resolved),
+    )
+    return peak
+
+
+def simulate(
+    settings: RunSettings,
+    observers: Sequence[ExchangeObserver] = (),
+    peak: PeakMeasurement | None = None,
+) -> dict[str, Any]:
+    """Run the simulation; return the ServerApp's outcome (history, final_state, output_dir)."""
+    from flwr.simulation import run_simulation  # heavy (Ray); imported only to simulate
+
+    for key, value in _OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    configure_logging(settings.simulation.flower_log_level)
+    outcome: dict[str, Any] = {}
+    sim = settings.simulation
+    run_simulation(
+        server_app=build_server_app(settings, observers, outcome, peak),
+        client_app=build_client_app(settings.client),
+        num_supernodes=settings.server.num_supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": sim.client_num_cpus, "num_gpus": 0.0},
+            "init_args": {"num_cpus": sim.ray_num_cpus, "logging_level": sim.flower_log_level},
+        },
+        verbose_logging=sim.flower_log_level.upper() == "DEBUG",
+    )
+    if "history" not in outcome:
+        raise EdgeFLError(
+            "the simulation ended without results: the ServerApp failed "
+            "(see the Flower log above; rerun with debug=verbose)"
+        )
+    return outcome
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``edgefl-sim [hydra overrides...]``; ``--help`` lists the config groups."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(_usage())
+        return 0
+    configure_logging()
+    try:
+        settings = prepare(load_run_settings(args))
+        logger.info(
+            "simulating %d clients for %d rounds; results will go to %s",
+            settings.server.num_supernodes,
+            settings.server.num_rounds,
+            settings.server.output_dir,
+        )
+        outcome = simulate(settings, peak=measure_peak(settings))
+    except EdgeFLError as exc:
+        logger.error("%s", exc)
+        return 2
+    out_dir = outcome["output_dir"]
+    print(
+        f"results: {out_dir} (rounds.json, rounds.csv, clients.csv, final_model.pt, "
+        f"summary.txt, plots accuracy_loss.png and client_memory.png)"
+    )
+    return 0
+
+
+def _usage() -> str:
+    lines = [
+        "usage: edgefl-sim [key=value ...]   (Hydra overrides of conf/config.yaml)",
+        "config groups (group=option):",
+    ]
+    lines += [f"  {g}: {', '.join(group_options(g))}" for g in GROUPS]
+    lines.append("examples: edgefl-sim experiment=hapt   edgefl-sim num_rounds=10 vtensor=disabled")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

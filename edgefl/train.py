@@ -1,0 +1,175 @@
+"""Plain torch loops for local training and evaluation; the one place training enters vtensor."""
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vtensor
+from edgefl.data.arrays import ArrayDataset
+from edgefl.errors import ClientBudgetError
+from edgefl.settings import VTensorSettings
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """Summary of one round of local training (vtensor figures summed or maxed over steps)."""
+
+    num_examples: int
+    loss: float  # mean training loss over the round's batches
+    steps: int
+    train_s: float
+    peak_device_bytes: int  # max over steps; 0 with vtensor off
+    bytes_out: int
+    bytes_in: int
+    stall_s: float
+    transfer_s: float
+    plan_source: str | None  # first step's report().plan_source, or "fallback"; None if off
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """Loss and accuracy (per token for text) on a dataset."""
+
+    num_examples: int
+    loss: float
+    accuracy: float
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    """Make a client's round deterministic: one seed, a fixed thread count, deterministic ops."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over classes, or over every position for (batch, time, vocab) logits."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def open_manager(
+    settings: VTensorSettings, budget_bytes: int, plan_cache_dir: Path
+) -> vtensor.MemoryManager | None:
+    """A MemoryManager for this client's budget, or None when vtensor is off.
+
+    ``plan_cache_dir`` (created here) is vtensor's plan cache; virtual clients of one device
+    class share it, so one profiles the model and the others start from its plan.
+    """
+    if not settings.enabled:
+        return None
+    plan_cache_dir.mkdir(parents=True, exist_ok=True)
+    return vtensor.MemoryManager(
+        budget_bytes,
+        chunk_bytes=settings.chunk_bytes,
+        storage_dir=settings.storage_dir,
+        granularity=settings.granularity,
+        plan_cache_dir=plan_cache_dir,
+    )
+
+
+def train_local(
+    model: nn.Module,
+    data: ArrayDataset,
+    *,
+    lr: float,
+    momentum: float,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    manager: vtensor.MemoryManager | None,
+    proximal_mu: float = 0.0,
+) -> TrainOutcome:
+    """Train ``model`` in place with SGD; every iteration runs under ``manager`` when given.
+
+    Raises:
+        ClientBudgetError: vtensor could not meet the budget.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
+    rng = np.random.default_rng(seed)
+    losses: list[float] = []
+    peak = out = back = 0
+    stall = transfer = 0.0
+    source: str | None = None
+    model.train()
+    started = time.perf_counter()
+    for x, y in _batches(data, batch_size, epochs, rng):
+        optimizer.zero_grad(set_to_none=True)
+        with _managed(manager, model, optimizer, (x, y)):
+            loss = loss_fn(model(x), y)
+            if anchor:
+                loss = loss + proximal_mu / 2 * sum(
+                    (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor, strict=True)
+                )
+            loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if manager is not None:
+            rep = manager.report()
+            peak = max(peak, rep.peak_device_bytes)
+            out, back = out + rep.bytes_out, back + rep.bytes_in
+            stall, transfer = stall + rep.stall_s, transfer + rep.transfer_s
+            if source is None or rep.plan_source == "fallback":
+                source = rep.plan_source  # the round's source: its first step's, or fallback
+    return TrainOutcome(
+        len(data),
+        float(np.mean(losses)) if losses else 0.0,
+        len(losses),
+        time.perf_counter() - started,
+        peak,
+        out,
+        back,
+        stall,
+        transfer,
+        source,
+    )
+
+
+@contextlib.contextmanager
+def _managed(
+    manager: vtensor.MemoryManager | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: tuple[torch.Tensor, ...],
+) -> Iterator[None]:
+    if manager is None:
+        yield
+        return
+    try:
+        with manager.step(model, optimizer, inputs):
+            yield
+    except vtensor.InfeasibleBudgetError as exc:
+        raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int) -> EvalOutcome:
+    """Mean loss and accuracy of ``model`` on ``data`` (no vtensor: inference saves nothing)."""
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    for start in range(0, len(data), batch_size):
+        x = torch.from_numpy(data.x[start : start + batch_size])
+        y = torch.from_numpy(data.y[start : start + batch_size])
+        logits = model(x)
+        total_loss += float(loss_fn(logits, y)) * y.numel()
+        correct += int((logits.argmax(-1) == y).sum())
+        count += y.numel()
+    return EvalOutcome(len(data), total_loss / max(count, 1), correct / max(count, 1))
+
+
+def _batches(
+    data: ArrayDataset, batch_size: int, epochs: int, rng: np.random.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled mini-batches (the last, smaller one included) for ``epochs`` epochs."""
+    for _ in range(epochs):
+        order = rng.permutation(len(data))
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            yield torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])

@@ -1,0 +1,154 @@
+"""The ClientApp called directly with real Flower messages (no simulation engine)."""
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+
+from edgefl.budget import Budget
+from edgefl.client_app import build_client_app
+from edgefl.data import load_dataset
+from edgefl.models import build_model
+from edgefl.peak import measure_unmanaged_peak
+from edgefl.records import ERROR_CODE_BUDGET, EVAL_METRIC_KEYS, TRAIN_METRIC_KEYS, PlanSource
+from edgefl.settings import DeviceClass, RunSettings, VTensorSettings
+
+
+def _context(node_config: dict[str, int | str]) -> Context:
+    return Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+
+
+def _message(settings: RunSettings, message_type: str, server_round: int = 1) -> Message:
+    info = load_dataset(settings.client.data.name).info
+    torch.manual_seed(0)
+    model = build_model(settings.client.model.name, info, settings.client.model.options)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "config": ConfigRecord({"server-round": server_round, "lr": 0.05}),
+        }
+    )
+    return Message(content, dst_node_id=7, message_type=message_type)
+
+
+SIM_NODE = {"partition-id": 0, "num-partitions": 2}
+
+
+def test_train_reply_has_arrays_and_every_metric(smoke_settings: RunSettings) -> None:
+    app = build_client_app(smoke_settings.client)
+    reply = app(_message(smoke_settings, MessageType.TRAIN), _context(SIM_NODE))
+    assert not reply.has_error()
+    assert list(reply.content.array_records) == ["arrays"]
+    metrics = reply.content["metrics"]
+    assert tuple(metrics) == TRAIN_METRIC_KEYS
+    assert metrics["num-examples"] == 64
+    assert metrics["budget-bytes"] == 1 << 30
+    assert metrics["plan-source"] in (PlanSource.PROFILED, PlanSource.CACHED)
+    assert 0 < metrics["peak-device-bytes"] <= metrics["budget-bytes"]
+
+
+def test_evaluate_reply_has_only_metrics(smoke_settings: RunSettings) -> None:
+    app = build_client_app(smoke_settings.client)
+    reply = app(_message(smoke_settings, MessageType.EVALUATE), _context(SIM_NODE))
+    assert not reply.content.array_records
+    metrics = reply.content["metrics"]
+    assert tuple(metrics) == EVAL_METRIC_KEYS
+    assert 0.0 <= metrics["eval-acc"] <= 1.0 and metrics["num-examples"] > 0
+
+
+def test_unmeetable_budget_replies_with_a_clear_error(smoke_settings: RunSettings) -> None:
+    app = build_client_app(smoke_settings.client)
+    node = {**SIM_NODE, "memory-budget": "64KiB", "device-class": "sensor-tag"}
+    reply = app(_message(smoke_settings, MessageType.TRAIN), _context(node))
+    assert reply.has_error()
+    assert reply.error.code == ERROR_CODE_BUDGET
+    assert "sensor-tag" in reply.error.reason and "Raise the budget" in reply.error.reason
+
+
+def test_vtensor_on_and_off_give_identical_weights(
+    smoke_settings: RunSettings, with_budget: Callable[..., RunSettings]
+) -> None:
+    """Under a budget that forces swapping, trained arrays equal plain training's bit for bit."""
+    options = {"width": 8, "hidden": 32, "convs_per_stage": 3}
+    data = load_dataset("mnist")
+    model = build_model("cnn", data.info, options)
+    peak = measure_unmanaged_peak(model, data.train, smoke_settings.client.train.batch_size)
+    budget = (peak.min_budget_bytes + peak.unmanaged_peak_bytes) // 2  # must swap, can fit
+    tight = with_budget(smoke_settings, budget, **options)
+    off = dataclasses.replace(tight.client, vtensor=VTensorSettings(enabled=False))
+    msg = _message(tight, MessageType.TRAIN, server_round=2)
+    on_reply = build_client_app(tight.client)(msg, _context(SIM_NODE))
+    off_reply = build_client_app(off)(msg, _context(SIM_NODE))
+    assert on_reply.content["metrics"]["bytes-swapped-out"] > 0
+    assert off_reply.content["metrics"]["plan-source"] == PlanSource.UNMANAGED
+    on, off_arrays = on_reply.content["arrays"], off_reply.content["arrays"]
+    for key in on:
+        assert np.array_equal(on[key].numpy(), off_arrays[key].numpy()), key
+
+
+def test_different_rounds_use_different_batch_orders(smoke_settings: RunSettings) -> None:
+    app = build_client_app(smoke_settings.client)
+    first = app(_message(smoke_settings, MessageType.TRAIN, 1), _context(SIM_NODE))
+    again = app(_message(smoke_settings, MessageType.TRAIN, 1), _context(SIM_NODE))
+    other = app(_message(smoke_settings, MessageType.TRAIN, 2), _context(SIM_NODE))
+    loss = [m.content["metrics"]["train-loss"] for m in (first, again, other)]
+    assert loss[0] == loss[1] != loss[2]
+
+
+@pytest.mark.parametrize(
+    "source, code",
+    [
+        (None, 0),
+        ("profiled", 1),
+        ("cached", 2),
+        ("planned", 3),
+        ("fallback", 4),
+        ("reactive", 5),
+        ("new", 9),
+    ],
+)
+def test_plan_source_codes(source: str | None, code: int) -> None:
+    from edgefl.records import plan_source_code
+
+    assert plan_source_code(source) == code
+
+
+def test_relative_budget_is_below_the_measured_unmanaged_peak(
+    smoke_settings: RunSettings, with_budget: Callable[..., RunSettings]
+) -> None:
+    settings = with_budget(smoke_settings, 0, width=8, hidden=32, convs_per_stage=3)
+    fleet = dataclasses.replace(
+        settings.client.fleet, classes=(DeviceClass("tight", Budget(peak_fraction=0.75), 1.0),)
+    )
+    client = dataclasses.replace(settings.client, fleet=fleet)
+    settings = dataclasses.replace(settings, client=client)
+    reply = build_client_app(client)(_message(settings, MessageType.TRAIN), _context(SIM_NODE))
+    metrics = reply.content["metrics"]
+    assert metrics["bytes-swapped-out"] > 0
+    assert metrics["peak-device-bytes"] <= metrics["budget-bytes"]
+
+
+def test_clients_of_one_class_share_a_plan_cache(
+    smoke_settings: RunSettings, with_budget: Callable[..., RunSettings], tmp_path: Path
+) -> None:
+    """The first client of a class profiles the model; the next starts from its cached plan."""
+    settings = with_budget(smoke_settings, 0, width=8, hidden=32, convs_per_stage=3)
+    classes = (DeviceClass("tight", Budget(peak_fraction=0.75), 1.0),)
+    fleet = dataclasses.replace(
+        settings.client.fleet, classes=classes, plan_cache_root=str(tmp_path)
+    )
+    client = dataclasses.replace(settings.client, fleet=fleet)
+    app = build_client_app(client)
+    msg = _message(dataclasses.replace(settings, client=client), MessageType.TRAIN)
+    sources = [
+        app(msg, _context({"partition-id": pid, "num-partitions": 2})).content["metrics"][
+            "plan-source"
+        ]
+        for pid in (0, 1)
+    ]
+    assert sources == [PlanSource.PROFILED, PlanSource.CACHED]
+    assert any((tmp_path / "tight").iterdir())

@@ -1,0 +1,71 @@
+import pytest
+
+from edgefl.config import (
+    GROUPS,
+    compose_config,
+    group_options,
+    instantiate_strategy,
+    load_run_settings,
+    overrides_from_run_config,
+    run_settings,
+)
+from edgefl.errors import ConfigError
+from edgefl.settings import RunSettings
+
+CASES = [(group, option) for group in GROUPS for option in group_options(group)]
+
+
+def test_every_group_has_options() -> None:
+    assert all(group_options(group) for group in GROUPS)
+
+
+@pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_every_option_composes_into_settings(group: str, option: str) -> None:
+    settings = run_settings(compose_config([f"{group}={option}"]))
+    assert isinstance(settings, RunSettings)
+
+
+@pytest.mark.parametrize("option", group_options("strategy"))
+def test_every_strategy_target_instantiates(option: str) -> None:
+    settings = load_run_settings([f"strategy={option}"])
+    strategy = instantiate_strategy(settings.server.strategy)
+    assert type(strategy).__module__.startswith("flwr.serverapp.strategy")
+
+
+def test_default_config_is_the_main_job() -> None:
+    s = load_run_settings()
+    assert s.client.data.name == "mnist"
+    assert s.server.num_supernodes >= 8 and s.server.num_rounds >= 5
+    assert len(s.client.fleet.classes) >= 3 and s.client.vtensor.enabled
+
+
+def test_run_config_keys_become_overrides() -> None:
+    run_config = {
+        "dataset": "hapt",
+        "model": "",
+        "num-server-rounds": 3,
+        "output-dir": "/tmp/x",
+        "overrides": "seed=7 train.lr=0.1",
+    }
+    assert overrides_from_run_config(run_config) == [
+        "dataset=hapt",
+        "num_rounds=3",
+        "output_dir=/tmp/x",
+        "seed=7",
+        "train.lr=0.1",
+    ]
+
+
+def test_bad_override_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="do not compose"):
+        compose_config(["model=transformer_xl"])
+
+
+def test_bad_budget_names_the_class() -> None:
+    with pytest.raises(ConfigError, match="fleet edge budget"):
+        load_run_settings(["fleet=uniform", "fleet.classes.0.budget=lots"])
+
+
+def test_privacy_other_than_none_is_refused() -> None:
+    with pytest.raises(ConfigError, match="privacy=none"):
+        load_run_settings(["privacy.name=dp"])
