@@ -1,23 +1,29 @@
-"""Activation swapping under a memory budget: vtensor (whole-tensor and chunked) vs checkpointing.
+"""Activation swapping under a budget: LGM-planned chunks vs whole tensors, reactive, checkpointing.
 
-Trains a MobileNetV2-class CNN (inverted residuals, x6 expansion, BatchNorm, ReLU6) at 128 px on
-CPU and measures, per variant and budget:
+Trains three CPU workloads (``benchmarks/models.py``: a MobileNetV2, a ResNet-18, a causal char
+transformer that saves its T x T attention probabilities) at budgets that are fractions of each
+model's unmanaged tracked peak, with these variants:
 
-- tracked peak: the manager's own figure (glibc ``mallinfo2`` heap growth sampled at every hook
-  point, plus the baseline of parameters, gradients, optimizer state and inputs);
-- independent peaks: a ``LiveStorageTracker`` dispatch mode (distinct live storages) on one extra
-  step per variant, and the manager's RSS figure (baseline + VmHWM growth over the step);
-- bytes swapped out/in per step, stall time, and the median step time over round-robin rounds;
-- whether the gradients are bit-identical to the unmanaged run.
+- ``unmanaged``: plain PyTorch, the reference;
+- ``checkpoint``: ``torch.utils.checkpoint`` per block (takes no budget: run once, as is);
+- ``lgm-chunk``: ``MemoryManager(policy="planned", granularity="chunk")``: the first iteration is
+  profiled (reactive), planned by the LGM planner, and the plan is replayed afterwards;
+- ``lgm-tensor``: the same planner at ``granularity="tensor"`` (whole tensors, the prior-work
+  baseline);
+- ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning.
 
-Budgets are fractions of the unmanaged tracked peak. ``torch.utils.checkpoint`` takes no budget: it
-is run once and reported as is.
+Per variant it measures the median step time over round-robin interleaved rounds after the
+profiling round, bytes moved, stall, the tracked peak and two independent peaks (a
+``LiveStorageTracker`` on one extra step, and RSS), the planner's predicted peak and stall, the
+planning time, the time to load the plan from the plan cache, and whether the gradients are
+bit-identical to the unmanaged run on every round. A planner micro-benchmark times ``plan_lgm`` on
+a synthetic 1000-step trace. Infeasible budgets become rows with the stated minimum budget.
 
 Usage::
 
-    python benchmarks/activation_swap.py                 # full run (a few minutes on 2 cores)
-    python benchmarks/activation_swap.py --quick         # CI-sized
-    python benchmarks/activation_swap.py --out results.json
+    python benchmarks/activation_swap.py                        # full run
+    python benchmarks/activation_swap.py --quick                # CI-sized (< 1 min)
+    python benchmarks/activation_swap.py --models mobilenet gpt --out results.json
 
 The script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` when that variable is unset,
 so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/accounting.py``).
@@ -33,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,81 +50,30 @@ if os.environ.get(MMAP_ENV) != MMAP_VALUE and __name__ == "__main__":
     os.environ[MMAP_ENV] = MMAP_VALUE
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import Workload, workloads  # noqa: E402
 
 import vtensor  # noqa: E402
 from vtensor.accounting import LiveStorageTracker  # noqa: E402
+from vtensor.fingerprint import plan_key  # noqa: E402
+from vtensor.lgm import PLANNER_VERSION, build_lgm, min_budget, plan_lgm  # noqa: E402
+from vtensor.plan import simulate  # noqa: E402
+from vtensor.plan_cache import PlanCache  # noqa: E402
+from vtensor.trace import Phase, Trace, TraceStep, TraceTensor  # noqa: E402
 
 MIB = 1 << 20
 HUGE_BUDGET = 1 << 40
+MANAGED = {  # variant -> (policy, granularity)
+    "lgm-chunk": ("planned", "chunk"),
+    "lgm-tensor": ("planned", "tensor"),
+    "reactive-chunk": ("reactive", "chunk"),
+}
 
 
-# -- model ----------------------------------------------------------------------------------------
-# edgefl.models.mobilenet.MobileNetV2Small exists but uses GroupNorm and strides reduced for
-# 28-32 px inputs; this benchmark wants the ImageNet layout (BatchNorm, standard strides) at 128 px.
-_SETTINGS = (  # (expansion t, channels c, repeats n, first stride s): MobileNetV2, ImageNet strides
-    (1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
-    (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1),
-)
-
-
-def _conv_bn(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1,
-             act: bool = True) -> nn.Sequential:
-    layers: list[nn.Module] = [
-        nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
-        nn.BatchNorm2d(cout),
-    ]
-    if act:
-        layers.append(nn.ReLU6())
-    return nn.Sequential(*layers)
-
-
-class InvertedResidual(nn.Module):
-    """1x1 expand -> 3x3 depthwise -> 1x1 linear projection, with a skip when shapes allow."""
-
-    def __init__(self, cin: int, cout: int, stride: int, expansion: int) -> None:
-        super().__init__()
-        hidden = cin * expansion
-        layers: list[nn.Module] = [] if expansion == 1 else [_conv_bn(cin, hidden, 1)]
-        layers += [_conv_bn(hidden, hidden, 3, stride, groups=hidden),
-                   _conv_bn(hidden, cout, 1, act=False)]
-        self.body = nn.Sequential(*layers)
-        self.skip = stride == 1 and cin == cout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.body(x)
-        return x + out if self.skip else out  # type: ignore[no-any-return]
-
-
-class MobileNetV2(nn.Module):
-    """MobileNetV2 (Sandler et al. 2018) with optional per-block activation checkpointing."""
-
-    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0) -> None:
-        super().__init__()
-        cin = max(8, int(32 * width_mult))
-        self.stem = _conv_bn(3, cin, 3, stride=2)
-        blocks: list[nn.Module] = []
-        for t, c, n, s in _SETTINGS:
-            cout = max(8, int(c * width_mult))
-            for i in range(n):
-                blocks.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
-                cin = cout
-        self.blocks = nn.ModuleList(blocks)
-        self.last = _conv_bn(cin, 1280, 1)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(1280, num_classes))
-        self.checkpoint_blocks = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
-        return self.head(self.last(x))  # type: ignore[no-any-return]
-
-
-# -- variants -------------------------------------------------------------------------------------
 @dataclass
 class Variant:
     """One configuration being timed: its own model copy, optimizer and (maybe) manager."""
@@ -129,29 +83,26 @@ class Variant:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     manager: vtensor.MemoryManager | None = None
+    cache_dir: str | None = None
     error: str | None = None
     min_budget_bytes: int | None = None
     step_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     reports: list[vtensor.IterationReport] = field(default_factory=list)
-    grads_identical: bool | None = None
-    grad_max_abs_diff: float | None = None
+    grads_identical: list[bool] = field(default_factory=list)
     dispatch_peak: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x), y)
-
-
-def _run_step(v: Variant, x: torch.Tensor, y: torch.Tensor) -> None:
-    """One training iteration of ``v`` (forward, backward; the optimizer step is separate)."""
+# -- one step -------------------------------------------------------------------------------------
+def _run_step(v: Variant, w: Workload, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Forward and backward of ``v`` (the optimizer step is separate and untimed)."""
     v.optimizer.zero_grad(set_to_none=True)
     if v.manager is None:
-        _loss(v.model, x, y).backward()
+        w.loss(v.model, x, y).backward()
         return
     with v.manager.step(v.model, v.optimizer, inputs=(x, y)):
-        _loss(v.model, x, y).backward()
+        w.loss(v.model, x, y).backward()
 
 
 def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -162,7 +113,7 @@ def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.T
     return tensors
 
 
-def _dispatch_peak(v: Variant, x: torch.Tensor, y: torch.Tensor) -> int:
+def _dispatch_peak(v: Variant, w: Workload, x: torch.Tensor, y: torch.Tensor) -> int:
     """Peak of distinct live CPU storages over one step of ``v`` (LiveStorageTracker)."""
     v.optimizer.zero_grad(set_to_none=True)
     gc.collect()
@@ -170,238 +121,252 @@ def _dispatch_peak(v: Variant, x: torch.Tensor, y: torch.Tensor) -> int:
     tracker.track(*_state_tensors(v.model, v.optimizer), x, y)
     with tracker:
         tracker.reset_peak()
-        _run_step(v, x, y)
+        _run_step(v, w, x, y)
     return tracker.peak_bytes
 
 
-def _compare_grads(model: nn.Module, ref: list[torch.Tensor | None]) -> tuple[bool, float]:
-    same, worst = True, 0.0
-    for p, r in zip(model.parameters(), ref, strict=True):
-        if p.grad is None or r is None:
-            same &= p.grad is None and r is None
-            continue
-        if not torch.equal(p.grad, r):
-            same = False
-            worst = max(worst, (p.grad - r).abs().max().item())
-    return same, worst
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
-def _batch(round_index: int, batch: int, image: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + round_index)
-    x = torch.randn(batch, 3, image, image, generator=gen)
-    y = torch.randint(0, 1000, (batch,), generator=gen)
-    return x, y
+def _same_grads(model: nn.Module, ref: list[torch.Tensor | None]) -> bool:
+    return all((p.grad is None and r is None) or (p.grad is not None and r is not None
+                                                   and torch.equal(p.grad, r))
+               for p, r in zip(model.parameters(), ref, strict=True))
+
+
+def _make_opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
 # -- machine --------------------------------------------------------------------------------------
-def _steal_idle() -> dict[str, int]:
+def _cpu_ticks() -> dict[str, int]:
     with open("/proc/stat") as f:
         fields = f.readline().split()[1:]
     names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
     return {n: int(v) for n, v in zip(names, fields, strict=False)}
 
 
-def _machine(threads: int) -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": threads,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cuda": torch.cuda.is_available(),
-        MMAP_ENV: os.environ.get(MMAP_ENV),
-    }
+def _tick_fracs(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    ticks = {k: after[k] - before[k] for k in before}
+    total = max(1, sum(ticks.values()))
+    return {"steal_frac": ticks["steal"] / total, "idle_frac": ticks["idle"] / total,
+            "iowait_frac": ticks["iowait"] / total}
 
 
-# -- the benchmark --------------------------------------------------------------------------------
-def _measure_reference(base: nn.Module, make_opt: Callable[[nn.Module], torch.optim.Optimizer],
-                       x: torch.Tensor, y: torch.Tensor, ckpt: bool,
-                       storage_dir: str) -> dict[str, int]:
-    """Tracked and RSS peak under a never-binding manager, and the dispatch-mode peak unmanaged."""
+# -- planner micro-benchmark ----------------------------------------------------------------------
+def synthetic_trace(n_tensors: int, chunk_bytes: int | None) -> Trace:
+    """2 x n_tensors steps: forward saves one 0.5-7.5 MiB tensor per step, backward uses them."""
+    rng = np.random.default_rng(0)
+    n = 2 * n_tensors
+    steps = tuple(TraceStep(i, f"step:{i}", Phase.OTHER, 0.002, 0, 0, int(u))
+                  for i, u in enumerate(rng.integers(2**24, 2**25, size=n)))
+    tensors = tuple(TraceTensor(i, int(rng.integers(1, 16)) * 2**19, ("float32",), i, i + 1,
+                                (n - 1 - i,)) for i in range(n_tensors))
+    return Trace(steps, tensors, 0, 0, 0, chunk_bytes, "cpu")
+
+
+def planner_benchmark(repeats: int) -> list[dict[str, Any]]:
+    """Best-of-``repeats`` ``plan_lgm`` time on a 1000-step trace at several budgets."""
+    rows = []
+    for chunk, frac in ((MIB, 0.2), (MIB, 0.5), (MIB, 0.8), (None, 0.5)):
+        trace = synthetic_trace(500, chunk)
+        floor, _ = min_budget(build_lgm(trace, chunk))
+        peak = max(simulate(plan_lgm(trace, 2**62), trace))
+        budget = floor + int(frac * (peak - floor))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan = plan_lgm(trace, budget)
+            times.append(time.perf_counter() - t0)
+        rows.append({"steps": len(trace.steps), "tensors": len(trace.tensors),
+                     "chunk_bytes": chunk, "budget_between_floor_and_peak": frac,
+                     "plan_s_best": min(times), "plan_s_median": statistics.median(times),
+                     "moves": len(plan.moves)})
+    return rows
+
+
+# -- one model ------------------------------------------------------------------------------------
+def _reference(w: Workload, base: nn.Module, ckpt: bool, storage_dir: str) -> dict[str, Any]:
+    """Tracked, RSS and dispatch-mode peaks of one unmanaged (or checkpointed) step."""
     model = copy.deepcopy(base)
     model.checkpoint_blocks = ckpt
-    opt = make_opt(model)
-    probe = Variant("probe", None, model, opt)
-    _run_step(probe, x, y)  # warm-up: one-time allocations (oneDNN caches, optimizer state)
-    opt.step()
-    dispatch = _dispatch_peak(probe, x, y)
-    probe.manager = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir)
-    tracked, rss = 0, 0
+    probe = Variant("probe", None, model, _make_opt(model))
+    x, y = w.batch(0)
+    _run_step(probe, w, x, y)  # warm-up: one-time allocations (oneDNN caches, optimizer state)
+    probe.optimizer.step()
+    dispatch = _dispatch_peak(probe, w, x, y)
+    probe.manager = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, policy="reactive")
+    tracked = rss = 0
     try:
         for _ in range(2):
-            _run_step(probe, x, y)
+            _run_step(probe, w, x, y)
             rep = probe.manager.report()
-            tracked = max(tracked, rep.peak_device_bytes)
-            rss = max(rss, rep.peak_independent_bytes)
+            tracked, rss = max(tracked, rep.peak_device_bytes), max(rss, rep.peak_independent_bytes)
     finally:
         probe.manager.close()
     return {"tracked": tracked, "rss": rss, "dispatch": dispatch}
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    machine = _machine(args.threads)
-    load_before = os.getloadavg()
-    stat_before = _steal_idle()
-    started = time.perf_counter()
-    print(f"# activation_swap: torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"torch.set_num_threads({args.threads}), {MMAP_ENV}={os.environ.get(MMAP_ENV)}, "
-          f"load average {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}")
-    print(f"# MobileNetV2 width {args.width}, {args.image} px, batch {args.batch}, "
-          f"{args.steps} timed rounds after 1 warm-up round, variants interleaved round-robin")
-
-    base = MobileNetV2(width_mult=args.width)
-    def make_opt(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-
-    storage_dir = args.storage_dir or tempfile.gettempdir()
-    x0, y0 = _batch(0, args.batch, args.image)
-
-    ref = _measure_reference(base, make_opt, x0, y0, False, storage_dir)
-    ref_ckpt = _measure_reference(base, make_opt, x0, y0, True, storage_dir)
-    p0 = ref["tracked"]
-    print(f"# unmanaged peak: tracked {p0 / MIB:.1f} MiB, "
-          f"dispatch {ref['dispatch'] / MIB:.1f} MiB, RSS {ref['rss'] / MIB:.1f} MiB")
-
-    def new_variant(name: str, frac: float | None, granularity: str | None,
-                    ckpt: bool = False) -> Variant:
+def _make_variants(w: Workload, base: nn.Module, p0: int, args: argparse.Namespace,
+                   storage_dir: str, cache_root: str) -> list[Variant]:
+    variants = []
+    for name in ("unmanaged", "checkpoint"):
         model = copy.deepcopy(base)
-        model.checkpoint_blocks = ckpt
-        v = Variant(name, frac, model, make_opt(model))
-        if granularity is not None:
-            assert frac is not None
-            v.manager = vtensor.MemoryManager(int(p0 * frac), chunk_bytes=args.chunk_bytes,
-                                              storage_dir=storage_dir, granularity=granularity)
-        return v
-
-    variants = [new_variant("unmanaged", None, None), new_variant("checkpoint", None, None, True)]
+        model.checkpoint_blocks = name == "checkpoint"
+        variants.append(Variant(name, None, model, _make_opt(model)))
     for frac in args.budgets:
-        variants.append(new_variant("vtensor-tensor", frac, "tensor"))
-        variants.append(new_variant("vtensor-chunk", frac, "chunk"))
+        for name, (policy, granularity) in MANAGED.items():
+            model = copy.deepcopy(base)
+            v = Variant(name, frac, model, _make_opt(model))
+            if policy == "planned":
+                v.cache_dir = os.path.join(cache_root, f"{w.name}-{name}-{frac}")
+            v.manager = vtensor.MemoryManager(
+                int(p0 * frac), chunk_bytes=args.chunk_bytes, storage_dir=storage_dir,
+                granularity=granularity, policy=policy, plan_cache_dir=v.cache_dir)
+            variants.append(v)
+    return variants
 
-    # Round 0 is the warm-up (and the gradient check); rounds 1..steps are timed.
-    for r in range(args.steps + 1):
-        x, y = _batch(r, args.batch, args.image)
-        ref_grads: list[torch.Tensor | None] = []
-        for v in variants:
-            if v.error is not None:
-                continue
-            gc.collect()
-            t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                _run_step(v, x, y)
-            except vtensor.InfeasibleBudgetError as exc:
-                v.error = f"InfeasibleBudgetError: {exc}"
-                v.min_budget_bytes = exc.min_budget_bytes
-                if v.manager is not None and v.manager.reports:
-                    v.reports.append(v.manager.report())
-                print(f"# {v.name} at {v.budget_frac:.0%}: infeasible "
-                      f"(min budget {exc.min_budget_bytes / MIB:.1f} MiB)")
-                continue
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if v.name == "unmanaged":
-                ref_grads = [None if p.grad is None else p.grad.clone()
-                             for p in v.model.parameters()]
-            elif r == 0:
-                v.grads_identical, v.grad_max_abs_diff = _compare_grads(v.model, ref_grads)
-            v.optimizer.step()
-            if v.manager is not None:
-                v.reports.append(v.manager.report())
-            if r > 0:
-                v.step_s.append(dt)
-                v.cpu_s.append(dc)
-        print(f"# round {r} done at {time.perf_counter() - started:.0f} s")
 
-    # One extra, untimed step per variant under the dispatch-mode tracker (costly per op).
-    xm, ym = _batch(args.steps + 1, args.batch, args.image)
+def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
+    """Round ``r`` over every live variant in a fixed order (round 0 is the profiling round)."""
+    x, y = w.batch(r)
+    ref: list[torch.Tensor | None] = []
+    for v in variants:
+        if v.error is not None:
+            continue
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            _run_step(v, w, x, y)
+        except vtensor.InfeasibleBudgetError as exc:
+            v.error = f"InfeasibleBudgetError: {exc}"
+            v.min_budget_bytes = exc.min_budget_bytes
+            v.extra["failed_round"] = r
+            print(f"#   {v.name} at {v.budget_frac:.0%}: infeasible in round {r} "
+                  f"(min budget {exc.min_budget_bytes / MIB:.1f} MiB)", flush=True)
+            continue
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if v.name == "unmanaged":
+            ref = _grads(v.model)
+        else:
+            v.grads_identical.append(_same_grads(v.model, ref))
+        v.optimizer.step()
+        if v.manager is not None:
+            v.reports.append(v.manager.report())
+        if r > 0:
+            v.step_s.append(dt)
+            v.cpu_s.append(dc)
+
+
+def _after_rounds(variants: list[Variant], w: Workload, ref: dict[str, Any],
+                  ref_ckpt: dict[str, Any], r: int) -> None:
+    """Dispatch-mode peak on one extra step; plan-cache load time of the LGM variants."""
+    x, y = w.batch(r)
     for v in variants:
         if v.error is not None:
             continue
         if v.manager is None:
-            v.dispatch_peak = ref_ckpt["dispatch"] if v.name == "checkpoint" else ref["dispatch"]
+            v.dispatch_peak = (ref_ckpt if v.name == "checkpoint" else ref)["dispatch"]
             continue
         try:
-            v.dispatch_peak = _dispatch_peak(v, xm, ym)
+            v.dispatch_peak = _dispatch_peak(v, w, x, y)
             rep = v.manager.report()
             v.extra["dispatch_step_tracked_peak"] = rep.peak_device_bytes
+            v.extra["dispatch_step_plan_source"] = rep.plan_source
         except vtensor.InfeasibleBudgetError as exc:
             v.extra["dispatch_step_error"] = str(exc)
+        if v.cache_dir is not None:
+            key = plan_key(v.model, (x, y), budget_bytes=v.manager.budget_bytes,
+                           chunk_bytes=v.manager.chunk_size, planner_version=PLANNER_VERSION)
+            cache = PlanCache(v.cache_dir)
+            loads, hit = [], True
+            for _ in range(10):
+                hit &= cache.get(key) is not None
+                loads.append(cache.last_load_s)
+            v.extra["cache_hit"] = hit
+            v.extra["cache_load_s_median"] = statistics.median(loads)
+            if hit:
+                v.extra["cache_entry_bytes"] = cache.path_for(key).stat().st_size
+        if v.manager.trace is not None:
+            v.extra["trace_steps"] = len(v.manager.trace.steps)
+            v.extra["trace_tensors"] = len(v.manager.trace.tensors)
+
+
+def run_model(w: Workload, args: argparse.Namespace, storage_dir: str,
+              cache_root: str) -> list[dict[str, Any]]:
+    """Every variant and budget of one workload; returns the JSON rows."""
+    torch.manual_seed(0)
+    load_before, ticks_before, started = os.getloadavg(), _cpu_ticks(), time.perf_counter()
+    print(f"# {w.name}: {w.describe}", flush=True)
+    base = w.build()
+    ref = _reference(w, base, False, storage_dir)
+    ref_ckpt = _reference(w, base, True, storage_dir)
+    p0 = ref["tracked"]
+    print(f"#   unmanaged peak: tracked {p0 / MIB:.1f} MiB, dispatch {ref['dispatch'] / MIB:.1f} "
+          f"MiB, RSS {ref['rss'] / MIB:.1f} MiB", flush=True)
+    variants = _make_variants(w, base, p0, args, storage_dir, cache_root)
+    for r in range(args.steps + 1):
+        _timed_round(variants, w, r)
+        print(f"#   round {r} done at {time.perf_counter() - started:.0f} s", flush=True)
+    _after_rounds(variants, w, ref, ref_ckpt, args.steps + 1)
     for v in variants:
         if v.manager is not None:
             v.manager.close()
-
-    load_after = os.getloadavg()
-    stat_after = _steal_idle()
-    ticks = {k: stat_after[k] - stat_before[k] for k in stat_before}
-    total_ticks = max(1, sum(ticks.values()))
-    machine.update({
-        "load_avg_before": load_before, "load_avg_after": load_after,
-        "steal_frac": ticks.get("steal", 0) / total_ticks,
-        "idle_frac": ticks.get("idle", 0) / total_ticks,
-        "wall_s_total": time.perf_counter() - started,
-    })
-    unmanaged_median = statistics.median(variants[0].step_s)
-    rows = [_row(v, p0, ref, ref_ckpt, args, machine, unmanaged_median) for v in variants]
-    return rows
+    machine = {"load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+               "wall_s": time.perf_counter() - started,
+               **_tick_fracs(ticks_before, _cpu_ticks())}
+    unmanaged_s = statistics.median(variants[0].step_s)
+    return [_row(v, w, p0, ref, ref_ckpt, args, machine, unmanaged_s) for v in variants]
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _row(v: Variant, p0: int, ref: dict[str, int], ref_ckpt: dict[str, int],
-         args: argparse.Namespace, machine: dict[str, Any],
-         unmanaged_median: float) -> dict[str, Any]:
-    budget = None if v.manager is None else v.manager.budget_bytes
-    timed = v.reports[1:] if len(v.reports) > 1 else v.reports
+def _row(v: Variant, w: Workload, p0: int, ref: dict[str, Any], ref_ckpt: dict[str, Any],
+         args: argparse.Namespace, machine: dict[str, Any], unmanaged_s: float) -> dict[str, Any]:
+    timed = v.reports[1:]  # after the profiling round
+    row: dict[str, Any] = {
+        "model": w.name, "model_description": w.describe, "variant": v.name,
+        "budget_frac": v.budget_frac, "unmanaged_tracked_peak_bytes": p0,
+        "budget_bytes": None if v.manager is None else v.manager.budget_bytes,
+        "chunk_bytes": None if v.manager is None else v.manager.chunk_size,
+        "error": v.error, "min_budget_bytes": v.min_budget_bytes,
+        "dispatch_peak_bytes": v.dispatch_peak,
+        "step_s_median": _median(v.step_s), "step_s_all": v.step_s,
+        "cpu_s_median": _median(v.cpu_s), "steps_timed": len(v.step_s),
+        "vs_unmanaged": None if not v.step_s else statistics.median(v.step_s) / unmanaged_s,
+        "grads_identical": True if v.name == "unmanaged" else (
+            all(v.grads_identical) if v.grads_identical else None),
+        "grads_checked_rounds": len(v.grads_identical),
+        "extra": v.extra, "machine": machine,
+    }
     if v.manager is None:
         r = ref_ckpt if v.name == "checkpoint" else ref
-        tracked, rss = r["tracked"], r["rss"]
-        out_b = in_b = 0
-        stall = transfer = 0.0
-    else:
-        tracked = max((rep.peak_device_bytes for rep in v.reports), default=None)
-        rss = max((rep.peak_independent_bytes for rep in v.reports), default=None)
-        out_b = _median([rep.bytes_out for rep in timed]) if timed else None
-        in_b = _median([rep.bytes_in for rep in timed]) if timed else None
-        stall = _median([rep.stall_s for rep in timed]) if timed else None
-        transfer = _median([rep.transfer_s for rep in timed]) if timed else None
-    step = _median(v.step_s)
-    over = None
-    if budget is not None and tracked is not None:
-        over = tracked - (budget + (args.chunk_bytes if v.name == "vtensor-chunk" else 0))
-    return {
-        "variant": v.name,
-        "budget_frac": v.budget_frac,
-        "budget_bytes": budget,
-        "unmanaged_tracked_peak_bytes": p0,
-        "tracked_peak_bytes": tracked,
-        "dispatch_peak_bytes": v.dispatch_peak,
-        "rss_peak_bytes": rss,
-        "peak_over_budget": None if budget is None or tracked is None else tracked / budget,
-        "tracked_minus_budget_plus_chunk_bytes": over,
-        "bytes_out_per_step": out_b,
-        "bytes_in_per_step": in_b,
-        "bytes_out_all_steps": [rep.bytes_out for rep in v.reports],
-        "bytes_in_all_steps": [rep.bytes_in for rep in v.reports],
-        "stall_s_median": stall,
-        "transfer_s_median": transfer,
-        "step_s_median": step,
-        "step_s_all": v.step_s,
-        "cpu_s_median": _median(v.cpu_s),
-        "vs_unmanaged": None if step is None else step / unmanaged_median,
-        "grads_identical": True if v.name == "unmanaged" else v.grads_identical,
-        "grad_max_abs_diff": v.grad_max_abs_diff,
-        "error": v.error,
-        "min_budget_bytes": v.min_budget_bytes,
-        "extra": v.extra,
-        "model": {"name": "mobilenet_v2", "width": args.width, "image": args.image,
-                  "batch": args.batch, "optimizer": "SGD(lr=0.01, momentum=0.9)"},
-        "chunk_bytes": args.chunk_bytes if v.name == "vtensor-chunk" else None,
-        "steps_timed": len(v.step_s),
-        "machine": machine,
-    }
+        row.update(tracked_peak_bytes=r["tracked"], rss_peak_bytes=r["rss"],
+                   bytes_out_per_step=0, bytes_in_per_step=0, stall_s_median=0.0)
+        return row
+    row.update(
+        tracked_peak_bytes=max((rep.peak_device_bytes for rep in v.reports), default=None),
+        timed_tracked_peak_bytes=max((rep.peak_device_bytes for rep in timed), default=None),
+        rss_peak_bytes=max((rep.peak_independent_bytes or 0 for rep in v.reports), default=None),
+        bytes_out_per_step=_median([rep.bytes_out for rep in timed]),
+        bytes_in_per_step=_median([rep.bytes_in for rep in timed]),
+        bytes_out_all=[rep.bytes_out for rep in v.reports],
+        bytes_in_all=[rep.bytes_in for rep in v.reports],
+        stall_s_median=_median([rep.stall_s for rep in timed]),
+        transfer_s_median=_median([rep.transfer_s for rep in timed]),
+        plan_sources=[rep.plan_source for rep in v.reports],
+        policies=[rep.policy for rep in v.reports],
+        planning_s=max((rep.planning_s for rep in v.reports), default=None),
+        predicted_peak_bytes=next((rep.predicted_peak_bytes for rep in timed
+                                   if rep.predicted_peak_bytes is not None), None),
+        predicted_stall_s=next((rep.predicted_stall_s for rep in timed
+                                if rep.predicted_stall_s is not None), None),
+        min_budget_seen_bytes=max((rep.min_budget_bytes for rep in v.reports), default=None),
+    )
+    return row
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -413,97 +378,137 @@ def _num(n: float | None, fmt: str) -> str:
     return "-" if n is None else format(n, fmt)
 
 
+def _replayed(r: dict[str, Any]) -> str:
+    timed = r.get("policies", [])[1:]
+    if "plan_sources" not in r or not timed:
+        return "-"
+    return f"{sum(p == 'planned' for p in timed)}/{len(timed)}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| variant | budget MiB (%) | tracked peak MiB | dispatch peak MiB | RSS peak MiB "
-            "| peak/budget | MiB out | MiB in | stall s | step s (median) | vs unmanaged "
-            "| grads identical |")
-    lines = [head, "|" + "---|" * 12]
+    """One markdown table of the rows of one model."""
+    cols = ("variant", "budget MiB (%)", "tracked peak MiB", "dispatch peak MiB", "RSS peak MiB",
+            "predicted peak MiB", "MiB moved/step", "stall s (pred.)", "step s", "vs unmanaged",
+            "planned steps", "planning ms", "cache load ms", "grads identical")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         budget = "-" if r["budget_bytes"] is None else (
             f"{r['budget_bytes'] / MIB:.1f} ({r['budget_frac']:.0%})")
         if r["error"] is not None:
             lines.append(f"| {r['variant']} | {budget} | infeasible: min budget "
-                         f"{_mib(r['min_budget_bytes'])} MiB (tracked peak "
-                         f"{_mib(r['tracked_peak_bytes'])}) | | | | | | | | | |")
+                         f"{_mib(r['min_budget_bytes'])} MiB |" + " |" * (len(cols) - 3))
             continue
-        grads = {True: "yes", False: f"NO (max diff {_num(r['grad_max_abs_diff'], '.3g')})",
-                 None: "-"}[r["grads_identical"]]
-        lines.append(
-            f"| {r['variant']} | {budget} | {_mib(r['tracked_peak_bytes'])} "
-            f"| {_mib(r['dispatch_peak_bytes'])} | {_mib(r['rss_peak_bytes'])} "
-            f"| {_num(r['peak_over_budget'], '.3f')} | {_mib(r['bytes_out_per_step'])} "
-            f"| {_mib(r['bytes_in_per_step'])} | {_num(r['stall_s_median'], '.3f')} "
-            f"| {_num(r['step_s_median'], '.2f')} | {_num(r['vs_unmanaged'], '.2f')} | {grads} |")
+        moved = (r["bytes_out_per_step"] or 0) + (r["bytes_in_per_step"] or 0)
+        stall = _num(r["stall_s_median"], ".3f")
+        if r.get("predicted_stall_s") is not None:
+            stall += f" ({r['predicted_stall_s']:.3f})"
+        grads = {True: "yes", False: "NO", None: "-"}[r["grads_identical"]]
+        planning = r.get("planning_s")
+        load = r["extra"].get("cache_load_s_median")
+        lines.append(" | ".join([
+            f"| {r['variant']}", budget, _mib(r["tracked_peak_bytes"]),
+            _mib(r["dispatch_peak_bytes"]), _mib(r["rss_peak_bytes"]),
+            _mib(r.get("predicted_peak_bytes")), _mib(moved), stall,
+            _num(r["step_s_median"], ".2f"), _num(r["vs_unmanaged"], ".2f"), _replayed(r),
+            "-" if not planning else f"{planning * 1e3:.0f}",
+            "-" if load is None else f"{load * 1e3:.2f}", grads]) + " |")
     return "\n".join(lines)
 
 
-def summary(rows: list[dict[str, Any]], chunk_bytes: int) -> list[str]:
-    out = []
+def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """LGM chunked vs whole-tensor at each budget, measured in the same run, and vs checkpoint."""
     by = {(r["variant"], r["budget_frac"]): r for r in rows}
-    for frac in sorted({r["budget_frac"] for r in rows if r["budget_frac"] is not None},
-                       reverse=True):
-        whole, chunk = by.get(("vtensor-tensor", frac)), by.get(("vtensor-chunk", frac))
-        if whole is None or chunk is None or whole["error"] or chunk["error"]:
-            out.append(f"budget {frac:.0%}: no comparison (a variant was infeasible)")
-            continue
-        w, c = whole["bytes_out_per_step"], chunk["bytes_out_per_step"]
-        if w:
-            cut = 100 * (1 - c / w)
-            word = "fewer" if cut >= 0 else "MORE"
-            out.append(f"budget {frac:.0%}: chunked moved {abs(cut):.1f}% {word} bytes "
-                       f"than whole-tensor ({c / MIB:.1f} vs {w / MIB:.1f} MiB out per step)")
-        else:
-            out.append(f"budget {frac:.0%}: whole-tensor moved no bytes")
-    for r in rows:
-        if r["budget_bytes"] is None or r["tracked_peak_bytes"] is None:
-            continue
-        slack = chunk_bytes if r["variant"] == "vtensor-chunk" else 0
-        if r["tracked_peak_bytes"] > r["budget_bytes"] + chunk_bytes:
-            out.append(f"NOTE {r['variant']} at {r['budget_frac']:.0%}: tracked peak "
-                       f"{r['tracked_peak_bytes']} B exceeds budget + 1 chunk "
-                       f"({r['budget_bytes'] + chunk_bytes} B) by "
-                       f"{r['tracked_peak_bytes'] - r['budget_bytes'] - chunk_bytes} B")
-        elif r["tracked_peak_bytes"] > r["budget_bytes"] + slack:
-            out.append(f"NOTE {r['variant']} at {r['budget_frac']:.0%}: tracked peak exceeds the "
-                       f"budget by {r['tracked_peak_bytes'] - r['budget_bytes']} B (< 1 chunk)")
+    ckpt = by.get(("checkpoint", None))
+    out = []
+    for frac in sorted({r["budget_frac"] for r in rows if r["budget_frac"]}, reverse=True):
+        chunk, whole = by.get(("lgm-chunk", frac)), by.get(("lgm-tensor", frac))
+        c: dict[str, Any] = {"model": rows[0]["model"], "budget_frac": frac}
+        if chunk and whole and not chunk["error"] and not whole["error"]:
+            cm = chunk["bytes_out_per_step"] + chunk["bytes_in_per_step"]
+            wm = whole["bytes_out_per_step"] + whole["bytes_in_per_step"]
+            paired = [t / s for t, s in zip(whole["step_s_all"], chunk["step_s_all"], strict=False)]
+            c.update(throughput_ratio=whole["step_s_median"] / chunk["step_s_median"],
+                     throughput_ratio_paired_median=_median(paired),
+                     bytes_ratio=cm / wm if wm else None)
+        if chunk and ckpt and not chunk["error"]:
+            c.update(checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
+                     chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"])
+        out.append(c)
     return out
+
+
+def _print_comparisons(comps: list[dict[str, Any]]) -> None:
+    for c in comps:
+        if "throughput_ratio" not in c:
+            print(f"{c['model']} {c['budget_frac']:.0%}: no chunk/tensor comparison (infeasible)")
+            continue
+        br = "-" if c["bytes_ratio"] is None else f"{c['bytes_ratio']:.3f}x"
+        line = (f"{c['model']} {c['budget_frac']:.0%}: LGM chunk/tensor throughput "
+                f"{c['throughput_ratio']:.3f}x (paired rounds "
+                f"{c['throughput_ratio_paired_median']:.3f}x), bytes moved {br}")
+        if "chunk_vs_checkpoint_time" in c:
+            fits = "fits" if c["checkpoint_fits"] else "exceeds"
+            line += (f"; chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
+                     f"(checkpoint peak {fits} the budget)")
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small CI-sized run (under a minute)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 24; quick: 8)")
-    p.add_argument("--image", type=int, default=None,
-                   help="image side in px (default 128; quick: 96)")
-    p.add_argument("--width", type=float, default=None,
-                   help="width multiplier (default 1.0; quick: 0.5)")
-    p.add_argument("--steps", type=int, default=None, help="timed rounds (default 7; quick: 2)")
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.8, 0.6, 0.4],
-                   help="budgets as fractions of the unmanaged tracked peak")
+    p.add_argument("--quick", action="store_true", help="CI-sized models and rounds (< 1 min)")
+    p.add_argument("--models", nargs="+", default=["mobilenet", "resnet", "gpt"],
+                   choices=["mobilenet", "resnet", "gpt"], help="which workloads to run")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed rounds after the profiling round (default 5; quick: 1)")
+    p.add_argument("--batch-scale", type=float, default=1.0, help="scale every batch size")
+    p.add_argument("--budgets", type=float, nargs="+", default=None,
+                   help="budgets as fractions of the unmanaged tracked peak "
+                   "(default 0.8 0.6 0.4 0.25; quick: 0.6)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (1 recommended on a shared host)")
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
-    p.add_argument("--out", default=None, help="write the JSON rows here")
+    p.add_argument("--out", default=None, help="write the JSON results here")
     args = p.parse_args(argv)
-    defaults = ({"batch": 8, "image": 96, "width": 0.5, "steps": 2} if args.quick
-                else {"batch": 24, "image": 128, "width": 1.0, "steps": 7})
-    for k, val in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, val)
-    rows = run(args)
-    print()
-    print(table(rows))
-    print()
-    for line in summary(rows, args.chunk_bytes):
-        print(line)
-    m = rows[0]["machine"]
-    print(f"# load average before {m['load_avg_before'][0]:.2f}, "
-          f"after {m['load_avg_after'][0]:.2f}; steal {m['steal_frac']:.1%}; "
-          f"total {m['wall_s_total']:.0f} s")
+    if args.steps is None:
+        args.steps = 1 if args.quick else 5
+    if args.budgets is None:
+        args.budgets = [0.6] if args.quick else [0.8, 0.6, 0.4, 0.25]
+    torch.set_num_threads(args.threads)
+    storage_dir = args.storage_dir or tempfile.gettempdir()
+    load = os.getloadavg()
+    machine = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
+               "python": platform.python_version(), "platform": platform.platform(),
+               "cuda": torch.cuda.is_available(), MMAP_ENV: os.environ.get(MMAP_ENV),
+               "load_avg_start": load}
+    print(f"# activation_swap: torch {torch.__version__}, {os.cpu_count()} CPUs, threads "
+          f"{args.threads}, {MMAP_ENV}={os.environ.get(MMAP_ENV)}, load average "
+          f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}; {args.steps} timed rounds after the "
+          "profiling round, variants interleaved round-robin", flush=True)
+    started = time.perf_counter()
+    planner = planner_benchmark(2 if args.quick else 5)
+    for pr in planner:
+        chunk = "tensor" if pr["chunk_bytes"] is None else f"{pr['chunk_bytes'] // 1024} KiB"
+        print(f"# plan_lgm, {pr['steps']} steps x {pr['tensors']} tensors, {chunk}, budget "
+              f"floor+{pr['budget_between_floor_and_peak']}: best "
+              f"{pr['plan_s_best'] * 1e3:.0f} ms, {pr['moves']} moves", flush=True)
+    rows, comps = [], []
+    all_workloads = workloads(args.quick, args.batch_scale)
+    with tempfile.TemporaryDirectory(prefix="plan-cache-") as cache_root:
+        for name in args.models:
+            model_rows = run_model(all_workloads[name], args, storage_dir, cache_root)
+            rows += model_rows
+            comps += comparisons(model_rows)
+            print(f"\n## {name}: {model_rows[0]['model_description']}\n")
+            print(table(model_rows) + "\n", flush=True)
+    _print_comparisons(comps)
+    machine.update(load_avg_end=os.getloadavg(), wall_s=time.perf_counter() - started)
+    print(f"# load average at start {load[0]:.2f}, at end {machine['load_avg_end'][0]:.2f}; "
+          f"total {machine['wall_s']:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"machine": machine, "planner": planner, "comparisons": comps,
+                       "rows": rows}, f, indent=1)
         print(f"# wrote {len(rows)} rows to {args.out}")
 
 

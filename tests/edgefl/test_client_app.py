@@ -137,7 +137,7 @@ def test_clients_of_one_class_share_a_plan_cache(
 ) -> None:
     """The first client of a class profiles the model; the next starts from its cached plan."""
     settings = with_budget(smoke_settings, 0, width=8, hidden=32, convs_per_stage=3)
-    classes = (DeviceClass("tight", Budget(peak_fraction=0.75), 1.0),)
+    classes = (DeviceClass("tight", Budget(peak_fraction=0.9), 1.0),)
     fleet = dataclasses.replace(
         settings.client.fleet, classes=classes, plan_cache_root=str(tmp_path)
     )
