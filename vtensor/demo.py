@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_bytes=args.chunk_bytes,
             storage_dir=args.storage_dir or scratch,
             granularity=args.granularity,
+            count_workspaces=True,  # hold the budget for the process's RSS, not only tensors
         )
         begin = time.perf_counter()
         try:

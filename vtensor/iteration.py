@@ -62,6 +62,7 @@ class Iteration:
         record_trace: bool = False,
         executor: PlanExecutor | None = None,
         rss: RssMeter | None = None,
+        count_workspaces: bool = False,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -75,9 +76,11 @@ class Iteration:
         # NOTE [transient bytes]: ops allocate workspaces (convolution im2col buffers, say) that
         # live only inside one call, where no hook can sample them. While profiling, the
         # process's RSS high-water mark is read at every step boundary: what a step grew in RSS
-        # beyond what it grew in tracked bytes is its transient, which the trace and the policy
+        # beyond what it grew in tracked bytes is its transient, which the trace records and,
+        # with ``count_workspaces``, the plan and the policy
         # then budget for. It also keeps the iteration's RSS peak (``rss_peak_bytes``).
         self.rss = rss if record_trace else None
+        self.count_workspaces = count_workspaces
         self.rss_peak_bytes = 0
         self.transients: list[int] = []
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
@@ -273,7 +276,8 @@ class Iteration:
             rss_rise = high_water - max(step.rss_start, self.rss.current_rss_bytes())
             sampled_rise = step.peak - max(step.live_start, self.live_bytes())
             transient = max(0, rss_rise - max(sampled_rise, 0))
-            self.policy.transient_bytes = max(self.policy.transient_bytes, transient)
+            if self.count_workspaces:
+                self.policy.transient_bytes = max(self.policy.transient_bytes, transient)
         self.transients.append(transient)
         now = time.perf_counter()
         stats, before = self.store.stats, step.stats_at_start
@@ -299,7 +303,7 @@ class Iteration:
                 now - step.started,
                 step.live_start,
                 step.peak,
-                max(step.unmanaged_peak, 0) + transient,
+                max(step.unmanaged_peak, 0) + (transient if self.count_workspaces else 0),
                 transient,
             )
         )

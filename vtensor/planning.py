@@ -75,11 +75,14 @@ class PlanBook:
         chunk_bytes: int | None,
         cache_dir: str | PathLike[str] | None,
         planned: bool = True,
+        count_workspaces: bool = False,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
         self.cache = PlanCache(cache_dir) if cache_dir is not None else None
         self.planned = planned
+        # Plans that budget op workspaces differ from plans that do not: keep them apart.
+        self.planner_version = PLANNER_VERSION + ("+workspaces" if count_workspaces else "")
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
 
     def _key(
@@ -92,7 +95,7 @@ class PlanBook:
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_bytes,
             device_kind=device.type,
-            planner_version=PLANNER_VERSION,
+            planner_version=self.planner_version,
             torch_version=torch.__version__,
         )
 

@@ -62,6 +62,10 @@ class MemoryManager:
         host_capacity_bytes: bound of the pinned host tier (CUDA).
         plan_cache_dir: directory of the plan cache, shared by processes (None: plans live only
             in this manager).
+        count_workspaces: also budget the memory that ops allocate internally (convolution
+            workspaces, short-lived tensors between hook points), measured per step from the
+            process's RSS while profiling (CPU). The budget then holds for the process's RSS,
+            at the price of smaller usable budgets; off, it holds for the tracked tensor bytes.
         policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
             ``"reactive"`` (no planning).
     """
@@ -80,6 +84,7 @@ class MemoryManager:
         host_capacity_bytes: int | None = None,
         plan_cache_dir: str | PathLike[str] | None = None,
         policy: str = "planned",
+        count_workspaces: bool = False,
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -95,10 +100,15 @@ class MemoryManager:
         self.prefetch_depth = prefetch_depth
         self.drop_page_cache = drop_page_cache
         self.host_capacity_bytes = host_capacity_bytes
+        self.count_workspaces = count_workspaces
         if policy not in ("planned", "reactive"):
             raise VTensorError(f"policy={policy!r} is not one of ['planned', 'reactive']")
         self._plans = PlanBook(
-            self.budget_bytes, self.chunk_size, plan_cache_dir, planned=policy == "planned"
+            self.budget_bytes,
+            self.chunk_size,
+            plan_cache_dir,
+            planned=policy == "planned",
+            count_workspaces=count_workspaces,
         )
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
@@ -211,6 +221,7 @@ class MemoryManager:
             record_trace=chosen.record_trace,
             executor=chosen.executor,
             rss=self._rss,
+            count_workspaces=self.count_workspaces,
         )
         pack, unpack = make_saved_tensor_hooks(iteration)
         module_hooks = install_module_hooks(model, iteration)

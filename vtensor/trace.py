@@ -29,7 +29,7 @@ class TraceStep:
         peak_live_bytes: largest tracked device bytes sampled during the step.
         unmanaged_peak_bytes: largest tracked device bytes sampled during the step that were not
             in managed vTensors (parameters, gradients, outputs not saved yet, temporaries),
-            plus ``transient_bytes``.
+            plus ``transient_bytes`` when the manager counts op workspaces.
         transient_bytes: what the step needed beyond its sampled peak, for workspaces that live
             only inside one op (measured from the process's RSS high-water mark on CPU; 0 where
             it could not be measured).
