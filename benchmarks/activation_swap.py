@@ -130,9 +130,11 @@ def _grads(model: nn.Module) -> list[torch.Tensor | None]:
 
 
 def _same_grads(model: nn.Module, ref: list[torch.Tensor | None]) -> bool:
-    return all((p.grad is None and r is None) or (p.grad is not None and r is not None
-                                                   and torch.equal(p.grad, r))
-               for p, r in zip(model.parameters(), ref, strict=True))
+    return all(
+        (p.grad is None and r is None)
+        or (p.grad is not None and r is not None and torch.equal(p.grad, r))
+        for p, r in zip(model.parameters(), ref, strict=True)
+    )
 
 
 def _make_opt(model: nn.Module) -> torch.optim.Optimizer:
@@ -150,8 +152,11 @@ def _cpu_ticks() -> dict[str, int]:
 def _tick_fracs(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
     ticks = {k: after[k] - before[k] for k in before}
     total = max(1, sum(ticks.values()))
-    return {"steal_frac": ticks["steal"] / total, "idle_frac": ticks["idle"] / total,
-            "iowait_frac": ticks["iowait"] / total}
+    return {
+        "steal_frac": ticks["steal"] / total,
+        "idle_frac": ticks["idle"] / total,
+        "iowait_frac": ticks["iowait"] / total,
+    }
 
 
 # -- planner micro-benchmark ----------------------------------------------------------------------
@@ -159,10 +164,14 @@ def synthetic_trace(n_tensors: int, chunk_bytes: int | None) -> Trace:
     """2 x n_tensors steps: forward saves one 0.5-7.5 MiB tensor per step, backward uses them."""
     rng = np.random.default_rng(0)
     n = 2 * n_tensors
-    steps = tuple(TraceStep(i, f"step:{i}", Phase.OTHER, 0.002, 0, 0, int(u))
-                  for i, u in enumerate(rng.integers(2**24, 2**25, size=n)))
-    tensors = tuple(TraceTensor(i, int(rng.integers(1, 16)) * 2**19, ("float32",), i, i + 1,
-                                (n - 1 - i,)) for i in range(n_tensors))
+    steps = tuple(
+        TraceStep(i, f"step:{i}", Phase.OTHER, 0.002, 0, 0, int(u))
+        for i, u in enumerate(rng.integers(2**24, 2**25, size=n))
+    )
+    tensors = tuple(
+        TraceTensor(i, int(rng.integers(1, 16)) * 2**19, ("float32",), i, i + 1, (n - 1 - i,))
+        for i in range(n_tensors)
+    )
     return Trace(steps, tensors, 0, 0, 0, chunk_bytes, "cpu")
 
 
@@ -179,10 +188,17 @@ def planner_benchmark(repeats: int) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             plan = plan_lgm(trace, budget)
             times.append(time.perf_counter() - t0)
-        rows.append({"steps": len(trace.steps), "tensors": len(trace.tensors),
-                     "chunk_bytes": chunk, "budget_between_floor_and_peak": frac,
-                     "plan_s_best": min(times), "plan_s_median": statistics.median(times),
-                     "moves": len(plan.moves)})
+        rows.append(
+            {
+                "steps": len(trace.steps),
+                "tensors": len(trace.tensors),
+                "chunk_bytes": chunk,
+                "budget_between_floor_and_peak": frac,
+                "plan_s_best": min(times),
+                "plan_s_median": statistics.median(times),
+                "moves": len(plan.moves),
+            }
+        )
     return rows
 
 
@@ -208,8 +224,14 @@ def _reference(w: Workload, base: nn.Module, ckpt: bool, storage_dir: str) -> di
     return {"tracked": tracked, "rss": rss, "dispatch": dispatch}
 
 
-def _make_variants(w: Workload, base: nn.Module, p0: int, args: argparse.Namespace,
-                   storage_dir: str, cache_root: str) -> list[Variant]:
+def _make_variants(
+    w: Workload,
+    base: nn.Module,
+    p0: int,
+    args: argparse.Namespace,
+    storage_dir: str,
+    cache_root: str,
+) -> list[Variant]:
     variants = []
     for name in ("unmanaged", "checkpoint"):
         model = copy.deepcopy(base)
@@ -222,8 +244,13 @@ def _make_variants(w: Workload, base: nn.Module, p0: int, args: argparse.Namespa
             if policy == "planned":
                 v.cache_dir = os.path.join(cache_root, f"{w.name}-{name}-{frac}")
             v.manager = vtensor.MemoryManager(
-                int(p0 * frac), chunk_bytes=args.chunk_bytes, storage_dir=storage_dir,
-                granularity=granularity, policy=policy, plan_cache_dir=v.cache_dir)
+                int(p0 * frac),
+                chunk_bytes=args.chunk_bytes,
+                storage_dir=storage_dir,
+                granularity=granularity,
+                policy=policy,
+                plan_cache_dir=v.cache_dir,
+            )
             variants.append(v)
     return variants
 
@@ -243,8 +270,11 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
             v.error = f"InfeasibleBudgetError: {exc}"
             v.min_budget_bytes = exc.min_budget_bytes
             v.extra["failed_round"] = r
-            print(f"#   {v.name} at {v.budget_frac:.0%}: infeasible in round {r} "
-                  f"(min budget {exc.min_budget_bytes / MIB:.1f} MiB)", flush=True)
+            print(
+                f"#   {v.name} at {v.budget_frac:.0%}: infeasible in round {r} "
+                f"(min budget {exc.min_budget_bytes / MIB:.1f} MiB)",
+                flush=True,
+            )
             continue
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if v.name == "unmanaged":
@@ -259,8 +289,9 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
             v.cpu_s.append(dc)
 
 
-def _after_rounds(variants: list[Variant], w: Workload, ref: dict[str, Any],
-                  ref_ckpt: dict[str, Any], r: int) -> None:
+def _after_rounds(
+    variants: list[Variant], w: Workload, ref: dict[str, Any], ref_ckpt: dict[str, Any], r: int
+) -> None:
     """Dispatch-mode peak on one extra step; plan-cache load time of the LGM variants."""
     x, y = w.batch(r)
     for v in variants:
@@ -277,8 +308,13 @@ def _after_rounds(variants: list[Variant], w: Workload, ref: dict[str, Any],
         except vtensor.InfeasibleBudgetError as exc:
             v.extra["dispatch_step_error"] = str(exc)
         if v.cache_dir is not None:
-            key = plan_key(v.model, (x, y), budget_bytes=v.manager.budget_bytes,
-                           chunk_bytes=v.manager.chunk_size, planner_version=PLANNER_VERSION)
+            key = plan_key(
+                v.model,
+                (x, y),
+                budget_bytes=v.manager.budget_bytes,
+                chunk_bytes=v.manager.chunk_size,
+                planner_version=PLANNER_VERSION,
+            )
             cache = PlanCache(v.cache_dir)
             loads, hit = [], True
             for _ in range(10):
@@ -293,8 +329,9 @@ def _after_rounds(variants: list[Variant], w: Workload, ref: dict[str, Any],
             v.extra["trace_tensors"] = len(v.manager.trace.tensors)
 
 
-def run_model(w: Workload, args: argparse.Namespace, storage_dir: str,
-              cache_root: str) -> list[dict[str, Any]]:
+def run_model(
+    w: Workload, args: argparse.Namespace, storage_dir: str, cache_root: str
+) -> list[dict[str, Any]]:
     """Every variant and budget of one workload; returns the JSON rows."""
     torch.manual_seed(0)
     load_before, ticks_before, started = os.getloadavg(), _cpu_ticks(), time.perf_counter()
@@ -303,8 +340,11 @@ def run_model(w: Workload, args: argparse.Namespace, storage_dir: str,
     ref = _reference(w, base, False, storage_dir)
     ref_ckpt = _reference(w, base, True, storage_dir)
     p0 = ref["tracked"]
-    print(f"#   unmanaged peak: tracked {p0 / MIB:.1f} MiB, dispatch {ref['dispatch'] / MIB:.1f} "
-          f"MiB, RSS {ref['rss'] / MIB:.1f} MiB", flush=True)
+    print(
+        f"#   unmanaged peak: tracked {p0 / MIB:.1f} MiB, dispatch {ref['dispatch'] / MIB:.1f} "
+        f"MiB, RSS {ref['rss'] / MIB:.1f} MiB",
+        flush=True,
+    )
     variants = _make_variants(w, base, p0, args, storage_dir, cache_root)
     for r in range(args.steps + 1):
         _timed_round(variants, w, r)
@@ -313,9 +353,12 @@ def run_model(w: Workload, args: argparse.Namespace, storage_dir: str,
     for v in variants:
         if v.manager is not None:
             v.manager.close()
-    machine = {"load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-               "wall_s": time.perf_counter() - started,
-               **_tick_fracs(ticks_before, _cpu_ticks())}
+    machine = {
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "wall_s": time.perf_counter() - started,
+        **_tick_fracs(ticks_before, _cpu_ticks()),
+    }
     unmanaged_s = statistics.median(variants[0].step_s)
     return [_row(v, w, p0, ref, ref_ckpt, args, machine, unmanaged_s) for v in variants]
 
@@ -324,28 +367,49 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _row(v: Variant, w: Workload, p0: int, ref: dict[str, Any], ref_ckpt: dict[str, Any],
-         args: argparse.Namespace, machine: dict[str, Any], unmanaged_s: float) -> dict[str, Any]:
+def _row(
+    v: Variant,
+    w: Workload,
+    p0: int,
+    ref: dict[str, Any],
+    ref_ckpt: dict[str, Any],
+    args: argparse.Namespace,
+    machine: dict[str, Any],
+    unmanaged_s: float,
+) -> dict[str, Any]:
     timed = v.reports[1:]  # after the profiling round
     row: dict[str, Any] = {
-        "model": w.name, "model_description": w.describe, "variant": v.name,
-        "budget_frac": v.budget_frac, "unmanaged_tracked_peak_bytes": p0,
+        "model": w.name,
+        "model_description": w.describe,
+        "variant": v.name,
+        "budget_frac": v.budget_frac,
+        "unmanaged_tracked_peak_bytes": p0,
         "budget_bytes": None if v.manager is None else v.manager.budget_bytes,
         "chunk_bytes": None if v.manager is None else v.manager.chunk_size,
-        "error": v.error, "min_budget_bytes": v.min_budget_bytes,
+        "error": v.error,
+        "min_budget_bytes": v.min_budget_bytes,
         "dispatch_peak_bytes": v.dispatch_peak,
-        "step_s_median": _median(v.step_s), "step_s_all": v.step_s,
-        "cpu_s_median": _median(v.cpu_s), "steps_timed": len(v.step_s),
+        "step_s_median": _median(v.step_s),
+        "step_s_all": v.step_s,
+        "cpu_s_median": _median(v.cpu_s),
+        "steps_timed": len(v.step_s),
         "vs_unmanaged": None if not v.step_s else statistics.median(v.step_s) / unmanaged_s,
-        "grads_identical": True if v.name == "unmanaged" else (
-            all(v.grads_identical) if v.grads_identical else None),
+        "grads_identical": True
+        if v.name == "unmanaged"
+        else (all(v.grads_identical) if v.grads_identical else None),
         "grads_checked_rounds": len(v.grads_identical),
-        "extra": v.extra, "machine": machine,
+        "extra": v.extra,
+        "machine": machine,
     }
     if v.manager is None:
         r = ref_ckpt if v.name == "checkpoint" else ref
-        row.update(tracked_peak_bytes=r["tracked"], rss_peak_bytes=r["rss"],
-                   bytes_out_per_step=0, bytes_in_per_step=0, stall_s_median=0.0)
+        row.update(
+            tracked_peak_bytes=r["tracked"],
+            rss_peak_bytes=r["rss"],
+            bytes_out_per_step=0,
+            bytes_in_per_step=0,
+            stall_s_median=0.0,
+        )
         return row
     row.update(
         tracked_peak_bytes=max((rep.peak_device_bytes for rep in v.reports), default=None),
@@ -360,10 +424,13 @@ def _row(v: Variant, w: Workload, p0: int, ref: dict[str, Any], ref_ckpt: dict[s
         plan_sources=[rep.plan_source for rep in v.reports],
         policies=[rep.policy for rep in v.reports],
         planning_s=max((rep.planning_s for rep in v.reports), default=None),
-        predicted_peak_bytes=next((rep.predicted_peak_bytes for rep in timed
-                                   if rep.predicted_peak_bytes is not None), None),
-        predicted_stall_s=next((rep.predicted_stall_s for rep in timed
-                                if rep.predicted_stall_s is not None), None),
+        predicted_peak_bytes=next(
+            (rep.predicted_peak_bytes for rep in timed if rep.predicted_peak_bytes is not None),
+            None,
+        ),
+        predicted_stall_s=next(
+            (rep.predicted_stall_s for rep in timed if rep.predicted_stall_s is not None), None
+        ),
         min_budget_seen_bytes=max((rep.min_budget_bytes for rep in v.reports), default=None),
     )
     return row
@@ -387,16 +454,34 @@ def _replayed(r: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """One markdown table of the rows of one model."""
-    cols = ("variant", "budget MiB (%)", "tracked peak MiB", "dispatch peak MiB", "RSS peak MiB",
-            "predicted peak MiB", "MiB moved/step", "stall s (pred.)", "step s", "vs unmanaged",
-            "planned steps", "planning ms", "cache load ms", "grads identical")
+    cols = (
+        "variant",
+        "budget MiB (%)",
+        "tracked peak MiB",
+        "dispatch peak MiB",
+        "RSS peak MiB",
+        "predicted peak MiB",
+        "MiB moved/step",
+        "stall s (pred.)",
+        "step s",
+        "vs unmanaged",
+        "planned steps",
+        "planning ms",
+        "cache load ms",
+        "grads identical",
+    )
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        budget = "-" if r["budget_bytes"] is None else (
-            f"{r['budget_bytes'] / MIB:.1f} ({r['budget_frac']:.0%})")
+        budget = (
+            "-"
+            if r["budget_bytes"] is None
+            else (f"{r['budget_bytes'] / MIB:.1f} ({r['budget_frac']:.0%})")
+        )
         if r["error"] is not None:
-            lines.append(f"| {r['variant']} | {budget} | infeasible: min budget "
-                         f"{_mib(r['min_budget_bytes'])} MiB |" + " |" * (len(cols) - 3))
+            lines.append(
+                f"| {r['variant']} | {budget} | infeasible: min budget "
+                f"{_mib(r['min_budget_bytes'])} MiB |" + " |" * (len(cols) - 3)
+            )
             continue
         moved = (r["bytes_out_per_step"] or 0) + (r["bytes_in_per_step"] or 0)
         stall = _num(r["stall_s_median"], ".3f")
@@ -405,13 +490,27 @@ def table(rows: list[dict[str, Any]]) -> str:
         grads = {True: "yes", False: "NO", None: "-"}[r["grads_identical"]]
         planning = r.get("planning_s")
         load = r["extra"].get("cache_load_s_median")
-        lines.append(" | ".join([
-            f"| {r['variant']}", budget, _mib(r["tracked_peak_bytes"]),
-            _mib(r["dispatch_peak_bytes"]), _mib(r["rss_peak_bytes"]),
-            _mib(r.get("predicted_peak_bytes")), _mib(moved), stall,
-            _num(r["step_s_median"], ".2f"), _num(r["vs_unmanaged"], ".2f"), _replayed(r),
-            "-" if not planning else f"{planning * 1e3:.0f}",
-            "-" if load is None else f"{load * 1e3:.2f}", grads]) + " |")
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['variant']}",
+                    budget,
+                    _mib(r["tracked_peak_bytes"]),
+                    _mib(r["dispatch_peak_bytes"]),
+                    _mib(r["rss_peak_bytes"]),
+                    _mib(r.get("predicted_peak_bytes")),
+                    _mib(moved),
+                    stall,
+                    _num(r["step_s_median"], ".2f"),
+                    _num(r["vs_unmanaged"], ".2f"),
+                    _replayed(r),
+                    "-" if not planning else f"{planning * 1e3:.0f}",
+                    "-" if load is None else f"{load * 1e3:.2f}",
+                    grads,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -427,12 +526,16 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             cm = chunk["bytes_out_per_step"] + chunk["bytes_in_per_step"]
             wm = whole["bytes_out_per_step"] + whole["bytes_in_per_step"]
             paired = [t / s for t, s in zip(whole["step_s_all"], chunk["step_s_all"], strict=False)]
-            c.update(throughput_ratio=whole["step_s_median"] / chunk["step_s_median"],
-                     throughput_ratio_paired_median=_median(paired),
-                     bytes_ratio=cm / wm if wm else None)
+            c.update(
+                throughput_ratio=whole["step_s_median"] / chunk["step_s_median"],
+                throughput_ratio_paired_median=_median(paired),
+                bytes_ratio=cm / wm if wm else None,
+            )
         if chunk and ckpt and not chunk["error"]:
-            c.update(checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
-                     chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"])
+            c.update(
+                checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
+                chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"],
+            )
         out.append(c)
     return out
 
@@ -443,30 +546,52 @@ def _print_comparisons(comps: list[dict[str, Any]]) -> None:
             print(f"{c['model']} {c['budget_frac']:.0%}: no chunk/tensor comparison (infeasible)")
             continue
         br = "-" if c["bytes_ratio"] is None else f"{c['bytes_ratio']:.3f}x"
-        line = (f"{c['model']} {c['budget_frac']:.0%}: LGM chunk/tensor throughput "
-                f"{c['throughput_ratio']:.3f}x (paired rounds "
-                f"{c['throughput_ratio_paired_median']:.3f}x), bytes moved {br}")
+        line = (
+            f"{c['model']} {c['budget_frac']:.0%}: LGM chunk/tensor throughput "
+            f"{c['throughput_ratio']:.3f}x (paired rounds "
+            f"{c['throughput_ratio_paired_median']:.3f}x), bytes moved {br}"
+        )
         if "chunk_vs_checkpoint_time" in c:
             fits = "fits" if c["checkpoint_fits"] else "exceeds"
-            line += (f"; chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
-                     f"(checkpoint peak {fits} the budget)")
+            line += (
+                f"; chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
+                f"(checkpoint peak {fits} the budget)"
+            )
         print(line)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="CI-sized models and rounds (< 1 min)")
-    p.add_argument("--models", nargs="+", default=["mobilenet", "resnet", "gpt"],
-                   choices=["mobilenet", "resnet", "gpt"], help="which workloads to run")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed rounds after the profiling round (default 5; quick: 1)")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["mobilenet", "resnet", "gpt"],
+        choices=["mobilenet", "resnet", "gpt"],
+        help="which workloads to run",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed rounds after the profiling round (default 5; quick: 1)",
+    )
     p.add_argument("--batch-scale", type=float, default=1.0, help="scale every batch size")
-    p.add_argument("--budgets", type=float, nargs="+", default=None,
-                   help="budgets as fractions of the unmanaged tracked peak "
-                   "(default 0.8 0.6 0.4 0.25; quick: 0.6)")
+    p.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=None,
+        help="budgets as fractions of the unmanaged tracked peak "
+        "(default 0.8 0.6 0.4 0.25; quick: 0.6)",
+    )
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (1 recommended on a shared host)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (1 recommended on a shared host)",
+    )
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
     p.add_argument("--out", default=None, help="write the JSON results here")
     args = p.parse_args(argv)
@@ -477,21 +602,33 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     storage_dir = args.storage_dir or tempfile.gettempdir()
     load = os.getloadavg()
-    machine = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-               "python": platform.python_version(), "platform": platform.platform(),
-               "cuda": torch.cuda.is_available(), MMAP_ENV: os.environ.get(MMAP_ENV),
-               "load_avg_start": load}
-    print(f"# activation_swap: torch {torch.__version__}, {os.cpu_count()} CPUs, threads "
-          f"{args.threads}, {MMAP_ENV}={os.environ.get(MMAP_ENV)}, load average "
-          f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}; {args.steps} timed rounds after the "
-          "profiling round, variants interleaved round-robin", flush=True)
+    machine = {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+        MMAP_ENV: os.environ.get(MMAP_ENV),
+        "load_avg_start": load,
+    }
+    print(
+        f"# activation_swap: torch {torch.__version__}, {os.cpu_count()} CPUs, threads "
+        f"{args.threads}, {MMAP_ENV}={os.environ.get(MMAP_ENV)}, load average "
+        f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}; {args.steps} timed rounds after the "
+        "profiling round, variants interleaved round-robin",
+        flush=True,
+    )
     started = time.perf_counter()
     planner = planner_benchmark(2 if args.quick else 5)
     for pr in planner:
         chunk = "tensor" if pr["chunk_bytes"] is None else f"{pr['chunk_bytes'] // 1024} KiB"
-        print(f"# plan_lgm, {pr['steps']} steps x {pr['tensors']} tensors, {chunk}, budget "
-              f"floor+{pr['budget_between_floor_and_peak']}: best "
-              f"{pr['plan_s_best'] * 1e3:.0f} ms, {pr['moves']} moves", flush=True)
+        print(
+            f"# plan_lgm, {pr['steps']} steps x {pr['tensors']} tensors, {chunk}, budget "
+            f"floor+{pr['budget_between_floor_and_peak']}: best "
+            f"{pr['plan_s_best'] * 1e3:.0f} ms, {pr['moves']} moves",
+            flush=True,
+        )
     rows, comps = [], []
     all_workloads = workloads(args.quick, args.batch_scale)
     with tempfile.TemporaryDirectory(prefix="plan-cache-") as cache_root:
@@ -503,12 +640,17 @@ def main(argv: list[str] | None = None) -> None:
             print(table(model_rows) + "\n", flush=True)
     _print_comparisons(comps)
     machine.update(load_avg_end=os.getloadavg(), wall_s=time.perf_counter() - started)
-    print(f"# load average at start {load[0]:.2f}, at end {machine['load_avg_end'][0]:.2f}; "
-          f"total {machine['wall_s']:.0f} s")
+    print(
+        f"# load average at start {load[0]:.2f}, at end {machine['load_avg_end'][0]:.2f}; "
+        f"total {machine['wall_s']:.0f} s"
+    )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine, "planner": planner, "comparisons": comps,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {"machine": machine, "planner": planner, "comparisons": comps, "rows": rows},
+                f,
+                indent=1,
+            )
         print(f"# wrote {len(rows)} rows to {args.out}")
 
 

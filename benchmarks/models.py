@@ -23,13 +23,19 @@ def _blockwise(blocks: nn.ModuleList, x: torch.Tensor, ckpt: bool) -> torch.Tens
 
 # -- MobileNetV2 ----------------------------------------------------------------------------------
 _MOBILENET = (  # (expansion t, channels c, repeats n, first stride s): ImageNet strides
-    (1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
-    (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1),
+    (1, 16, 1, 1),
+    (6, 24, 2, 2),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
 )
 
 
-def _conv_bn(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1,
-             act: nn.Module | None = None) -> nn.Sequential:
+def _conv_bn(
+    cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, act: nn.Module | None = None
+) -> nn.Sequential:
     layers: list[nn.Module] = [
         nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
         nn.BatchNorm2d(cout),
@@ -46,9 +52,12 @@ class InvertedResidual(nn.Module):
         super().__init__()
         hidden = cin * expansion
         layers: list[nn.Module] = (
-            [] if expansion == 1 else [_conv_bn(cin, hidden, 1, act=nn.ReLU6())])
-        layers += [_conv_bn(hidden, hidden, 3, stride, groups=hidden, act=nn.ReLU6()),
-                   _conv_bn(hidden, cout, 1)]
+            [] if expansion == 1 else [_conv_bn(cin, hidden, 1, act=nn.ReLU6())]
+        )
+        layers += [
+            _conv_bn(hidden, hidden, 3, stride, groups=hidden, act=nn.ReLU6()),
+            _conv_bn(hidden, cout, 1),
+        ]
         self.body = nn.Sequential(*layers)
         self.skip = stride == 1 and cin == cout
 
@@ -72,8 +81,9 @@ class MobileNetV2(nn.Module):
                 cin = cout
         self.blocks = nn.ModuleList(blocks)
         self.last = _conv_bn(cin, 1280, 1, act=nn.ReLU6())
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(1280, num_classes))
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(1280, num_classes)
+        )
         self.checkpoint_blocks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,10 +97,12 @@ class BasicBlock(nn.Module):
 
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
-        self.body = nn.Sequential(_conv_bn(cin, cout, 3, stride, act=nn.ReLU()),
-                                  _conv_bn(cout, cout, 3))
-        self.shortcut = (nn.Identity() if stride == 1 and cin == cout
-                         else _conv_bn(cin, cout, 1, stride))
+        self.body = nn.Sequential(
+            _conv_bn(cin, cout, 3, stride, act=nn.ReLU()), _conv_bn(cout, cout, 3)
+        )
+        self.shortcut = (
+            nn.Identity() if stride == 1 and cin == cout else _conv_bn(cin, cout, 1, stride)
+        )
         self.act = nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +115,11 @@ class ResNet18(nn.Module):
     def __init__(self, num_classes: int = 1000, width: int = 64) -> None:
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.MaxPool2d(3, 2, 1))
+            nn.Conv2d(3, width, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, 1),
+        )
         blocks: list[nn.Module] = []
         cin = width
         for stage in range(4):
@@ -112,8 +127,9 @@ class ResNet18(nn.Module):
             blocks += [BasicBlock(cin, cout, 1 if stage == 0 else 2), BasicBlock(cout, cout, 1)]
             cin = cout
         self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(cin, num_classes))
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
+        )
         self.checkpoint_blocks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +164,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, heads)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                 nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -159,8 +176,14 @@ class TransformerBlock(nn.Module):
 class CharGPT(nn.Module):
     """GPT-style character language model: token + position embeddings, blocks, tied-free head."""
 
-    def __init__(self, vocab: int = 128, d_model: int = 256, heads: int = 4, layers: int = 4,
-                 context: int = 512) -> None:
+    def __init__(
+        self,
+        vocab: int = 128,
+        d_model: int = 256,
+        heads: int = 4,
+        layers: int = 4,
+        context: int = 512,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(context, d_model)
@@ -194,8 +217,11 @@ class Workload:
 def _images(batch: int, image: int, classes: int) -> Callable[[int], Batch]:
     def make(round_index: int) -> Batch:
         gen = torch.Generator().manual_seed(1000 + round_index)
-        return (torch.randn(batch, 3, image, image, generator=gen),
-                torch.randint(0, classes, (batch,), generator=gen))
+        return (
+            torch.randn(batch, 3, image, image, generator=gen),
+            torch.randint(0, classes, (batch,), generator=gen),
+        )
+
     return make
 
 
@@ -204,6 +230,7 @@ def _tokens(batch: int, context: int, vocab: int) -> Callable[[int], Batch]:
         gen = torch.Generator().manual_seed(1000 + round_index)
         seq = torch.randint(0, vocab, (batch, context + 1), generator=gen)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
     return make
 
 
@@ -218,8 +245,10 @@ def _next_char(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 def workloads(quick: bool, batch_scale: float = 1.0) -> dict[str, Workload]:
     """The three benchmark workloads, CI-sized when ``quick``; ``batch_scale`` scales batches."""
+
     def b(n: int) -> int:
         return max(1, round(n * batch_scale))
+
     if quick:
         cnn, res, gpt = (b(8), 96, 0.5), (b(8), 64, 16, 10), (b(2), 128, 128, 2)
     else:
@@ -227,14 +256,25 @@ def workloads(quick: bool, batch_scale: float = 1.0) -> dict[str, Workload]:
     width = cnn[2]
     return {
         "mobilenet": Workload(
-            "mobilenet", f"MobileNetV2 x{width}, {cnn[1]} px, batch {cnn[0]}, 1000 classes",
-            lambda: MobileNetV2(width_mult=width), _images(cnn[0], cnn[1], 1000), _classify),
+            "mobilenet",
+            f"MobileNetV2 x{width}, {cnn[1]} px, batch {cnn[0]}, 1000 classes",
+            lambda: MobileNetV2(width_mult=width),
+            _images(cnn[0], cnn[1], 1000),
+            _classify,
+        ),
         "resnet": Workload(
-            "resnet", f"ResNet-18 (base width {res[2]}), {res[1]} px, batch {res[0]}, "
-            f"{res[3]} classes",
-            lambda: ResNet18(res[3], res[2]), _images(res[0], res[1], res[3]), _classify),
+            "resnet",
+            f"ResNet-18 (base width {res[2]}), {res[1]} px, batch {res[0]}, {res[3]} classes",
+            lambda: ResNet18(res[3], res[2]),
+            _images(res[0], res[1], res[3]),
+            _classify,
+        ),
         "gpt": Workload(
-            "gpt", f"char GPT, {gpt[3]} layers, d={gpt[2]}, 4 heads, T={gpt[1]}, batch {gpt[0]}, "
-            "vocab 128", lambda: CharGPT(128, gpt[2], 4, gpt[3], gpt[1]),
-            _tokens(gpt[0], gpt[1], 128), _next_char),
+            "gpt",
+            f"char GPT, {gpt[3]} layers, d={gpt[2]}, 4 heads, T={gpt[1]}, batch {gpt[0]}, "
+            "vocab 128",
+            lambda: CharGPT(128, gpt[2], 4, gpt[3], gpt[1]),
+            _tokens(gpt[0], gpt[1], 128),
+            _next_char,
+        ),
     }
