@@ -26,7 +26,7 @@ Usage::
     python benchmarks/activation_swap.py --models mobilenet gpt --out results.json
 
 The script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` when that variable is unset,
-so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/accounting.py``).
+so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/rss.py``).
 """
 
 import argparse

@@ -14,7 +14,6 @@ Exit status: 0 done (1 if the managed weights differ from the plain ones), 2 usa
 """
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -25,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vtensor import demo
@@ -36,15 +34,17 @@ from vtensor.plan import Plan
 from vtensor.report import IterationReport
 from vtensor.session import MemoryManager
 from vtensor.trace import Trace
+from vtensor.workload import (
+    Batch,
+    Builder,
+    UsageError,
+    load_builder,
+    loss_name,
+    make_batch,
+    training_loss,
+)
 
 EXIT_INFEASIBLE = 3
-DEFAULT_CLASSES = 10
-Batch = tuple[torch.Tensor, torch.Tensor]
-Builder = Callable[[], nn.Module]
-
-
-class UsageError(Exception):
-    """A command-line value that cannot be used; the message names it and the fix."""
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -115,114 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.set_defaults(parser=p)  # usage errors found after parsing are reported by this parser
     return parser
-
-
-# -- model, batch, loss ------------------------------------------------------------------------
-def load_builder(spec: str, batch_shape: tuple[int, ...], vocab: int | None) -> Builder:
-    """A seeded builder of the model named ``spec`` (zoo name or ``package.module:factory``)."""
-    make = _import_factory(spec) if ":" in spec else _zoo_factory(spec, batch_shape, vocab)
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        try:
-            model = make()
-        except Exception as err:  # the factory is user code: report whatever it raised
-            raise UsageError(
-                f"MODEL {spec!r} failed to build: {type(err).__name__}: {err}"
-            ) from err
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"MODEL {spec!r} returned {type(model).__name__}, not an nn.Module")
-        return model
-
-    return build
-
-
-def _import_factory(spec: str) -> Callable[[], object]:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise UsageError(f"MODEL {spec!r} is not of the form package.module:factory")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UsageError(f"MODEL {spec!r}: cannot import {module_name!r}: {err}") from err
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UsageError(f"MODEL {spec!r}: {module_name} has no callable {attr!r}")
-    return factory  # type: ignore[no-any-return]
-
-
-def _zoo_factory(
-    name: str, batch_shape: tuple[int, ...], vocab: int | None
-) -> Callable[[], object]:
-    try:
-        from edgefl.data.arrays import DataKind, DatasetInfo
-        from edgefl.errors import EdgeFLError
-        from edgefl.models import MODEL_NAMES, build_model
-    except ImportError as err:
-        raise UsageError(
-            f"MODEL {name!r} is a zoo name but the edgefl model zoo is not importable ({err}); "
-            "install edgefl or give package.module:factory"
-        ) from err
-    if name not in MODEL_NAMES:
-        raise UsageError(
-            f"MODEL {name!r} is not in the zoo ({', '.join(MODEL_NAMES)}) "
-            "and not package.module:factory"
-        )
-    kinds = {4: DataKind.IMAGE, 3: DataKind.SENSOR, 2: DataKind.TOKENS}
-    kind = DataKind.TOKENS if vocab is not None else kinds.get(len(batch_shape))
-    if kind is None or (kind is DataKind.TOKENS and vocab is None):
-        raise UsageError(
-            f"--batch-shape {batch_shape} fits no zoo data: use N,C,H,W (image), "
-            "N,C,L (sensor) or N,T with --input-dtype long --vocab V (tokens)"
-        )
-    classes = vocab if vocab is not None else DEFAULT_CLASSES
-    info = DatasetInfo(f"random{batch_shape}", kind, batch_shape[1:], classes)
-    try:
-        build_model(name, info)  # fail here, as a usage error, not in the middle of a run
-    except EdgeFLError as err:
-        raise UsageError(str(err)) from err
-    return lambda: build_model(name, info)
-
-
-def make_batch(args: argparse.Namespace, device: torch.device) -> tuple[Batch, int]:
-    """A random batch of the requested shapes and the number of target classes."""
-    gen = torch.Generator().manual_seed(1)
-    classes = args.vocab if args.input_dtype == "long" else DEFAULT_CLASSES
-    if args.input_dtype == "long":
-        x = torch.randint(0, classes, args.batch_shape, generator=gen)
-    else:
-        x = torch.randn(args.batch_shape, generator=gen)
-    default_targets = args.batch_shape if args.input_dtype == "long" else args.batch_shape[:1]
-    y = torch.randint(0, classes, args.target_shape or default_targets, generator=gen)
-    return (x.to(device), y.to(device)), classes
-
-
-def _logits(out: torch.Tensor, y: torch.Tensor, classes: int) -> bool:
-    return out.is_floating_point() and out.shape[:-1] == y.shape and out.shape[-1] >= classes
-
-
-def training_loss(out: torch.Tensor, y: torch.Tensor, classes: int) -> torch.Tensor:
-    """Cross-entropy if ``out`` is (targets' shape, >= classes) logits, else mean square."""
-    if _logits(out, y, classes):
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return out.float().square().mean()
-
-
-def loss_name(build: Builder, batch: Batch, classes: int) -> str:
-    """Which loss ``training_loss`` picks for this model and batch."""
-    model = build().to(batch[0].device)
-    try:
-        with torch.no_grad():
-            out = model(batch[0])
-    except Exception as err:  # user model on a user shape: report whatever it raised
-        first_line = str(err).splitlines()[0] if str(err) else ""
-        shape = tuple(batch[0].shape)
-        raise UsageError(
-            f"the model failed on a batch of shape {shape}: {type(err).__name__}: {first_line}"
-        ) from err
-    if not isinstance(out, torch.Tensor):
-        raise UsageError(f"the model returned {type(out).__name__}; the CLI needs one tensor")
-    return "cross-entropy" if _logits(out, batch[1], classes) else "mean square of the output"
 
 
 # -- runs --------------------------------------------------------------------------------------

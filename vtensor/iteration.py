@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vtensor.accounting import DeviceTracker, RssMeter
+from vtensor.accounting import DeviceTracker
 from vtensor.executor import PlanExecutor
 from vtensor.policy import ReactivePolicy
 from vtensor.report import StepStats
+from vtensor.rss import RssMeter
 from vtensor.store import ChunkStore, StoreStats, VTensor
 from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
 

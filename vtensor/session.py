@@ -13,7 +13,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from vtensor.accounting import RssMeter, make_device_tracker
+from vtensor.accounting import make_device_tracker
 from vtensor.budget import format_bytes, parse_bytes
 from vtensor.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.errors import InfeasibleBudgetError, VTensorError
@@ -22,6 +22,7 @@ from vtensor.iteration import Iteration
 from vtensor.planning import IterationPlan, PlanBook, plan_reserve_bytes
 from vtensor.policy import ReactivePolicy
 from vtensor.report import IterationReport
+from vtensor.rss import RssMeter
 from vtensor.store import ChunkStore
 from vtensor.tiers import HostTier, StorageTier
 from vtensor.trace import Trace

@@ -19,12 +19,10 @@ from vtensor.accounting import (
     DeviceTracker,
     LiveStorageTracker,
     MallocTracker,
-    RssMeter,
-    RssMode,
     make_device_tracker,
-    rss_is_honest,
 )
 from vtensor.errors import VTensorError
+from vtensor.rss import RssMeter, RssMode, rss_is_honest
 
 MB = 1_000_000
 MALLOC_TOLERANCE_BYTES = 64 * 1024
@@ -369,7 +367,7 @@ def test_live_storage_tracker_keeps_saved_tensors_hooks_working() -> None:
 
 _RSS_PROBE = """
 import json, sys, torch
-from vtensor.accounting import RssMeter, RssMode, rss_is_honest
+from vtensor.rss import RssMeter, RssMode, rss_is_honest
 result = {"honest": rss_is_honest()}
 for mode in (None, RssMode.SAMPLING):
     with RssMeter(mode) as meter:
