@@ -212,10 +212,12 @@ class Iteration:
         ``pinned`` is the vTensor about to be used: it is neither evicted nor counted as
         evictable. ``judge=False`` makes room without recording feasibility (a first attempt).
         """
-        # NOTE [deterministic reaping]: every transfer started before this point completes here
-        # (it has had at least one op of compute to overlap with). Decisions then depend only on
-        # the sequence of hook events, not on how fast the disk was, so runs are reproducible.
-        self.store.reap(block=True)
+        # NOTE [deterministic reaping]: every eviction started before this point completes here
+        # (it has had at least one op of compute to overlap with), so the memory it frees, and
+        # the decisions that follow, depend on the sequence of hook events rather than on disk
+        # speed. Restores are not waited for here: their bytes are allocated when they start,
+        # and backward waits on them only when it uses them, so prefetches overlap compute.
+        self.store.reap(block=True, block_restores=False)
         live = self.live_bytes()
         self._sample(live)
         self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)

@@ -197,10 +197,17 @@ class ChunkStore:
             chunk.move(ChunkState.RESTORING)
         record.pending = Pending(self.engine.restore(record.storage, chunks), chunks, False)
 
-    def reap(self, *, block: bool = False) -> None:
-        """Complete finished transfers (all in-flight ones when ``block``)."""
+    def reap(self, *, block: bool = False, block_restores: bool = True) -> None:
+        """Complete finished transfers (all in-flight ones when ``block``).
+
+        With ``block_restores=False`` a blocking reap waits for evictions only: restores finish
+        when they are done or when their vTensor is used.
+        """
         for record in self.in_flight():
-            if block or (record.pending is not None and record.pending.transfer.done()):
+            pending = record.pending
+            assert pending is not None
+            must = block and (pending.outgoing or block_restores)
+            if must or pending.transfer.done():
                 self._finish(record)
         self.collect()
 
