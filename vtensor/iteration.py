@@ -83,7 +83,6 @@ class Iteration:
         self.rss = rss if record_trace else None
         self.count_workspaces = count_workspaces
         self.rss_peak_bytes = 0
-        self.transients: list[int] = []
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
         self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
         # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
@@ -281,7 +280,6 @@ class Iteration:
             transient = max(0, rss_rise - max(sampled_rise, 0))
             if self.count_workspaces:
                 self.policy.transient_bytes = max(self.policy.transient_bytes, transient)
-        self.transients.append(transient)
         now = time.perf_counter()
         stats, before = self.store.stats, step.stats_at_start
         phase = Phase(step.name.split(":", 1)[0])

@@ -1,20 +1,10 @@
 """The reactive swap policy: evict the vTensors used farthest ahead, prefetch the nearest."""
 
 import logging
-from dataclasses import dataclass
 
 from vtensor.store import ChunkStore, VTensor
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Decision:
-    """What one enforcement point did: bytes scheduled out, bytes prefetched, whether it blocked."""
-
-    evicted_bytes: int = 0
-    prefetched_bytes: int = 0
-    blocked: bool = False
 
 
 def eviction_order(records: list[VTensor]) -> list[VTensor]:
@@ -85,20 +75,17 @@ class ReactivePolicy:
             scheduled += self.store.evict(record, min(want, available))
         return scheduled
 
-    def enforce(self, live_bytes: int, pinned: VTensor | None = None) -> Decision:
+    def enforce(self, live_bytes: int, pinned: VTensor | None = None) -> None:
         """Start evictions above the early watermark; wait for writes above the high one.
 
         The caller measures the device bytes again afterwards.
         """
-        decision = Decision()
         high = self.high_watermark()
         early = high - self.reserve_bytes if self.early_eviction else high
         if live_bytes > early:
-            decision.evicted_bytes = self.evict_down_to(live_bytes, max(early, 0), pinned)
+            self.evict_down_to(live_bytes, max(early, 0), pinned)
         if live_bytes > high and self.store.in_flight():
             self.store.reap(block=True)
-            decision.blocked = True
-        return decision
 
     def prefetch(self, live_bytes: int, current: VTensor) -> int:
         """Start restoring the vTensors backward will use next, as far as headroom allows."""

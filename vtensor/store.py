@@ -9,7 +9,7 @@ import torch
 
 from vtensor.chunk import Chunk, ChunkState, split_into_chunks
 from vtensor.errors import VTensorError
-from vtensor.transfer import Transfer, TransferEngine
+from vtensor.transfer import CudaTransferEngine, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,9 @@ class ChunkStore:
 
     def __init__(self, engine: TransferEngine, chunk_bytes: int | None) -> None:
         self.engine = engine
+        # Where evicted chunks land: pinned host memory on CUDA, the swap file otherwise.
+        cuda = isinstance(engine, CudaTransferEngine)
+        self._offloaded = ChunkState.HOST if cuda else ChunkState.STORAGE
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}
         self._by_storage: dict[int, VTensor] = {}
@@ -249,7 +252,7 @@ class ChunkStore:
             self._rollback(record, pending)
             return
         for chunk in pending.chunks:
-            chunk.move(self._offloaded_state())
+            chunk.move(self._offloaded)
         record.storage.resize_(pending.chunks[0].offset_bytes)
         self.stats.bytes_out += pending.transfer.nbytes
 
@@ -263,13 +266,6 @@ class ChunkStore:
             raise VTensorError(
                 f"restoring vTensor {record.vid} failed; its swapped bytes are unrecoverable"
             )
-
-    def _offloaded_state(self) -> ChunkState:
-        from vtensor.transfer import CudaTransferEngine
-
-        return (
-            ChunkState.HOST if isinstance(self.engine, CudaTransferEngine) else ChunkState.STORAGE
-        )
 
     def close(self) -> None:
         """Wait for transfers and drop every record."""
