@@ -100,7 +100,10 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
     privacy = raw["privacy"]["name"]
     if privacy != "none":
         raise ConfigError(f"privacy={privacy!r} is not available yet; use privacy=none")
-    output_dir = raw["output_dir"] or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
+    resume_from = raw["server"].get("resume_from")
+    output_dir = (
+        raw["output_dir"] or resume_from or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     fleet_raw = raw["fleet"]
     fleet = FleetSettings(
         classes=tuple(
@@ -136,6 +139,8 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
         round_timeout_s=float(raw["server"]["round_timeout_s"]),
         central_eval=bool(raw["server"]["central_eval"]),
         save_plots=bool(raw["server"]["save_plots"]),
+        checkpoint=bool(raw["server"].get("checkpoint", True)),
+        resume_from=str(Path(resume_from).resolve()) if resume_from else None,
     )
     return RunSettings(client, server, SimulationSettings(**raw["simulation"]))
 

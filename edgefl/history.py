@@ -100,6 +100,10 @@ class RunHistory:
         self.rounds.append(record)
         return record
 
+    def restart_clock(self) -> None:
+        """Time the next round from now (a resumed run's first round)."""
+        self._round_started = time.perf_counter()
+
     def errors(self) -> list[ClientRound]:
         """Every error reply, in order."""
         return [c for c in self.clients if c.error is not None]

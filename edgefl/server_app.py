@@ -11,8 +11,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from edgefl.checkpoint import (
+    Checkpoint,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    run_key,
+    save_checkpoint,
+)
 from edgefl.client_data import central_test_set
 from edgefl.config import instantiate_strategy, settings_from_run_config
+from edgefl.errors import ConfigError
 from edgefl.history import RunHistory
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
@@ -20,6 +29,7 @@ from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
 from edgefl.plots import ACCURACY_PNG, MEMORY_PNG, plot_accuracy_loss, plot_client_memory
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
 from edgefl.results import SUMMARY_TXT, write_results
+from edgefl.rounds import RoundPlan, run_rounds
 from edgefl.settings import RunSettings
 from edgefl.summary import round_line, summary_table
 from edgefl.train import evaluate
@@ -57,26 +67,41 @@ def run_federation(
     observers: Sequence[ExchangeObserver] = (),
     peak: PeakMeasurement | None = None,
 ) -> dict[str, Any]:
-    """Run the strategy for ``num_rounds`` and write results; return history, state and paths."""
+    """Run rounds up to ``num_rounds`` (from a checkpoint if resuming); write results.
+
+    Returns the history, final state, output folder and the model's unmanaged peak.
+    """
     configure_logging(s.simulation.flower_log_level)
     out_dir = Path(s.server.output_dir)
-    strategy = instantiate_strategy(s.server.strategy)
     info, test_set = central_test_set(s.client.data, s.client.seed)
     torch.manual_seed(s.client.seed)
     model = build_model(s.client.model.name, info, s.client.model.options)
-    if peak is None:  # flwr run: measure here, with the clients' thread count
-        torch.set_num_threads(s.client.train.torch_threads)
-        peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
+    key = run_key(s)
+    resumed = _resume(s, key)
+    if resumed is not None:
+        strategy, history, extra = resumed.strategy, resumed.history, resumed.extra
+        model.load_state_dict(resumed.state_dict)
+        restore_rng(resumed.rng)
+        history.restart_clock()
+        first_round = resumed.server_round + 1
+    else:
+        strategy, history, first_round = instantiate_strategy(s.server.strategy), RunHistory(), 1
+        if peak is None:  # flwr run: measure here, with the clients' thread count
+            torch.set_num_threads(s.client.train.torch_threads)
+            peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
+        extra = {
+            "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
+            "min_budget_bytes": peak.min_budget_bytes,
+        }
     logger.info(
         "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d; budgets %s",
         s.client.model.name,
         sum(p.numel() for p in model.parameters()),
         info.name,
-        peak.unmanaged_peak_bytes / 2**20,
+        extra["unmanaged_peak_bytes"] / 2**20,
         s.client.train.batch_size,
         ", ".join(f"{c.name} {c.budget}" for c in s.client.fleet.classes),
     )
-    history = RunHistory()
 
     def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         outcome = None
@@ -90,35 +115,56 @@ def run_federation(
             return None
         return MetricRecord({"central-loss": outcome.loss, "central-acc": outcome.accuracy})
 
+    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
+        if s.server.checkpoint:
+            state = Checkpoint(
+                server_round,
+                arrays.to_torch_state_dict(),
+                strategy,
+                history,
+                key,
+                capture_rng(),
+                extra,
+            )
+            save_checkpoint(out_dir, state)
+
     started = time.perf_counter()
-    result = strategy.start(
-        grid=RecordingGrid(grid, [history.on_exchange, _log_errors, *observers]),
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=s.server.num_rounds,
-        timeout=s.server.round_timeout_s,
-        train_config=ConfigRecord(
-            {
-                "lr": s.client.train.lr,
-                "seed": s.client.seed,
-                "local-epochs": s.client.train.local_epochs,
-                "batch-size": s.client.train.batch_size,
-            }
+    result = run_rounds(
+        strategy,
+        RecordingGrid(grid, [history.on_exchange, _log_errors, *observers]),
+        ArrayRecord(model.state_dict()),
+        RoundPlan(
+            first_round=first_round,
+            num_rounds=s.server.num_rounds,
+            timeout_s=s.server.round_timeout_s,
+            train_config=ConfigRecord(
+                {
+                    "lr": s.client.train.lr,
+                    "seed": s.client.seed,
+                    "local-epochs": s.client.train.local_epochs,
+                    "batch-size": s.client.train.batch_size,
+                }
+            ),
+            evaluate_config=ConfigRecord({"seed": s.client.seed}),
         ),
-        evaluate_config=ConfigRecord({"seed": s.client.seed}),
         evaluate_fn=central_eval,
+        after_round=checkpoint,
     )
     final_state = result.arrays.to_torch_state_dict()
-    extra = {
-        "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
-        "min_budget_bytes": peak.min_budget_bytes,
+    summary = {
+        **extra,
         "strategy_s": time.perf_counter() - started,
+        "resumed_after": first_round - 1,
     }
-    paths = write_results(out_dir, history, final_state, s, extra)
+    paths = write_results(out_dir, history, final_state, s, summary)
     if s.server.save_plots:
         paths.append(plot_accuracy_loss(history, out_dir / ACCURACY_PNG))
         paths.append(
             plot_client_memory(
-                history, s.client.fleet.classes, peak.unmanaged_peak_bytes, out_dir / MEMORY_PNG
+                history,
+                s.client.fleet.classes,
+                extra["unmanaged_peak_bytes"],
+                out_dir / MEMORY_PNG,
             )
         )
     table = summary_table(history)
@@ -129,8 +175,37 @@ def run_federation(
         "history": history,
         "final_state": final_state,
         "output_dir": out_dir,
-        "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
+        "unmanaged_peak_bytes": extra["unmanaged_peak_bytes"],
+        "last_round": result.last_round,
     }
+
+
+def resume_point(s: RunSettings) -> Checkpoint | None:
+    """The checkpoint a run continues from, or None for a new run.
+
+    Raises:
+        ConfigError: no usable checkpoint there, or its run already reached ``num_rounds``.
+    """
+    return _resume(s, run_key(s))
+
+
+def _resume(s: RunSettings, key: dict[str, Any]) -> Checkpoint | None:
+    if s.server.resume_from is None:
+        return None
+    checkpoint = load_checkpoint(Path(s.server.resume_from), key)
+    if checkpoint.server_round >= s.server.num_rounds:
+        raise ConfigError(
+            f"the run in {s.server.resume_from} already completed round "
+            f"{checkpoint.server_round} of num_rounds={s.server.num_rounds}; "
+            "raise num_rounds to train further"
+        )
+    logger.info(
+        "resuming %s after round %d of %d",
+        s.server.resume_from,
+        checkpoint.server_round,
+        s.server.num_rounds,
+    )
+    return checkpoint
 
 
 def _log_errors(exchange: Exchange) -> None:
