@@ -59,6 +59,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
                 seed=seed,
                 manager=manager,
                 proximal_mu=_number(config, "proximal-mu", 0.0),
+                max_examples=int(_number(config, "max-examples", 0)),
             )
         except ClientBudgetError as exc:
             return _budget_error(msg, node, exc)

@@ -27,6 +27,7 @@ from edgefl.settings import (
     DeviceClass,
     FleetSettings,
     ModelSettings,
+    PacingSettings,
     RunSettings,
     ServerSettings,
     SimulationSettings,
@@ -42,6 +43,7 @@ GROUPS = (
     "model",
     "fleet",
     "strategy",
+    "pacing",
     "vtensor",
     "privacy",
     "experiment",
@@ -139,6 +141,7 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
         round_timeout_s=float(raw["server"]["round_timeout_s"]),
         central_eval=bool(raw["server"]["central_eval"]),
         save_plots=bool(raw["server"]["save_plots"]),
+        pacing=_pacing(raw["pacing"]),
         checkpoint=bool(raw["server"].get("checkpoint", True)),
         resume_from=str(Path(resume_from).resolve()) if resume_from else None,
     )
@@ -164,6 +167,19 @@ def _data(dataset: Mapping[str, Any], partitioner: Mapping[str, Any]) -> DataSet
         central_test_examples=int(dataset["central_test_examples"]),
         seq_len=int(dataset["seq_len"]),
     )
+
+
+def _pacing(raw: Mapping[str, Any]) -> PacingSettings | None:
+    options = dict(raw)
+    name = options.pop("name")
+    if name == "none":
+        return None
+    if name != "memory_aware":
+        raise ConfigError(f"pacing={name!r} is unknown; choose one of {group_options('pacing')}")
+    try:
+        return PacingSettings(**options)
+    except TypeError as exc:
+        raise ConfigError(f"pacing={name}: {exc}; see conf/pacing/{name}.yaml") from exc
 
 
 def _bytes(value: Any, what: str) -> int:

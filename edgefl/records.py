@@ -39,6 +39,7 @@ def plan_source_code(source: str | None) -> PlanSource:
 NUM_EXAMPLES = "num-examples"  # FedAvg's weighting key
 TRAIN_METRIC_KEYS = (
     NUM_EXAMPLES,
+    "examples-processed",
     "train-loss",
     "peak-device-bytes",
     "budget-bytes",
@@ -53,7 +54,7 @@ TRAIN_METRIC_KEYS = (
 EVAL_METRIC_KEYS = (NUM_EXAMPLES, "eval-loss", "eval-acc", "partition-id", "device-class")
 # Keys a train/evaluate instruction's ConfigRecord may carry (sent by the server or strategy).
 TRAIN_CONFIG_KEYS = frozenset(
-    {"server-round", "lr", "local-epochs", "batch-size", "seed", "proximal-mu"}
+    {"server-round", "lr", "local-epochs", "batch-size", "seed", "proximal-mu", "max-examples"}
 )
 ERROR_CODE_BUDGET = 4001  # Error.code of a reply from a client whose budget cannot be met
 
@@ -62,6 +63,7 @@ def train_metrics(outcome: TrainOutcome, node: NodeProfile, budget_bytes: int) -
     """Metrics of a train reply; every reply has exactly ``TRAIN_METRIC_KEYS``."""
     values: dict[str, int | float | list[int] | list[float]] = {
         NUM_EXAMPLES: outcome.num_examples,
+        "examples-processed": outcome.examples_processed,
         "train-loss": outcome.loss,
         "peak-device-bytes": outcome.peak_device_bytes,
         "budget-bytes": budget_bytes,

@@ -1,6 +1,7 @@
 """Flower ServerApp: settings -> strategy -> start with central evaluation -> results and plots."""
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
 from edgefl.checkpoint import (
     Checkpoint,
@@ -33,6 +35,7 @@ from edgefl.rounds import RoundPlan, run_rounds
 from edgefl.settings import RunSettings
 from edgefl.summary import round_line, summary_table
 from edgefl.train import evaluate
+from strategies.memory_aware import MemoryAware
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ def run_federation(
         history.restart_clock()
         first_round = resumed.server_round + 1
     else:
-        strategy, history, first_round = instantiate_strategy(s.server.strategy), RunHistory(), 1
+        strategy, history, first_round = _strategy(s), RunHistory(), 1
         if peak is None:  # flwr run: measure here, with the clients' thread count
             torch.set_num_threads(s.client.train.torch_threads)
             peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
@@ -178,6 +181,14 @@ def run_federation(
         "unmanaged_peak_bytes": extra["unmanaged_peak_bytes"],
         "last_round": result.last_round,
     }
+
+
+def _strategy(s: RunSettings) -> Strategy:
+    """The configured Flower strategy, wrapped for pacing when asked."""
+    strategy: Strategy = instantiate_strategy(s.server.strategy)
+    if s.server.pacing is not None:
+        strategy = MemoryAware(strategy, **dataclasses.asdict(s.server.pacing))
+    return strategy
 
 
 def resume_point(s: RunSettings) -> Checkpoint | None:

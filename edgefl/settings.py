@@ -90,6 +90,15 @@ class StrategySpec:
 
 
 @dataclass(frozen=True)
+class PacingSettings:
+    """strategies.memory_aware.MemoryAware's knobs (see conf/pacing/memory_aware.yaml)."""
+
+    deadline_quantile: float = 0.5
+    min_work_fraction: float = 0.25
+    min_batch_size: int = 4
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """The ServerApp's run: rounds, strategy, outputs."""
 
@@ -100,15 +109,19 @@ class ServerSettings:
     round_timeout_s: float = 3600.0
     central_eval: bool = True
     save_plots: bool = True
+    pacing: PacingSettings | None = None  # None: every client trains its full round
+    checkpoint: bool = True  # save model and strategy state after every round
+    resume_from: str | None = None  # output folder of a stopped run to continue
 
 
 @dataclass(frozen=True)
 class SimulationSettings:
-    """Resources of Flower's Ray simulation engine."""
+    """Resources of Flower's Ray simulation engine, local or an existing Ray cluster."""
 
     client_num_cpus: float = 1.0
-    ray_num_cpus: int = 2
+    ray_num_cpus: int = 2  # CPUs of the local Ray instance; unused with ray_address
     flower_log_level: str = "WARNING"
+    ray_address: str | None = None  # "HOST:PORT" of a running Ray cluster's head; None = local
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from edgefl.settings import VTensorSettings
 class TrainOutcome:
     """Summary of one round of local training (vtensor figures summed or maxed over steps)."""
 
-    num_examples: int
+    num_examples: int  # distinct examples trained on (FedAvg's weight)
+    examples_processed: int  # examples through the model, counting each epoch's pass
     loss: float  # mean training loss over the round's batches
     steps: int
     train_s: float
@@ -85,8 +86,12 @@ def train_local(
     seed: int,
     manager: vtensor.MemoryManager | None,
     proximal_mu: float = 0.0,
+    max_examples: int = 0,
 ) -> TrainOutcome:
     """Train ``model`` in place with SGD; every iteration runs under ``manager`` when given.
+
+    ``max_examples`` > 0 ends the round after that many examples (a server's cap on a slow
+    device's work; the last batch is cut to fit); 0 trains ``epochs`` full passes.
 
     Raises:
         ClientBudgetError: vtensor could not meet the budget.
@@ -98,9 +103,11 @@ def train_local(
     peak = out = back = 0
     stall = transfer = 0.0
     source: str | None = None
+    processed = 0
     model.train()
     started = time.perf_counter()
-    for x, y in _batches(data, batch_size, epochs, rng):
+    for x, y in _batches(data, batch_size, epochs, rng, max_examples):
+        processed += len(y)
         optimizer.zero_grad(set_to_none=True)
         with _managed(manager, model, optimizer, (x, y)):
             loss = loss_fn(model(x), y)
@@ -119,7 +126,8 @@ def train_local(
             if source is None or rep.plan_source == "fallback":
                 source = rep.plan_source  # the round's source: its first step's, or fallback
     return TrainOutcome(
-        len(data),
+        min(len(data), processed),
+        processed,
         float(np.mean(losses)) if losses else 0.0,
         len(losses),
         time.perf_counter() - started,
@@ -165,11 +173,22 @@ def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int) -> EvalOutco
 
 
 def _batches(
-    data: ArrayDataset, batch_size: int, epochs: int, rng: np.random.Generator
+    data: ArrayDataset,
+    batch_size: int,
+    epochs: int,
+    rng: np.random.Generator,
+    max_examples: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Shuffled mini-batches (the last, smaller one included) for ``epochs`` epochs."""
+    """Shuffled mini-batches (the last, smaller one included) for ``epochs`` epochs.
+
+    With ``max_examples`` > 0, batches stop once that many examples were yielded.
+    """
+    left = max_examples if max_examples > 0 else epochs * len(data)
     for _ in range(epochs):
         order = rng.permutation(len(data))
         for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+            if left <= 0:
+                return
+            idx = order[start : start + min(batch_size, left)]
+            left -= len(idx)
             yield torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
