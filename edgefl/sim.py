@@ -29,6 +29,7 @@ from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
 from edgefl.recording_grid import ExchangeObserver
 from edgefl.server_app import build_server_app
 from edgefl.settings import RunSettings
+from edgefl.sweep import is_multirun, run_multirun
 from vtensor import format_bytes
 
 logger = logging.getLogger("edgefl.sim")  # not __name__: "__main__" under python -m
@@ -139,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     configure_logging()
+    if is_multirun(args):
+        return _multirun(args)
     try:
         settings = prepare(load_run_settings(args))
         logger.info(
@@ -159,6 +162,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _multirun(args: list[str]) -> int:
+    """A Hydra multirun (docs/sweeps.md): every job runs as a single run, into its job folder."""
+    try:
+        return run_multirun(args, _simulate_job)
+    except EdgeFLError as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+def _simulate_job(settings: RunSettings) -> None:
+    """One job of a multirun: the single run's steps on its settings."""
+    settings = prepare(settings)
+    logger.info("results will go to %s", settings.server.output_dir)
+    simulate(settings, peak=measure_peak(settings))
+
+
 def _usage() -> str:
     lines = [
         "usage: edgefl-sim [key=value ...]   (Hydra overrides of conf/config.yaml)",
@@ -166,6 +185,7 @@ def _usage() -> str:
     ]
     lines += [f"  {g}: {', '.join(group_options(g))}" for g in GROUPS]
     lines.append("examples: edgefl-sim experiment=hapt   edgefl-sim num_rounds=10 vtensor=disabled")
+    lines.append("sweeps (Hydra multirun): edgefl-sim -m strategy=fedavg,fedprox (docs/sweeps.md)")
     return "\n".join(lines)
 
 
