@@ -46,3 +46,11 @@ class InPlaceModificationError(VTensorError, RuntimeError):
 
 class StorageTierError(VTensorError, OSError):
     """The storage tier could not write or read a chunk (disk full, unreadable directory, ...)."""
+
+
+class SwapAuthenticationError(VTensorError):
+    """A sealed swap-file extent failed authentication: modified, stale, swapped or corrupted.
+
+    The chunk's bytes are never returned: they were replaced on storage after vtensor wrote
+    them, so the step cannot continue from them.
+    """

@@ -60,6 +60,10 @@ class MemoryManager:
         prefetch_depth: how many saved tensors backward prefetches ahead.
         drop_page_cache: flush and drop swap-file pages from the page cache after each transfer,
             so swapped-out bytes really leave RAM.
+        encrypt_storage: seal every chunk written to the swap file with AES-256-GCM under a
+            random key that exists only in this process's memory (docs/encryption.md). Turn it
+            off only to measure its cost. The pinned host tier (CUDA) is RAM and is not
+            encrypted.
         host_capacity_bytes: bound of the pinned host tier (CUDA).
         plan_cache_dir: directory of the plan cache, shared by processes (None: plans live only
             in this manager).
@@ -82,6 +86,7 @@ class MemoryManager:
         min_tensor_bytes: int = 4096,
         prefetch_depth: int = 2,
         drop_page_cache: bool = True,
+        encrypt_storage: bool = True,
         host_capacity_bytes: int | None = None,
         plan_cache_dir: str | PathLike[str] | None = None,
         policy: str = "planned",
@@ -100,6 +105,7 @@ class MemoryManager:
         self.min_tensor_bytes = min_tensor_bytes
         self.prefetch_depth = prefetch_depth
         self.drop_page_cache = drop_page_cache
+        self.encrypt_storage = encrypt_storage
         self.host_capacity_bytes = host_capacity_bytes
         self.count_workspaces = count_workspaces
         if policy not in ("planned", "reactive"):
@@ -156,7 +162,9 @@ class MemoryManager:
         if device.type == "cuda":
             engine = CudaTransferEngine(device, HostTier(self.host_capacity_bytes))
         elif device.type == "cpu":
-            engine = FileTransferEngine(StorageTier(self.storage_dir, self.drop_page_cache))
+            engine = FileTransferEngine(
+                StorageTier(self.storage_dir, self.drop_page_cache), encrypt=self.encrypt_storage
+            )
         else:
             raise VTensorError(f"device {device} is not supported; use a cpu or cuda device")
         self._store = ChunkStore(engine, self.chunk_size)

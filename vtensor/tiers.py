@@ -21,9 +21,36 @@ def _round_up(nbytes: int, multiple: int) -> int:
     return -(-nbytes // multiple) * multiple
 
 
-def _buffer_at(address: int, nbytes: int) -> memoryview:
+def buffer_at(address: int, nbytes: int) -> memoryview:
     """A writable byte view of raw memory, for I/O straight into and out of tensor storage."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The part of ``views`` left after the first ``nbytes`` (after a short vectored transfer)."""
+    while views and nbytes >= len(views[0]):
+        nbytes -= len(views[0])
+        views = views[1:]
+    if views and nbytes:
+        views = [views[0][nbytes:], *views[1:]]
+    return views
+
+
+def _anonymous_file(directory: Path) -> int:
+    """A read-write descriptor of a file in ``directory`` that has no name at any moment.
+
+    ``O_TMPFILE`` creates the inode without a directory entry, so not even a crash between
+    creating and unlinking can leave a named file behind; filesystems without it get
+    ``mkstemp`` and an immediate unlink.
+    """
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, path = tempfile.mkstemp(prefix="vtensor-", suffix=".swap", dir=directory)
+    os.unlink(path)
+    return fd
 
 
 class ExtentAllocator:
@@ -69,9 +96,10 @@ class StorageTier:
     """One swap file per session, read and written with raw ``pwrite``/``preadv``.
 
     NOTE [anonymous swap file]
-    The file is created with ``mkstemp`` in ``directory`` and unlinked at once: it lives only as
-    long as this process holds its descriptor, so it is gone after a normal exit, an exception,
-    Ctrl-C and even SIGKILL, and no other process can open it by name. After every write the
+    The file is created without a name in ``directory`` (``O_TMPFILE``; elsewhere ``mkstemp``
+    and an immediate unlink): it lives only as long as this process holds its descriptor, so it
+    is gone after a normal exit, an exception, Ctrl-C and even SIGKILL, and no other process can
+    open it by name. What it holds is sealed by default (``vtensor.sealing``). After every write the
     pages are flushed (``fdatasync``) and dropped from the page cache (``POSIX_FADV_DONTNEED``):
     without that, "swapped out" bytes would only move from the process into the page cache and
     the machine's RAM would not shrink (measured in docs/vtensor.md).
@@ -81,14 +109,13 @@ class StorageTier:
         root = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         try:
             root.mkdir(parents=True, exist_ok=True)
-            fd, path = tempfile.mkstemp(prefix="vtensor-", suffix=".swap", dir=root)
+            fd = _anonymous_file(root)
         except OSError as exc:
             raise StorageTierError(
                 exc.errno or errno.EIO,
                 f"cannot create a swap file in storage_dir={str(root)!r} ({exc.strerror}); "
                 "pass a writable directory as storage_dir",
             ) from exc
-        os.unlink(path)
         self.directory = root
         self.drop_page_cache = drop_page_cache
         self._fd: int | None = fd
@@ -103,11 +130,21 @@ class StorageTier:
 
     def write(self, offset: int, address: int, nbytes: int) -> None:
         """Write ``nbytes`` from memory at ``address`` to the file at ``offset`` (any thread)."""
-        view = _buffer_at(address, nbytes)
+        self.writev(offset, [buffer_at(address, nbytes)])
+
+    def read(self, offset: int, address: int, nbytes: int) -> None:
+        """Read ``nbytes`` at ``offset`` into memory at ``address`` (any thread)."""
+        self.readv(offset, [buffer_at(address, nbytes)])
+
+    def writev(self, offset: int, views: list[memoryview]) -> None:
+        """Write ``views`` back to back to the file at ``offset``: one ``pwritev`` if it can."""
+        nbytes = sum(len(v) for v in views)
         done = 0
         try:
-            while done < nbytes:
-                done += os.pwrite(self.fd, view[done:], offset + done)
+            while views:
+                wrote = os.pwritev(self.fd, views, offset + done)
+                done += wrote
+                views = _skip(views, wrote)
         except OSError as exc:
             raise StorageTierError(
                 exc.errno or errno.EIO,
@@ -115,17 +152,18 @@ class StorageTier:
                 f"({exc.strerror}); free space there or pass another storage_dir",
             ) from exc
 
-    def read(self, offset: int, address: int, nbytes: int) -> None:
-        """Read ``nbytes`` at ``offset`` into memory at ``address`` (any thread)."""
-        view = _buffer_at(address, nbytes)
+    def readv(self, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views`` back to back from the file at ``offset``: one ``preadv`` if it can."""
+        nbytes = sum(len(v) for v in views)
         done = 0
-        while done < nbytes:
-            got = os.preadv(self.fd, [view[done:]], offset + done)
+        while views:
+            got = os.preadv(self.fd, views, offset + done)
             if got == 0:
                 raise StorageTierError(
                     errno.EIO, f"swap file ended at {offset + done}, expected {nbytes} bytes"
                 )
             done += got
+            views = _skip(views, got)
 
     def release_cache(self, offset: int, nbytes: int, *, dirty: bool) -> None:
         """Drop a range from the page cache so the RAM it used is really free."""

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from vtensor.chunk import Chunk
+from vtensor.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.tiers import HostTier, StorageTier
 
 
@@ -91,10 +92,17 @@ class TransferEngine(Protocol):
 
 
 class FileTransferEngine:
-    """Storage-tier transfers on one background thread (raw syscalls release the GIL)."""
+    """Storage-tier transfers on one background thread (raw syscalls and AEAD release the GIL).
 
-    def __init__(self, tier: StorageTier) -> None:
+    With ``encrypt`` (the default) every chunk is sealed before it reaches the file and
+    authenticated when it comes back (NOTE [sealed swap] in ``vtensor/sealing.py``).
+    """
+
+    def __init__(
+        self, tier: StorageTier, *, encrypt: bool = True, cipher: Cipher | str = DEFAULT_CIPHER
+    ) -> None:
         self.tier = tier
+        self.sealer = Sealer(cipher) if encrypt else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
 
     def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
@@ -107,7 +115,8 @@ class FileTransferEngine:
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
-        # one contiguous extent so the whole run is one write and one cache drop.
+        # one contiguous extent so the whole run is one write (sealed: one per staging buffer)
+        # and one cache drop.
         total = sum(c.nbytes for c in chunks)
         start = self.tier.extents.alloc(total)
         slot = start
@@ -115,9 +124,14 @@ class FileTransferEngine:
             chunk.slot = slot
             slot += chunk.nbytes
         address = storage.data_ptr() + chunks[0].offset_bytes
+        sealer = self.sealer
+        pieces = _pieces(storage, chunks) if sealer is not None else []
 
         def job() -> None:
-            self.tier.write(start, address, total)
+            if sealer is None:
+                self.tier.write(start, address, total)
+            else:
+                sealer.seal(pieces, self.tier.writev)
             self.tier.release_cache(start, total, dirty=True)
 
         return self._submit(job, total)
@@ -125,23 +139,47 @@ class FileTransferEngine:
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         base = storage.data_ptr()
         runs = _contiguous_runs(chunks)
+        sealer = self.sealer
+        pieces = _pieces(storage, chunks) if sealer is not None else []
 
         def job() -> None:
+            if sealer is not None:
+                sealer.open(pieces, self.tier.readv)
             for slot, offset, nbytes in runs:
-                self.tier.read(slot, base + offset, nbytes)
+                if sealer is None:
+                    self.tier.read(slot, base + offset, nbytes)
                 self.tier.release_cache(slot, nbytes, dirty=False)
 
         return self._submit(job, sum(c.nbytes for c in chunks))
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
-        for slot, _, nbytes in _contiguous_runs([c for c in chunks if c.slot is not None]):
+        held = [c for c in chunks if c.slot is not None]
+        for slot, _, nbytes in _contiguous_runs(held):
             self.tier.extents.free(slot, nbytes)
-        for chunk in chunks:
+        for chunk in held:
+            if self.sealer is not None:
+                assert chunk.slot is not None
+                self.sealer.forget(chunk.slot, chunk.nbytes)
             chunk.slot = None
 
     def close(self) -> None:  # noqa: D102
         self._pool.shutdown(wait=True)
         self.tier.close()
+        if self.sealer is not None:
+            self.sealer.close()
+
+
+def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piece]:
+    """The chunks as sealing sees them: file slot, memory address, identity."""
+    base = storage.data_ptr()
+    pieces = []
+    for chunk in chunks:
+        assert chunk.slot is not None, "chunk has no slot"
+        # The storage's address identifies the vTensor: the store keys its records by it too.
+        pieces.append(
+            Piece(chunk.slot, base + chunk.offset_bytes, chunk.nbytes, storage._cdata, chunk.index)
+        )
+    return pieces
 
 
 def _contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
