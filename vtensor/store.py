@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vtensor.chunk import Chunk, ChunkState, split_into_chunks
-from vtensor.errors import VTensorError
+from vtensor.errors import SwapAuthenticationError, VTensorError
 from vtensor.transfer import CudaTransferEngine, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -230,8 +230,8 @@ class ChunkStore:
         already_done = pending.transfer.done()
         try:
             pending.transfer.wait()
-        except Exception:
-            self._rollback(record, pending)
+        except Exception as error:
+            self._rollback(record, pending, error)
             raise
         finally:
             if not already_done:  # compute waited on this transfer
@@ -256,16 +256,20 @@ class ChunkStore:
         record.storage.resize_(pending.chunks[0].offset_bytes)
         self.stats.bytes_out += pending.transfer.nbytes
 
-    def _rollback(self, record: VTensor, pending: Pending) -> None:
+    def _rollback(
+        self, record: VTensor, pending: Pending, error: BaseException | None = None
+    ) -> None:
         record.pending = None
         if pending.outgoing:
             for chunk in pending.chunks:
                 chunk.move(ChunkState.DEVICE)
             self.engine.release(pending.chunks)
-        else:
-            raise VTensorError(
-                f"restoring vTensor {record.vid} failed; its swapped bytes are unrecoverable"
-            )
+            return
+        if isinstance(error, SwapAuthenticationError):
+            raise error  # already names the chunk and the cause
+        raise VTensorError(
+            f"restoring vTensor {record.vid} failed; its swapped bytes are unrecoverable"
+        ) from error
 
     def close(self) -> None:
         """Wait for transfers and drop every record."""
