@@ -107,7 +107,12 @@ def simulate(
     observers: Sequence[ExchangeObserver] = (),
     peak: PeakMeasurement | None = None,
 ) -> dict[str, Any]:
-    """Run the simulation; return the ServerApp's outcome (history, final_state, output_dir)."""
+    """Run the simulation; return the ServerApp's outcome (history, final_state, output_dir).
+
+    With ``simulation.ray_address`` set, clients run on that existing Ray cluster: Flower passes
+    ``init_args`` to ``ray.init`` and at the end only disconnects (``ray.shutdown()`` in a driver
+    that connected stops no cluster process), so the cluster outlives the run.
+    """
     from flwr.simulation import run_simulation  # heavy (Ray); imported only to simulate
 
     for key, value in _OFFLINE_ENV.items():
@@ -115,13 +120,37 @@ def simulate(
     configure_logging(settings.simulation.flower_log_level)
     outcome: dict[str, Any] = {}
     sim = settings.simulation
+    init_args: dict[str, Any] = {"logging_level": sim.flower_log_level}
+    if sim.ray_address is None:
+        init_args["num_cpus"] = sim.ray_num_cpus
+    else:  # Ray refuses num_cpus when it joins a cluster: the cluster's nodes set them
+        import grpc  # type: ignore[import-untyped]  # Flower's dependency, as is grpc_health
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+
+        # ray.init retries a silent or wrong address for minutes; a Ray head's GCS answers
+        # the standard gRPC health check at once
+        with grpc.insecure_channel(sim.ray_address, [("grpc.enable_http_proxy", 0)]) as channel:
+            try:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5.0)
+                problem = None if reply.status == reply.SERVING else "not serving"
+            except grpc.RpcError as exc:
+                problem = exc.code().name
+        if problem is not None:
+            raise EdgeFLError(
+                f"simulation.ray_address={sim.ray_address!r}: no Ray cluster head answers there "
+                f"({problem}); start one with `ray start --head --port=6379` (`ray start "
+                "--address=HEAD_IP:6379` on each worker) and pass its HOST:PORT, or set "
+                "simulation.ray_address=null for a local Ray instance (docs/scale-out.md)"
+            )
+        init_args["address"] = sim.ray_address
     run_simulation(
         server_app=build_server_app(settings, observers, outcome, peak),
         client_app=build_client_app(settings.client),
         num_supernodes=settings.server.num_supernodes,
         backend_config={
             "client_resources": {"num_cpus": sim.client_num_cpus, "num_gpus": 0.0},
-            "init_args": {"num_cpus": sim.ray_num_cpus, "logging_level": sim.flower_log_level},
+            "init_args": init_args,
         },
         verbose_logging=sim.flower_log_level.upper() == "DEBUG",
     )
