@@ -26,8 +26,9 @@ from edgefl.errors import EdgeFLError
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
 from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
+from edgefl.ray_cluster import ray_init_args
 from edgefl.recording_grid import ExchangeObserver
-from edgefl.server_app import build_server_app
+from edgefl.server_app import build_server_app, resume_point
 from edgefl.settings import RunSettings
 from edgefl.sweep import is_multirun, run_multirun
 from vtensor import format_bytes
@@ -58,7 +59,9 @@ def prepare(settings: RunSettings) -> RunSettings:
         client.data, client.data.root, 0, settings.server.num_supernodes, client.seed
     )
     build_model(client.model.name, info, client.model.options)
-    return dataclasses.replace(settings, client=client)
+    prepared = dataclasses.replace(settings, client=client)
+    resume_point(prepared)  # a run to resume is checked before any engine starts
+    return prepared
 
 
 def measure_peak(settings: RunSettings) -> PeakMeasurement:
@@ -120,37 +123,13 @@ def simulate(
     configure_logging(settings.simulation.flower_log_level)
     outcome: dict[str, Any] = {}
     sim = settings.simulation
-    init_args: dict[str, Any] = {"logging_level": sim.flower_log_level}
-    if sim.ray_address is None:
-        init_args["num_cpus"] = sim.ray_num_cpus
-    else:  # Ray refuses num_cpus when it joins a cluster: the cluster's nodes set them
-        import grpc  # type: ignore[import-untyped]  # Flower's dependency, as is grpc_health
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
-
-        # ray.init retries a silent or wrong address for minutes; a Ray head's GCS answers
-        # the standard gRPC health check at once
-        with grpc.insecure_channel(sim.ray_address, [("grpc.enable_http_proxy", 0)]) as channel:
-            try:
-                stub = health_pb2_grpc.HealthStub(channel)
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5.0)
-                problem = None if reply.status == reply.SERVING else "not serving"
-            except grpc.RpcError as exc:
-                problem = exc.code().name
-        if problem is not None:
-            raise EdgeFLError(
-                f"simulation.ray_address={sim.ray_address!r}: no Ray cluster head answers there "
-                f"({problem}); start one with `ray start --head --port=6379` (`ray start "
-                "--address=HEAD_IP:6379` on each worker) and pass its HOST:PORT, or set "
-                "simulation.ray_address=null for a local Ray instance (docs/scale-out.md)"
-            )
-        init_args["address"] = sim.ray_address
     run_simulation(
         server_app=build_server_app(settings, observers, outcome, peak),
         client_app=build_client_app(settings.client),
         num_supernodes=settings.server.num_supernodes,
         backend_config={
             "client_resources": {"num_cpus": sim.client_num_cpus, "num_gpus": 0.0},
-            "init_args": init_args,
+            "init_args": ray_init_args(sim),
         },
         verbose_logging=sim.flower_log_level.upper() == "DEBUG",
     )
