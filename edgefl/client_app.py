@@ -15,7 +15,9 @@ from edgefl.errors import ClientBudgetError
 from edgefl.models import build_model
 from edgefl.node import NodeProfile, resolve_node
 from edgefl.peak import resolve_budget
+from edgefl.privacy import evaluate_privacy_mod, train_privacy_mod
 from edgefl.records import ERROR_CODE_BUDGET, eval_metrics, train_metrics
+from edgefl.secagg import SECAGG_ACTION, secagg_mod, secagg_query
 from edgefl.settings import ClientSettings
 from edgefl.train import evaluate, open_manager, seed_everything, train_local
 
@@ -25,13 +27,16 @@ logger = logging.getLogger(__name__)
 def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
     """A ClientApp using ``settings``, or (for ``flwr run``) settings from the run config."""
     app = ClientApp()
+    app.query(SECAGG_ACTION)(secagg_query)  # secure aggregation's key stages
 
     def resolve(context: Context) -> ClientSettings:
         if settings is not None:
             return settings
         return settings_from_run_config(context.run_config).client
 
-    @app.train()
+    # secagg_mod outermost: it masks what the privacy mods produced (it passes plain train
+    # messages through); the privacy mods follow the run's settings (docs/privacy.md).
+    @app.train(mods=[secagg_mod, train_privacy_mod(lambda context: resolve(context).privacy)])
     def train(msg: Message, context: Context) -> Message:
         s = resolve(context)
         node = resolve_node(context.node_config, s)
@@ -81,7 +86,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         )
         return Message(content, reply_to=msg)
 
-    @app.evaluate()
+    @app.evaluate(mods=[evaluate_privacy_mod(lambda context: resolve(context).privacy)])
     def evaluate_local(msg: Message, context: Context) -> Message:
         s = resolve(context)
         node = resolve_node(context.node_config, s)

@@ -21,6 +21,7 @@ from edgefl.budget import parse_budget
 from edgefl.data.partition import Partitioner
 from edgefl.errors import ConfigError
 from edgefl.fleet import check_fleet
+from edgefl.privacy import check_secure_aggregation, privacy_settings
 from edgefl.settings import (
     ClientSettings,
     DataSettings,
@@ -29,6 +30,7 @@ from edgefl.settings import (
     ModelSettings,
     PacingSettings,
     RunSettings,
+    SecAggSettings,
     ServerSettings,
     SimulationSettings,
     StrategySpec,
@@ -44,6 +46,7 @@ GROUPS = (
     "fleet",
     "strategy",
     "pacing",
+    "secagg",
     "vtensor",
     "privacy",
     "experiment",
@@ -99,13 +102,9 @@ def run_settings(cfg: DictConfig) -> RunSettings:
 
 
 def _settings(raw: dict[str, Any]) -> RunSettings:
-    privacy = raw["privacy"]["name"]
-    if privacy != "none":
-        raise ConfigError(f"privacy={privacy!r} is not available yet; use privacy=none")
+    privacy = privacy_settings(raw["privacy"])
     resume_from = raw["server"].get("resume_from")
-    output_dir = (
-        raw["output_dir"] or resume_from or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    output_dir = raw["output_dir"] or resume_from or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
     fleet_raw = raw["fleet"]
     fleet = FleetSettings(
         classes=tuple(
@@ -131,6 +130,7 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
             granularity=str(raw["vtensor"]["granularity"]),
         ),
         fleet=fleet,
+        privacy=privacy,
     )
     strategy = dict(raw["strategy"])
     server = ServerSettings(
@@ -141,10 +141,13 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
         round_timeout_s=float(raw["server"]["round_timeout_s"]),
         central_eval=bool(raw["server"]["central_eval"]),
         save_plots=bool(raw["server"]["save_plots"]),
-        pacing=_pacing(raw["pacing"]),
+        pacing=_options(raw["pacing"], "pacing", {"memory_aware": PacingSettings}),
+        secagg=_options(raw["secagg"], "secagg", {"secagg_plus": SecAggSettings}),
         checkpoint=bool(raw["server"].get("checkpoint", True)),
         resume_from=str(Path(resume_from).resolve()) if resume_from else None,
     )
+    if server.secagg is not None:
+        check_secure_aggregation(privacy)
     return RunSettings(client, server, SimulationSettings(**raw["simulation"]))
 
 
@@ -169,17 +172,18 @@ def _data(dataset: Mapping[str, Any], partitioner: Mapping[str, Any]) -> DataSet
     )
 
 
-def _pacing(raw: Mapping[str, Any]) -> PacingSettings | None:
+def _options(raw: Mapping[str, Any], group: str, kinds: Mapping[str, Any]) -> Any:
+    """The settings dataclass of a group whose option ``name: none`` means "off"."""
     options = dict(raw)
     name = options.pop("name")
     if name == "none":
         return None
-    if name != "memory_aware":
-        raise ConfigError(f"pacing={name!r} is unknown; choose one of {group_options('pacing')}")
+    if name not in kinds:
+        raise ConfigError(f"{group}={name!r} is unknown; choose one of {group_options(group)}")
     try:
-        return PacingSettings(**options)
+        return kinds[name](**options)
     except TypeError as exc:
-        raise ConfigError(f"pacing={name}: {exc}; see conf/pacing/{name}.yaml") from exc
+        raise ConfigError(f"{group}={name}: {exc}; see conf/{group}/{name}.yaml") from exc
 
 
 def _bytes(value: Any, what: str) -> int:

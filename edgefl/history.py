@@ -36,6 +36,7 @@ class RoundRecord:
     stall_s: float  # summed over clients
     local_acc: float | None  # clients' local evaluation, weighted
     wall_s: float
+    epsilon: float | None = None  # DP budget spent after this round (at privacy.delta)
 
 
 @dataclass
@@ -47,7 +48,12 @@ class RunHistory:
     _round_started: float = field(default_factory=time.perf_counter)
 
     def on_exchange(self, exchange: Exchange) -> None:
-        """Record every reply of an exchange (a RecordingGrid observer)."""
+        """Record every reply of a train or evaluate exchange (a RecordingGrid observer).
+
+        Other exchanges (secure aggregation's key stages) are protocol, not client rounds.
+        """
+        if exchange.message_type not in (MessageType.TRAIN, MessageType.EVALUATE):
+            return
         phase = "train" if exchange.message_type == MessageType.TRAIN else "evaluate"
         for reply in exchange.replies:
             node = reply.metadata.src_node_id
@@ -63,7 +69,9 @@ class RunHistory:
                 )
             self.clients.append(ClientRound(exchange.server_round, phase, node, metrics))
 
-    def close_round(self, server_round: int, central: EvalOutcome | None) -> RoundRecord:
+    def close_round(
+        self, server_round: int, central: EvalOutcome | None, epsilon: float | None = None
+    ) -> RoundRecord:
         """Summarise the round's client rows with its central evaluation; start the next round."""
         train = [c for c in self.clients if c.server_round == server_round and c.phase == "train"]
         ok = [c for c in train if c.error is None]
@@ -95,6 +103,7 @@ class RunHistory:
             stall_s=sum(c.metrics.get("stall-s", 0.0) for c in ok),
             local_acc=_weighted(evals, "eval-acc"),
             wall_s=now - self._round_started,
+            epsilon=epsilon,
         )
         self._round_started = now
         self.rounds.append(record)

@@ -50,6 +50,14 @@ class StopRun(EdgeFLError):
     """Raised by a ``before_round`` check to end the run cleanly before that round."""
 
 
+class RoundAborted(EdgeFLError):
+    """A train phase that could not complete; the model and strategy state are unchanged.
+
+    The loop logs it and goes on with the next round, as Flower's strategies do when too few
+    clients reply.
+    """
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """Which rounds to run and what the clients are told."""
@@ -125,7 +133,13 @@ def _train(
     strategy: Strategy, grid: Grid, server_round: int, arrays: ArrayRecord, plan: RoundPlan
 ) -> tuple[ArrayRecord | None, MetricRecord | None]:
     if isinstance(strategy, TrainRound):
-        return strategy.train_round(server_round, arrays, plan.train_config, grid, plan.timeout_s)
+        try:
+            return strategy.train_round(
+                server_round, arrays, plan.train_config, grid, plan.timeout_s
+            )
+        except RoundAborted as exc:
+            logger.warning("round %d: training aborted, model unchanged: %s", server_round, exc)
+            return None, None
     replies = grid.send_and_receive(
         strategy.configure_train(server_round, arrays, plan.train_config, grid),
         timeout=plan.timeout_s,

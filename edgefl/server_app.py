@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -29,9 +29,16 @@ from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
 from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
 from edgefl.plots import ACCURACY_PNG, MEMORY_PNG, plot_accuracy_loss, plot_client_memory
+from edgefl.privacy import (
+    PrivacyBudgetExhausted,
+    PrivacyGuard,
+    num_sampled_clients,
+    wrap_strategy,
+)
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
 from edgefl.results import SUMMARY_TXT, write_results
-from edgefl.rounds import RoundPlan, run_rounds
+from edgefl.rounds import RoundPlan, StopRun, run_rounds
+from edgefl.secagg import SecAggPlus
 from edgefl.settings import RunSettings
 from edgefl.summary import round_line, summary_table
 from edgefl.train import evaluate
@@ -106,14 +113,21 @@ def run_federation(
         ", ".join(f"{c.name} {c.budget}" for c in s.client.fleet.classes),
     )
 
+    guard = _privacy_guard(s, strategy)
+
+    def before_round(server_round: int) -> None:
+        try:
+            guard.before_round(server_round)
+        except PrivacyBudgetExhausted as exc:
+            raise StopRun(str(exc)) from exc
+
     def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         outcome = None
         if s.server.central_eval:
             model.load_state_dict(arrays.to_torch_state_dict())
             outcome = evaluate(model, test_set, s.client.train.eval_batch_size)
-        logger.info(
-            "%s", round_line(history.close_round(server_round, outcome), s.server.num_rounds)
-        )
+        record = history.close_round(server_round, outcome, guard.epsilon())
+        logger.info("%s", round_line(record, s.server.num_rounds))
         if outcome is None:
             return None
         return MetricRecord({"central-loss": outcome.loss, "central-acc": outcome.accuracy})
@@ -151,6 +165,7 @@ def run_federation(
             evaluate_config=ConfigRecord({"seed": s.client.seed}),
         ),
         evaluate_fn=central_eval,
+        before_round=before_round,
         after_round=checkpoint,
     )
     final_state = result.arrays.to_torch_state_dict()
@@ -158,6 +173,7 @@ def run_federation(
         **extra,
         "strategy_s": time.perf_counter() - started,
         "resumed_after": first_round - 1,
+        "stopped_early": result.stopped_early,
     }
     paths = write_results(out_dir, history, final_state, s, summary)
     if s.server.save_plots:
@@ -184,11 +200,28 @@ def run_federation(
 
 
 def _strategy(s: RunSettings) -> Strategy:
-    """The configured Flower strategy, wrapped for pacing when asked."""
+    """The configured Flower strategy, wrapped for DP, pacing and secure aggregation when asked.
+
+    DP innermost (its noise is calibrated to the plain mean it wraps), secure aggregation
+    outermost (it runs the train phase's exchanges).
+    """
     strategy: Strategy = instantiate_strategy(s.server.strategy)
+    if s.client.privacy.central:
+        sampled = num_sampled_clients(strategy, s.server.num_supernodes)
+        strategy = wrap_strategy(strategy, s.client.privacy, sampled)
     if s.server.pacing is not None:
         strategy = MemoryAware(strategy, **dataclasses.asdict(s.server.pacing))
+    if s.server.secagg is not None:
+        strategy = SecAggPlus(strategy, **dataclasses.asdict(s.server.secagg))
     return strategy
+
+
+def _privacy_guard(s: RunSettings, strategy: Strategy) -> PrivacyGuard:
+    """The guard of the run's privacy budget, reading the accountant of the DP wrapper inside."""
+    layer: object = strategy
+    while s.client.privacy.central and not hasattr(layer, "accountant"):
+        layer = getattr(layer, "strategy")  # noqa: B009 - the wrappers' documented attribute
+    return PrivacyGuard(s.client.privacy, cast(Strategy, layer))
 
 
 def resume_point(s: RunSettings) -> Checkpoint | None:

@@ -5,6 +5,7 @@ from typing import Any
 
 from edgefl.budget import Budget
 from edgefl.data.partition import Partitioner
+from edgefl.privacy.settings import PrivacySettings
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ClientSettings:
     train: TrainSettings
     vtensor: VTensorSettings
     fleet: FleetSettings
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,19 @@ class PacingSettings:
 
 
 @dataclass(frozen=True)
+class SecAggSettings:
+    """edgefl.secagg.SecAggPlus's parameters (see conf/secagg/secagg_plus.yaml)."""
+
+    num_shares: int = 5
+    reconstruction_threshold: int = 3
+    clipping_range: float = 1.0
+    quantization_range: int = 1 << 22
+    modulus_range: int = 1 << 32
+    max_weight: int = 10_000
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """The ServerApp's run: rounds, strategy, outputs."""
 
@@ -110,6 +125,7 @@ class ServerSettings:
     central_eval: bool = True
     save_plots: bool = True
     pacing: PacingSettings | None = None  # None: every client trains its full round
+    secagg: SecAggSettings | None = None  # None: the server sees each client's update
     checkpoint: bool = True  # save model and strategy state after every round
     resume_from: str | None = None  # output folder of a stopped run to continue
 

@@ -15,11 +15,12 @@ def round_line(record: RoundRecord, num_rounds: int) -> str:
         return f"round 0/{num_rounds} (initial model): {central}"
     peak = "-" if record.max_peak_fraction is None else f"{100 * record.max_peak_fraction:.0f}%"
     loss = "-" if record.train_loss is None else f"{record.train_loss:.4f}"
+    privacy = "" if record.epsilon is None else f", epsilon {record.epsilon:.3g}"
     return (
         f"round {record.server_round}/{num_rounds}: {central} | clients trained "
         f"{record.clients_trained}, failed {record.clients_failed}, train loss {loss}, "
         f"max peak/budget {peak}, swapped {format_bytes(record.bytes_swapped)}, "
-        f"stall {record.stall_s:.1f} s | {record.wall_s:.1f} s"
+        f"stall {record.stall_s:.1f} s{privacy} | {record.wall_s:.1f} s"
     )
 
 

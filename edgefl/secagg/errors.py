@@ -1,13 +1,14 @@
 """Errors of secure aggregation: a round that cannot complete, a message against the protocol."""
 
 from edgefl.errors import EdgeFLError
+from edgefl.rounds import RoundAborted
 
 
 class SecAggError(EdgeFLError):
     """Root of every secure-aggregation error."""
 
 
-class SecAggAbortedError(SecAggError):
+class SecAggAbortedError(SecAggError, RoundAborted):
     """A round stopped before unmasking: too few clients left to reconstruct the secrets.
 
     Raised before any aggregate exists, so the global model and the inner strategy's state are

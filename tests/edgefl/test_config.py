@@ -66,6 +66,13 @@ def test_bad_budget_names_the_class() -> None:
         load_run_settings(["fleet=uniform", "fleet.classes.0.budget=lots"])
 
 
-def test_privacy_other_than_none_is_refused() -> None:
-    with pytest.raises(ConfigError, match="privacy=none"):
+def test_unknown_privacy_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match="is not a privacy mode"):
         load_run_settings(["privacy.name=dp"])
+
+
+def test_server_side_clipping_under_secure_aggregation_is_refused() -> None:
+    with pytest.raises(ConfigError, match="clipping_side=client"):
+        load_run_settings(
+            ["privacy=central_fixed", "privacy.clipping_side=server", "secagg=secagg_plus"]
+        )
