@@ -95,7 +95,7 @@ def run_federation(
         history.restart_clock()
         first_round = resumed.server_round + 1
     else:
-        strategy, history, first_round = _strategy(s), RunHistory(), 1
+        strategy, history, first_round = build_strategy(s), RunHistory(), 1
         if peak is None:  # flwr run: measure here, with the clients' thread count
             torch.set_num_threads(s.client.train.torch_threads)
             peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
@@ -199,7 +199,7 @@ def run_federation(
     }
 
 
-def _strategy(s: RunSettings) -> Strategy:
+def build_strategy(s: RunSettings) -> Strategy:
     """The configured Flower strategy, wrapped for DP, pacing and secure aggregation when asked.
 
     DP innermost (its noise is calibrated to the plain mean it wraps), secure aggregation

@@ -1,6 +1,7 @@
 """Checkpoint and resume: a run stopped midway and resumed ends with the uninterrupted model."""
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,11 @@ from edgefl.checkpoint import (
     run_key,
     save_checkpoint,
 )
+from edgefl.config import load_run_settings
 from edgefl.errors import ConfigError
 from edgefl.history import RunHistory
 from edgefl.recording_grid import Exchange
+from edgefl.server_app import build_strategy
 from edgefl.settings import RunSettings, StrategySpec
 from edgefl.sim import prepare, simulate
 
@@ -120,3 +123,19 @@ def test_a_run_stopped_after_round_2_of_4_resumes_to_the_uninterrupted_model(
     assert accuracies == [r.central_acc for r in full["history"].rounds]
     with pytest.raises(ConfigError, match="already completed round 4"):  # before Ray starts
         _run_settings(smoke_settings, stopped_dir, 4, resume_from=str(stopped_dir))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=fedadam", "pacing=memory_aware"],
+        ["privacy=central_fixed", "secagg=secagg_plus"],
+        ["privacy=central_adaptive", "pacing=memory_aware"],
+        ["privacy=local", "strategy=fedyogi", "secagg=secagg_plus"],
+    ],
+)
+def test_every_wrapped_strategy_survives_a_checkpoint(overrides: list[str]) -> None:
+    strategy = build_strategy(load_run_settings(overrides))
+    restored = pickle.loads(pickle.dumps(strategy))
+    assert type(restored) is type(strategy)
+    assert repr(vars(restored).keys()) == repr(vars(strategy).keys())
