@@ -212,7 +212,10 @@ def build_strategy(s: RunSettings) -> Strategy:
     if s.server.pacing is not None:
         strategy = MemoryAware(strategy, **dataclasses.asdict(s.server.pacing))
     if s.server.secagg is not None:
-        strategy = SecAggPlus(strategy, **dataclasses.asdict(s.server.secagg))
+        secagg = dataclasses.asdict(s.server.secagg)
+        if s.client.privacy.central:  # every client weighs 1: scale by 1, not by max_weight
+            secagg["max_weight"] = 1
+        strategy = SecAggPlus(strategy, **secagg)
     return strategy
 
 
