@@ -10,19 +10,34 @@ from vtensor.errors import (
     StorageTierError,
     VTensorError,
 )
+from vtensor.layering import DemandLayering, LayeringError, LayeringReport
 from vtensor.report import IterationReport, StepStats
 from vtensor.session import Granularity, MemoryManager
 from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
+from vtensor.weightfile import (
+    WeightFile,
+    WeightFileChecksumError,
+    WeightFileError,
+    WeightFileFormatError,
+    WeightFileMismatchError,
+    WeightFileTruncatedError,
+    WeightFileVersionError,
+    evict_page_cache,
+    write_weights,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "BudgetFormatError",
     "ChunkState",
+    "DemandLayering",
     "Granularity",
     "IllegalMoveError",
     "InPlaceModificationError",
     "InfeasibleBudgetError",
     "IterationReport",
+    "LayeringError",
+    "LayeringReport",
     "MemoryManager",
     "Phase",
     "StepStats",
@@ -31,6 +46,15 @@ __all__ = [
     "TraceStep",
     "TraceTensor",
     "VTensorError",
+    "WeightFile",
+    "WeightFileChecksumError",
+    "WeightFileError",
+    "WeightFileFormatError",
+    "WeightFileMismatchError",
+    "WeightFileTruncatedError",
+    "WeightFileVersionError",
+    "evict_page_cache",
     "format_bytes",
     "parse_bytes",
+    "write_weights",
 ]
