@@ -8,9 +8,13 @@ from vtensor.errors import (
     InfeasibleBudgetError,
     InPlaceModificationError,
     StorageTierError,
+    SwapAuthenticationError,
     VTensorError,
 )
 from vtensor.layering import DemandLayering, LayeringError, LayeringReport
+from vtensor.param_report import ParamOffloadReport
+from vtensor.param_units import ParamOffloadError
+from vtensor.params import ParamOffload
 from vtensor.report import IterationReport, StepStats
 from vtensor.session import Granularity, MemoryManager
 from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
@@ -39,9 +43,13 @@ __all__ = [
     "LayeringError",
     "LayeringReport",
     "MemoryManager",
+    "ParamOffload",
+    "ParamOffloadError",
+    "ParamOffloadReport",
     "Phase",
     "StepStats",
     "StorageTierError",
+    "SwapAuthenticationError",
     "Trace",
     "TraceStep",
     "TraceTensor",
