@@ -1,6 +1,8 @@
 """Flower ClientApp: thin handlers that unpack a message, train or evaluate, and pack the reply."""
 
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -8,6 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp import ClientApp
 from torch import nn
 
+import vtensor
 from edgefl.client_data import client_split
 from edgefl.config import settings_from_run_config
 from edgefl.data import DatasetInfo
@@ -95,7 +98,16 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         )
         seed_everything(s.seed, s.train.torch_threads)
         model = _model(s, info, msg)
-        outcome = evaluate(model, test_set, s.train.eval_batch_size)
+        budget_bytes = resolve_budget(
+            node.budget, model, test_set, s.train.batch_size, _peak_key(s, s.train.batch_size)
+        )
+        if not s.vtensor.enabled or _parameter_bytes(model) <= budget_bytes // 2:
+            outcome = evaluate(model, test_set, s.train.eval_batch_size)
+        else:  # the parameters alone would crowd the budget: stream them layer by layer
+            node.plan_cache_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=node.plan_cache_dir) as tmp:
+                weights = vtensor.write_weights(model.state_dict(), Path(tmp) / "model.vtw")
+                outcome = evaluate(model, test_set, s.train.eval_batch_size, weights=weights)
         return Message(RecordDict({"metrics": eval_metrics(outcome, node)}), reply_to=msg)
 
     return app
@@ -122,6 +134,10 @@ def _model(settings: ClientSettings, info: DatasetInfo, msg: Message) -> nn.Modu
     model = build_model(settings.model.name, info, settings.model.options)
     model.load_state_dict(arrays[0].to_torch_state_dict())
     return model
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(t.nbytes for t in model.state_dict().values())
 
 
 def _peak_key(settings: ClientSettings, batch_size: int) -> tuple[Any, ...]:

@@ -2,7 +2,7 @@
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,15 +157,30 @@ def _managed(
         raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int) -> EvalOutcome:
-    """Mean loss and accuracy of ``model`` on ``data`` (no vtensor: inference saves nothing)."""
+def evaluate(
+    model: nn.Module, data: ArrayDataset, batch_size: int, *, weights: Path | None = None
+) -> EvalOutcome:
+    """Mean loss and accuracy of ``model`` on ``data`` (inference saves no activations).
+
+    With ``weights`` (a vtensor weight file of the model's state), the parameters are streamed
+    from it layer by layer (``vtensor.DemandLayering``): only about two layers are resident.
+    """
     model.eval()
+    if weights is None:
+        return _evaluate(model, data, batch_size)
+    with vtensor.DemandLayering(model, weights, lookahead=1) as layered:
+        return _evaluate(layered, data, batch_size)
+
+
+@torch.no_grad()
+def _evaluate(
+    forward: Callable[[torch.Tensor], torch.Tensor], data: ArrayDataset, batch_size: int
+) -> EvalOutcome:
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, len(data), batch_size):
         x = torch.from_numpy(data.x[start : start + batch_size])
         y = torch.from_numpy(data.y[start : start + batch_size])
-        logits = model(x)
+        logits = forward(x)
         total_loss += float(loss_fn(logits, y)) * y.numel()
         correct += int((logits.argmax(-1) == y).sum())
         count += y.numel()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+import vtensor
 from edgefl.budget import Budget
 from edgefl.client_app import build_client_app
 from edgefl.data import load_dataset
@@ -16,6 +17,7 @@ from edgefl.models import build_model
 from edgefl.peak import measure_unmanaged_peak
 from edgefl.records import ERROR_CODE_BUDGET, EVAL_METRIC_KEYS, TRAIN_METRIC_KEYS, PlanSource
 from edgefl.settings import DeviceClass, RunSettings, VTensorSettings
+from edgefl.train import evaluate
 
 
 def _context(node_config: dict[str, int | str]) -> Context:
@@ -152,3 +154,31 @@ def test_clients_of_one_class_share_a_plan_cache(
     ]
     assert sources == [PlanSource.PROFILED, PlanSource.CACHED]
     assert any((tmp_path / "tight").iterdir())
+
+
+def test_a_model_that_crowds_the_budget_is_evaluated_layer_by_layer_with_equal_results(
+    smoke_settings: RunSettings, tmp_path: Path
+) -> None:
+    """Parameters over half the budget: evaluation streams them (DemandLayering) from a weight
+    file that is gone afterwards, and gives exactly the resident model's figures."""
+    app = build_client_app(smoke_settings.client)
+    msg = _message(smoke_settings, MessageType.EVALUATE)
+    params = sum(a.numpy().nbytes for a in msg.content["arrays"].values())
+    resident = app(msg, _context(SIM_NODE)).content["metrics"]
+    cache = tmp_path / "plans"
+    node = {**SIM_NODE, "memory-budget": str(params + params // 2), "plan-cache-dir": str(cache)}
+    streamed = app(_message(smoke_settings, MessageType.EVALUATE), _context(node))
+    figures = {k: v for k, v in streamed.content["metrics"].items() if k != "device-class"}
+    assert figures == {k: v for k, v in resident.items() if k != "device-class"}
+    assert not any(p.suffix == ".vtw" for p in cache.rglob("*"))
+
+
+def test_demand_layered_evaluation_equals_resident(tmp_path: Path) -> None:
+    info = load_dataset("mnist").info
+    torch.manual_seed(0)
+    model = build_model("cnn", info, {"width": 8, "hidden": 32})
+    data = load_dataset("mnist").test
+    subset = dataclasses.replace(data, x=data.x[:64], y=data.y[:64])
+    expected = evaluate(model, subset, 32)
+    weights = vtensor.write_weights(model.state_dict(), tmp_path / "model.vtw")
+    assert evaluate(model, subset, 32, weights=weights) == expected
