@@ -13,13 +13,8 @@ from model_zoo import ZOO
 from torch import nn
 
 from vtensor.errors import VTensorError
-from vtensor.layering import (
-    DemandLayering,
-    LayeringError,
-    enclosing_calls,
-    place_calls,
-    ring_positions,
-)
+from vtensor.layer_placement import enclosing_calls, place_calls, ring_positions
+from vtensor.layering import DemandLayering, LayeringError
 from vtensor.weightfile import (
     WeightFile,
     WeightFileChecksumError,
