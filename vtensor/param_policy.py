@@ -1,0 +1,69 @@
+"""Which layers' tensors to read ahead: the order of uses seen in the first step, ``k`` ahead.
+
+Policy only: it returns uses, the session turns them into tensors and the pool decides whether
+they fit. A wrong guess (control flow that changed) costs a read and memory that a later use can
+reclaim, never correctness: every use waits on its own tensors.
+"""
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """When a unit uses its tensors."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"  # the clip-and-update pass after backward
+
+
+@dataclass(frozen=True)
+class Event:
+    """One use of a unit's tensors (``unit`` -1: the parameters outside every unit)."""
+
+    phase: Phase
+    unit: int
+
+
+_ORDER = (Phase.FORWARD, Phase.BACKWARD, Phase.UPDATE)
+
+
+class Lookahead:
+    """Prefetch the tensors of the next ``depth`` uses, in the order the first step made them."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    @staticmethod
+    def record(schedule: list[Event], event: Event, position: int) -> None:
+        """Append ``event``, the ``position``-th use of its phase, unless already recorded."""
+        if sum(e.phase is event.phase for e in schedule) == position:
+            schedule.append(event)
+
+    def upcoming(
+        self, schedule: list[Event], phase: Phase, position: int, *, final: bool
+    ) -> list[Event]:
+        """The uses after the ``position``-th of ``phase``, wrapping to the next step.
+
+        Outside the last backward of a step (``final`` False) no update pass follows, so update
+        uses are skipped.
+        """
+        ordered = sorted(schedule, key=lambda e: _ORDER.index(e.phase))
+        if not final:
+            ordered = [e for e in ordered if e.phase is not Phase.UPDATE]
+        start = sum(_ORDER.index(e.phase) < _ORDER.index(phase) for e in ordered) + position
+        if not ordered or start >= len(ordered) or ordered[start].phase is not phase:
+            return []
+        count = min(self.depth, len(ordered) - 1)
+        return [ordered[(start + i) % len(ordered)] for i in range(1, count + 1)]
+
+    @staticmethod
+    def update_order(schedule: list[Event], units: int) -> list[int]:
+        """Units in the order the update pass visits them: backward's order, then the rest."""
+        seen: dict[int, None] = {}
+        for event in schedule:
+            if event.phase is Phase.BACKWARD:
+                seen.setdefault(event.unit, None)
+        for unit in range(units):
+            seen.setdefault(unit, None)
+        return list(seen)

@@ -1,0 +1,163 @@
+"""The offloaded tensors of one session under one budget: pins, prefetches, room, write-backs.
+
+Mechanism only: callers say which tensors a use needs and which it may want soon; the pool
+moves bytes so that the tensors in memory never exceed the budget (NOTE [write-back residency]
+in ``vtensor/offloaded.py``).
+"""
+
+import itertools
+
+import torch
+
+from vtensor.budget import format_bytes
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.offloaded import OffloadedTensor, Residency, ResidentMeter
+from vtensor.transfer import TransferEngine
+
+
+class OffloadPool:
+    """Owns the session's offloaded tensors and the meter of their resident bytes.
+
+    A *fixed* tensor (too small to be worth a transfer, or in a ``resident`` module) never
+    leaves memory; it is counted like the others.
+    """
+
+    def __init__(
+        self, engine: TransferEngine, meter: ResidentMeter, budget_bytes: int, chunk_bytes: int
+    ) -> None:
+        self.engine = engine
+        self.meter = meter
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self.tensors: list[OffloadedTensor] = []
+        self._fixed: set[int] = set()
+        self._alive: set[int] = set()
+        # Bytes that will be allocated without asking (gradients backward is about to produce):
+        # kept free by every room-making and prefetch decision until they arrive.
+        self.reserved_bytes = 0
+        self._wanted_order = itertools.count()
+        self._wanted_at: dict[int, int] = {}
+
+    def adopt(self, tensor: torch.Tensor, name: str, *, fixed: bool) -> OffloadedTensor:
+        """Start managing ``tensor`` (resident now, counted from now on)."""
+        entry = OffloadedTensor(tensor, name, self.engine, self.meter, self.chunk_bytes)
+        self.tensors.append(entry)
+        self._alive.add(id(entry))
+        if fixed:
+            self._fixed.add(id(entry))
+            entry.pins = 1
+        return entry
+
+    def forget(self, entry: OffloadedTensor) -> None:
+        """Stop managing ``entry`` (a gradient after its update, a replaced state tensor)."""
+        entry.discard()
+        self.tensors.remove(entry)
+        self._alive.discard(id(entry))
+        self._fixed.discard(id(entry))
+        self._wanted_at.pop(id(entry), None)
+
+    def is_fixed(self, entry: OffloadedTensor) -> bool:
+        """True for tensors that never leave memory."""
+        return id(entry) in self._fixed
+
+    @staticmethod
+    def missing_bytes(entries: list[OffloadedTensor]) -> int:
+        """Bytes of ``entries`` that would have to be allocated to bring them in."""
+        return sum(e.nbytes for e in {id(e): e for e in entries}.values() if not e.in_memory)
+
+    # -- uses ---------------------------------------------------------------------------------
+    def acquire(self, entries: list[OffloadedTensor], what: str, extra_bytes: int = 0) -> None:
+        """Pin ``entries`` in memory for a use, waiting only on reads still in flight.
+
+        ``extra_bytes`` is memory the use will allocate on top (gradients backward produces).
+        """
+        self.make_room(self.missing_bytes(entries) + extra_bytes, what)
+        for entry in entries:
+            entry.pins += 1
+            entry.wanted = False
+            self._wanted_at.pop(id(entry), None)
+            entry.fetch()
+        for entry in entries:
+            if entry.state is Residency.READING:
+                entry.complete()
+
+    def release(self, entry: OffloadedTensor) -> None:
+        """End one use of ``entry``; with its last one it starts leaving memory."""
+        if self.is_fixed(entry) or id(entry) not in self._alive:
+            return  # never leaves, or forgotten during the use (a gradient after its update)
+        assert entry.pins > 0, f"{entry.name!r} released more often than acquired"
+        entry.pins -= 1
+        self._settle(entry)
+
+    def let_go(self, entry: OffloadedTensor) -> None:
+        """Let an unpinned tensor (just adopted, or just changed) start leaving memory."""
+        self._settle(entry)
+
+    def prefetch(self, entries: list[OffloadedTensor], reserve_bytes: int) -> bool:
+        """Start reading ``entries`` if they fit beside ``reserve_bytes``; False if they do not."""
+        self.reap()
+        missing = self.missing_bytes(entries)
+        held = self.meter.resident_bytes + self.reserved_bytes
+        if held + missing + reserve_bytes > self.budget_bytes:
+            return False
+        for entry in entries:
+            if not entry.pins and not self.is_fixed(entry):
+                entry.wanted = True
+                self._wanted_at[id(entry)] = next(self._wanted_order)
+            entry.fetch()
+        return True
+
+    def _settle(self, entry: OffloadedTensor) -> None:
+        """Move an unpinned, unwanted tensor toward the tier: drop if clean, else write."""
+        if entry.pins or entry.wanted or self.is_fixed(entry) or not entry.done():
+            return
+        entry.complete()
+        if entry.state is not Residency.RESIDENT:
+            return
+        if entry.clean:
+            entry.drop()
+        else:
+            entry.start_write()
+
+    def reap(self, *, block: bool = False) -> None:
+        """Finish transfers that are done (all when ``block``) and release what they freed."""
+        for entry in self.tensors:
+            if entry.state in (Residency.WRITING, Residency.READING) and (block or entry.done()):
+                entry.complete()
+            self._settle(entry)
+
+    def make_room(self, nbytes: int, what: str) -> None:
+        """Free memory until ``nbytes`` more fit in the budget, or raise.
+
+        Finished writes go first, then prefetched tensors, the latest prefetched first.
+        """
+        self.reap()
+        nbytes += self.reserved_bytes
+        if self.meter.resident_bytes + nbytes <= self.budget_bytes:
+            return
+        for entry in self._victims():
+            entry.complete()
+            entry.wanted = False
+            if not entry.clean:
+                entry.start_write()
+                entry.complete()
+            entry.drop()
+            if self.meter.resident_bytes + nbytes <= self.budget_bytes:
+                return
+        need = self.meter.resident_bytes + nbytes
+        raise InfeasibleBudgetError(
+            self.budget_bytes,
+            need,
+            what,
+            f"{format_bytes(self.meter.resident_bytes)} of parameters, gradients and optimizer "
+            f"state are in use and {format_bytes(nbytes)} more are needed",
+        )
+
+    def _victims(self) -> list[OffloadedTensor]:
+        movable = [e for e in self.tensors if e.in_memory and not e.pins and not self.is_fixed(e)]
+        return sorted(movable, key=lambda e: (e.wanted, -self._wanted_at.get(id(e), 0)))
+
+    def close(self) -> None:
+        """Bring every tensor back into memory and wait for all transfers."""
+        for entry in self.tensors:
+            entry.ensure_resident()

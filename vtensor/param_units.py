@@ -1,0 +1,189 @@
+"""The layers of a model for parameter offloading, their byte needs and the smallest budget.
+
+NOTE [offload units]
+A *unit* is a module that owns parameters directly (a ``Linear``, a ``LayerNorm``, a parent that
+holds an ``nn.Parameter``). Its parameters are in memory while its forward runs and again from
+the start of its backward until their gradients have accumulated. A parameter owned by several
+units (a tied embedding and output head) belongs to all of them. Parameters of units whose
+forward encloses other units' (a parent that owns a parameter) and tied parameters stay in memory
+across other units' uses: they are *long-lived*, and the smallest feasible budget counts them in
+full next to the largest other unit.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vtensor.errors import VTensorError
+
+
+class ParamOffloadError(VTensorError):
+    """The model or optimizer cannot be trained with parameter offloading as configured."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One module whose parameters are brought in for its forward and backward.
+
+    Attributes:
+        index: position in registration order.
+        name: the module's qualified name ("" for the root).
+        module: the module.
+        params: names (as ``model.named_parameters()`` gives them) of the parameters it owns.
+        encloses: True when another unit runs inside its forward (its parameters are long-lived).
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    params: tuple[str, ...]
+    encloses: bool
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """Optimizer state bytes of one parameter: ``per_element`` bytes per element plus ``fixed``."""
+
+    per_element: int
+    fixed: int
+
+    def nbytes(self, param: torch.Tensor) -> int:
+        """State bytes of ``param`` once the optimizer has stepped it."""
+        return self.per_element * param.numel() + self.fixed
+
+
+def find_units(model: nn.Module, resident: Iterable[str]) -> tuple[list[Unit], set[str]]:
+    """The units of ``model`` and the names of parameters kept resident (``resident`` modules).
+
+    Raises:
+        ParamOffloadError: a name in ``resident`` is not a module of ``model``.
+    """
+    modules = dict(model.named_modules())
+    resident = set(resident)
+    unknown = sorted(resident - modules.keys())
+    if unknown:
+        raise ParamOffloadError(
+            f"resident={unknown} are not modules of the model; pass names from "
+            "model.named_modules()"
+        )
+    names = {id(p): name for name, p in model.named_parameters()}
+    kept: set[str] = set()
+    owners: list[tuple[str, nn.Module, tuple[str, ...]]] = []
+    for qualname, module in modules.items():
+        owned = tuple(names[id(p)] for p in module._parameters.values() if p is not None)
+        if not owned:
+            continue
+        if any(qualname == r or qualname.startswith(f"{r}.") or r == "" for r in resident):
+            kept.update(owned)
+            continue
+        owners.append((qualname, module, owned))
+    units = []
+    for index, (qualname, module, owned) in enumerate(owners):
+        prefix = f"{qualname}." if qualname else ""
+        encloses = any(other.startswith(prefix) for other, _, _ in owners if other != qualname)
+        units.append(
+            Unit(index, qualname, module, tuple(p for p in owned if p not in kept), encloses)
+        )
+    return units, kept
+
+
+def long_lived(units: list[Unit]) -> set[str]:
+    """Parameters held across other units' uses: of enclosing units, or owned by two units."""
+    seen: dict[str, int] = {}
+    for unit in units:
+        for name in unit.params:
+            seen[name] = seen.get(name, 0) + 1
+    enclosing = {name for unit in units if unit.encloses for name in unit.params}
+    return enclosing | {name for name, count in seen.items() if count > 1}
+
+
+def probe_state(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
+) -> StateShape:
+    """Measure the state ``optimizer`` keeps per parameter of ``group``, on a 2-element proxy.
+
+    State tensors with as many elements as the proxy scale with the parameter (momentum, Adam's
+    moments); the others (Adam's ``step``) are fixed.
+    """
+    proxy = torch.zeros(2, dtype=dtype, requires_grad=True)
+    try:
+        make: Any = type(optimizer)
+        twin = make([proxy])
+        twin.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        proxy.grad = torch.ones_like(proxy)
+        twin.step()
+    except Exception as error:
+        raise ParamOffloadError(
+            f"cannot measure the state of {type(optimizer).__name__} ({error}); parameter "
+            "offloading steps the optimizer one parameter at a time: use an optimizer whose "
+            "update is per parameter (SGD, Adam, AdamW, ...)"
+        ) from error
+    per_element = fixed = 0
+    for value in twin.state[proxy].values():
+        if isinstance(value, torch.Tensor):
+            if value.numel() == proxy.numel():
+                per_element += value.element_size()
+            else:
+                fixed += value.untyped_storage().nbytes()
+    return StateShape(per_element, fixed)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes of the model's parameters, gradients and optimizer state, and the smallest budget.
+
+    Attributes:
+        param_bytes, grad_bytes, state_bytes: totals, as unmanaged training holds them.
+        min_budget_bytes: the least budget that offloading can keep to.
+        largest_unit: the unit that sets ``min_budget_bytes`` with the long-lived tensors.
+    """
+
+    param_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    min_budget_bytes: int
+    largest_unit: str
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.state_bytes
+
+
+def footprint(
+    units: list[Unit],
+    params: dict[str, torch.Tensor],
+    state: dict[str, int],
+    managed: set[str],
+    grad_copies: int,
+) -> Footprint:
+    """The totals and the smallest feasible budget (NOTE [offload units]).
+
+    One parameter at its worst holds itself, its state and ``grad_copies`` gradients (the
+    accumulated one and the one backward just produced). Unmanaged (small or resident) tensors
+    always count in full; long-lived ones count in full; of the others, the largest unit.
+    """
+
+    def full(name: str) -> int:
+        param = params[name]
+        nbytes = param.untyped_storage().nbytes()
+        return nbytes + state[name] + (grad_copies * nbytes if param.requires_grad else 0)
+
+    lasting = long_lived(units)
+    always = sum(full(name) for name in params if name not in managed or name in lasting)
+    worst, largest = 0, ""
+    for unit in units:
+        need = sum(full(name) for name in unit.params if name in managed and name not in lasting)
+        if need > worst:
+            worst, largest = need, unit.name or "<root>"
+    grads = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad)
+    return Footprint(
+        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
+        grad_bytes=grads,
+        state_bytes=sum(state.values()),
+        min_budget_bytes=always + worst,
+        largest_unit=largest,
+    )

@@ -1,0 +1,72 @@
+"""One parameter's optimizer update and gradient clipping, bit for bit as torch's whole-model ones.
+
+NOTE [per-parameter update]
+``torch.optim`` optimizers update each parameter from its own gradient, state and group
+hyperparameters only: the single-tensor implementation (``foreach=False``, torch's default for
+CPU tensors) loops over parameters, and the foreach and fused ones apply the same elementwise
+math to lists. So stepping the user's optimizer on a one-parameter view of its group gives the
+bits a whole-model ``optimizer.step()`` gives, with the state kept in ``optimizer.state`` (so
+``state_dict()`` and LR schedulers keep working). Compare with a baseline that uses the same
+implementation: on CUDA torch defaults to foreach for many tensors; pass ``foreach=False`` to
+both sides there.
+
+NOTE [clipping by global norm]
+``torch.nn.utils.clip_grad_norm_`` computes one norm per gradient, stacks them in parameter
+order (grouped by device and dtype), takes the norm of the stack, and multiplies every gradient
+by ``clamp(max_norm / (total + 1e-6), max=1)``. Offloading keeps each gradient's norm (a 0-d
+tensor) as the gradient completes in backward, combines them in the same order after backward
+(:func:`total_norm`), and applies the factor to each gradient in the streamed update pass
+(:func:`clip_`). The same ops on the same values give the same bits.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils._foreach_utils import _has_foreach_support
+
+
+def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: int) -> None:
+    """Run ``optimizer.step()`` for ``param`` alone (its ``.grad`` set).
+
+    The hyperparameters are group ``group``'s as they are now (a scheduler may change them).
+    """
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**groups[group], "params": [param]}]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
+
+
+def gradient_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm of one gradient, by the op ``clip_grad_norm_`` would use for it."""
+    norm: torch.Tensor
+    if _has_foreach_support([grad], grad.device):
+        norm = torch._foreach_norm([grad], norm_type)[0]
+    else:
+        norm = torch.linalg.vector_norm(grad, norm_type)
+    return norm
+
+
+def total_norm(
+    norms: Sequence[tuple[torch.Tensor, torch.Tensor]], norm_type: float
+) -> torch.Tensor:
+    """The global norm from (gradient, its norm) pairs in parameter order, as torch takes it."""
+    if not norms:
+        return torch.tensor(0.0)
+    order: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad, norm in norms:
+        order.setdefault((grad.device, grad.dtype), []).append(norm)
+    first = norms[0][0].device
+    stacked = torch.stack([n.to(first) for group in order.values() for n in group])
+    total: torch.Tensor = torch.linalg.vector_norm(stacked, norm_type)
+    return total
+
+
+def clip_(grad: torch.Tensor, max_norm: float, total: torch.Tensor) -> None:
+    """Scale one gradient in place by the clip factor of ``total``, as torch does."""
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if _has_foreach_support([grad], grad.device):
+        torch._foreach_mul_([grad], coef.to(grad.device))
+    else:
+        grad.mul_(coef.to(grad.device))

@@ -1,0 +1,623 @@
+"""Training with parameters, gradients and optimizer state offloaded to the storage tier.
+
+NOTE [parameter offloading] (docs/param-offload.md)
+Each unit's (NOTE [offload units]) parameters are brought in by a forward pre-hook and let go
+by a forward hook; the forward hook also sees which of them autograd saved (their use counts
+grew) and puts a prehook on the autograd nodes of the unit's outputs, which brings those back in
+before the unit's backward. A post-accumulate-grad hook takes each gradient as it completes:
+between micro-batches it is added to the parameter's accumulated gradient, which then leaves
+memory; in the last backward of a step the parameter is updated at once (NOTE [per-parameter
+update]), or, when clipping by global norm, the gradient's norm is kept and the gradient leaves
+memory until ``step()`` runs a streamed clip-and-update pass. Reads for the next ``lookahead``
+uses start on the I/O thread as far as the budget allows; a use waits only on reads still in
+flight. The policy (what to prefetch) is :class:`vtensor.param_policy.Lookahead`.
+"""
+
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from os import PathLike
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from vtensor.budget import format_bytes, parse_bytes
+from vtensor.chunk import DEFAULT_CHUNK_BYTES
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.offloaded import OffloadedTensor, ResidentMeter
+from vtensor.param_guard import UseGuard
+from vtensor.param_policy import Event, Lookahead, Phase
+from vtensor.param_pool import OffloadPool
+from vtensor.param_report import ParamOffloadReport
+from vtensor.param_units import (
+    ParamOffloadError,
+    Unit,
+    find_units,
+    footprint,
+    long_lived,
+    probe_state,
+)
+from vtensor.param_update import clip_, gradient_norm, step_parameter, total_norm
+from vtensor.tiers import StorageTier
+from vtensor.transfer import FileTransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Param:
+    """One parameter and what offloading holds for it."""
+
+    name: str
+    param: nn.Parameter
+    group: int
+    fixed: bool
+    state_bytes: int  # optimizer state once stepped (measured on a proxy)
+    units: list[int]
+    entry: OffloadedTensor = field(init=False)
+    state: list[OffloadedTensor] = field(default_factory=list)
+    acc: OffloadedTensor | None = None  # gradient accumulated over earlier micro-batches
+    grad: OffloadedTensor | None = None  # final gradient awaiting the clip-and-update pass
+    norm: torch.Tensor | None = None
+
+
+class ParamOffload:
+    """Trains ``model`` with its parameters, gradients and optimizer state under ``budget``.
+
+    Usage::
+
+        with vtensor.ParamOffload(model, optimizer, budget="64MiB", max_grad_norm=1.0) as po:
+            for x, y in loader:
+                loss_fn(model(x), y).backward()
+                po.step()  # instead of optimizer.step(); no zero_grad needed
+            print(po.report())
+
+    Args:
+        model: the model; its parameters must be on the CPU.
+        optimizer: a per-parameter ``torch.optim`` optimizer over exactly the trainable
+            parameters (SGD, Adam, AdamW, ...); it is stepped one parameter at a time.
+        budget: bytes of parameters, gradients and optimizer state in memory at once.
+        lookahead: uses (layers) read ahead of the running one, budget permitting.
+        accumulation_steps: backward passes (micro-batches) per ``step()``.
+        max_grad_norm: clip gradients by global norm to this (None: no clipping).
+        norm_type: the norm for clipping.
+        resident: names of modules whose parameters stay in memory.
+        min_tensor_bytes: smaller tensors stay in memory (counted), not worth a transfer.
+        chunk_bytes, storage_dir, encrypt_storage, drop_page_cache: as for ``MemoryManager``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        budget: int | float | str,
+        *,
+        lookahead: int = 1,
+        accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        resident: tuple[str, ...] = (),
+        min_tensor_bytes: int = 4096,
+        chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+        storage_dir: str | PathLike[str] | None = None,
+        encrypt_storage: bool = True,
+        drop_page_cache: bool = True,
+    ) -> None:
+        if lookahead < 0 or accumulation_steps < 1 or (max_grad_norm or 1.0) <= 0:
+            raise ParamOffloadError(
+                f"lookahead={lookahead} must be >= 0, accumulation_steps={accumulation_steps} "
+                f">= 1 and max_grad_norm={max_grad_norm} > 0 or None"
+            )
+        self.model, self.optimizer = model, optimizer
+        self.budget_bytes = parse_bytes(budget)
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
+        self.policy = Lookahead(lookahead)
+        self.units, kept = find_units(model, resident)
+        self._min_tensor_bytes = min_tensor_bytes
+        self._params = self._describe(kept, min_tensor_bytes)
+        lasting = long_lived(self.units)
+        managed = {r.name for r in self._params.values() if not r.fixed}
+        self.footprint = footprint(
+            self.units,
+            {r.name: r.param for r in self._params.values()},
+            {r.name: r.state_bytes for r in self._params.values()},
+            managed,
+            2 if accumulation_steps > 1 else 1,
+        )
+        if self.budget_bytes < self.footprint.min_budget_bytes:
+            raise InfeasibleBudgetError(
+                self.budget_bytes,
+                self.footprint.min_budget_bytes,
+                f"layer {self.footprint.largest_unit}",
+                f"parameters, gradients and optimizer state of that layer, of long-lived "
+                f"layers ({len(lasting)} parameters) and of tensors under {min_tensor_bytes} "
+                "bytes must fit at once",
+            )
+        self.meter = ResidentMeter()
+        self._engine = FileTransferEngine(
+            StorageTier(storage_dir, drop_page_cache), encrypt=encrypt_storage
+        )
+        self.pool = OffloadPool(
+            self._engine,
+            self.meter,
+            self.budget_bytes,
+            parse_bytes(chunk_bytes, what="chunk_bytes"),
+        )
+        self._owners: dict[int, tuple[str, frozenset[str]]] = {}
+        self._running: Counter[str] = Counter()
+        self._hooks: list[RemovableHandle] = []
+        self._schedule: list[Event] = []
+        self._recording = True
+        self._forward_calls = self._backward_calls = self._update_calls = 0
+        self._backwards_done = 0
+        self._in_backward = False
+        self._bwd_pins: dict[str, list[OffloadedTensor]] = {}
+        self._expected: dict[str, int] = {}  # gradients announced by a unit's backward
+        self._saved: dict[int, set[str]] = {}  # unit -> parameters autograd saved (last forward)
+        self._calls: list[tuple[Unit, dict[str, tuple[int, int]], list[Any]]] = []
+        self._guard: UseGuard | None = None
+        self._step_peaks: list[int] = []
+        self._closed = False
+        try:
+            self._adopt_all()
+            self._install()
+        except BaseException:
+            self.close()
+            raise
+        self.meter.reset_peak()
+
+    # -- setup --------------------------------------------------------------------------------
+    def _describe(self, kept: set[str], min_tensor_bytes: int) -> dict[str, _Param]:
+        groups = {id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        named = dict(self.model.named_parameters())
+        extra = len(groups) - len({id(p) for p in named.values()} & groups.keys())
+        if extra:
+            raise ParamOffloadError(
+                f"the optimizer holds {extra} tensors that are not parameters of the model; "
+                "give it model.parameters() (or groups of them)"
+            )
+        records: dict[str, _Param] = {}
+        shapes: dict[tuple[int, torch.dtype], Any] = {}
+        for name, param in named.items():
+            if param.device.type != "cpu":
+                raise ParamOffloadError(
+                    f"parameter {name!r} is on {param.device}; parameter offloading runs on the "
+                    "CPU with the swap-file tier: move the model to the CPU"
+                )
+            if param.requires_grad and id(param) not in groups:
+                raise ParamOffloadError(
+                    f"parameter {name!r} requires grad but is not in the optimizer: add it, or "
+                    f"freeze it with requires_grad_(False)"
+                )
+            group = groups.get(id(param), -1)
+            state_bytes = 0
+            if group >= 0:
+                key = (group, param.dtype)
+                if key not in shapes:
+                    shapes[key] = probe_state(
+                        self.optimizer, self.optimizer.param_groups[group], param.dtype
+                    )
+                state_bytes = shapes[key].nbytes(param)
+            nbytes = param.untyped_storage().nbytes()
+            units = [u.index for u in self.units if name in u.params]
+            fixed = name in kept or not units or nbytes < min_tensor_bytes
+            records[name] = _Param(name, param, group, fixed, state_bytes, units)
+        return records
+
+    def _adopt_all(self) -> None:
+        for record in self._params.values():
+            record.entry = self.pool.adopt(record.param, record.name, fixed=record.fixed)
+            self._adopt_state(record)
+            if not record.fixed:
+                owners = frozenset(self.units[i].name for i in record.units)
+                self._owners[record.entry.storage._cdata] = (record.name, owners)
+        for entry in list(self.pool.tensors):  # everything starts in the tier
+            if not self.pool.is_fixed(entry):
+                entry.start_write()
+        self.pool.reap(block=True)
+
+    def _install(self) -> None:
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
+            self._hooks.append(
+                unit.module.register_forward_hook(self._post_hook(unit), always_call=True)
+            )
+        # The root's own hooks run first before its forward and last after it.
+        root = self.model
+        self._hooks.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
+        self._hooks.append(root.register_forward_hook(self._root_post, always_call=True))
+        for record in self._params.values():
+            if record.param.requires_grad:
+                self._hooks.append(
+                    record.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        self._grad_hook(record)
+                    )
+                )
+
+    # -- forward ------------------------------------------------------------------------------
+    def _root_pre(self, _module: nn.Module, _args: Any) -> None:
+        self._check_open()
+        self._forward_calls = 0
+        if self._recording and self._guard is None:
+            self._guard = UseGuard(self._owners, self._running)
+            self._guard.__enter__()  # type: ignore[no-untyped-call]
+
+    def _root_post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._guard = None
+        while self._calls:  # a forward that raised left calls open
+            self._end_call(*self._calls.pop(), output=None)
+
+    def _pre_hook(self, unit: Unit) -> Any:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self._begin_call(unit)
+
+        return hook
+
+    def _post_hook(self, unit: Unit) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self._calls and self._calls[-1][0] is unit:
+                self._end_call(*self._calls.pop(), output=output)
+
+        return hook
+
+    def _begin_call(self, unit: Unit) -> None:
+        self._note(Event(Phase.FORWARD, unit.index), self._forward_calls)
+        records = [self._params[n] for n in unit.params]
+        self.pool.acquire([r.entry for r in records], f"forward of {unit.name or '<root>'}")
+        self._running[unit.name] += 1
+        grad_on = torch.is_grad_enabled()
+        # Hold each AccumulateGrad node through the call so that its creation does not look
+        # like a saved reference when the use counts are compared afterwards.
+        nodes = [
+            r.param.view_as(r.param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            for r in records
+            if grad_on and r.param.requires_grad and not r.fixed
+        ]
+        counts = {r.name: _use_counts(r) for r in records if not r.fixed}
+        self._calls.append((unit, counts, nodes))
+        self._prefetch(Phase.FORWARD, self._forward_calls, reserve_bytes=0)
+        self._forward_calls += 1
+
+    def _end_call(
+        self, unit: Unit, counts: dict[str, tuple[int, int]], nodes: list[Any], output: Any
+    ) -> None:
+        self._running[unit.name] -= 1
+        saved = {n for n, before in counts.items() if _grew(_use_counts(self._params[n]), before)}
+        nodes.clear()
+        self._saved[unit.index] = saved
+        for name in unit.params:
+            self.pool.release(self._params[name].entry)
+        if output is None or not torch.is_grad_enabled():
+            return
+        hook = self._backward_hook(unit, saved)
+        for node in {id(n): n for n in _output_nodes(output)}.values():
+            node.register_prehook(hook)
+
+    # -- backward -----------------------------------------------------------------------------
+    def _backward_hook(self, unit: Unit, saved: set[str]) -> Any:
+        def hook(_grads: Any) -> None:
+            self._begin_backward(unit, saved)
+
+        return hook
+
+    @property
+    def _final(self) -> bool:
+        return self._backwards_done + 1 == self.accumulation_steps
+
+    def _ensure_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward_calls = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _begin_backward(self, unit: Unit, saved: set[str]) -> None:
+        self._ensure_backward()
+        self._note(Event(Phase.BACKWARD, unit.index), self._backward_calls)
+        needs, reserve = self._backward_need(unit, saved)
+        entries = [e for group in needs.values() for e in group]
+        self.pool.acquire(entries, f"backward of {unit.name or '<root>'}", reserve)
+        for name, group in needs.items():
+            self._bwd_pins.setdefault(name, []).extend(group)
+        for name in unit.params:  # their gradients arrive later: keep room for them until then
+            record = self._params[name]
+            if record.param.requires_grad and name not in self._expected:
+                self._expected[name] = record.entry.nbytes
+                self.pool.reserved_bytes += record.entry.nbytes
+        self._prefetch(Phase.BACKWARD, self._backward_calls, 0)
+        self._backward_calls += 1
+
+    def _backward_need(
+        self, unit: Unit, saved: set[str]
+    ) -> tuple[dict[str, list[OffloadedTensor]], int]:
+        """Per parameter, what a unit's backward pins (until that gradient is in).
+
+        Also the bytes the backward will allocate: its gradients, first-step optimizer state.
+        """
+        needs: dict[str, list[OffloadedTensor]] = {}
+        reserve = 0
+        update_now = self._final and self.max_grad_norm is None
+        for name in unit.params:
+            record = self._params[name]
+            if name in self._bwd_pins:
+                continue
+            entries = needs.setdefault(name, [])
+            if name in saved or (update_now and record.param.requires_grad):
+                entries.append(record.entry)
+            if record.param.requires_grad:
+                reserve += record.entry.nbytes
+                if record.acc is not None:
+                    entries.append(record.acc)
+                if update_now:
+                    entries += record.state
+                    reserve += 0 if record.state else record.state_bytes
+        return needs, reserve
+
+    def _end_backward(self) -> None:
+        for name in list(self._bwd_pins):
+            self._unpin_backward(name)
+        self.pool.reserved_bytes -= sum(self._expected.values())
+        self._expected.clear()
+        self._in_backward = False
+        self._backwards_done += 1
+        if self._recording:
+            self._recording = False
+        self.pool.reap()
+
+    def _unpin_backward(self, name: str) -> None:
+        for entry in self._bwd_pins.pop(name, []):
+            self.pool.release(entry)
+
+    def _grad_hook(self, record: _Param) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self._ensure_backward()
+            grad = param.grad
+            param.grad = None
+            assert grad is not None
+            pins = self._bwd_pins.pop(record.name, [])
+            self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
+            self._take_gradient(record, grad)
+            for entry in pins:  # after the update: the parameter must not leave before it
+                self.pool.release(entry)
+
+        return hook
+
+    def _take_gradient(self, record: _Param, grad: torch.Tensor) -> None:
+        # Pinned from here on: making room for what follows must not take the gradient away.
+        entry = self.pool.adopt(grad, f"{record.name}#grad", fixed=record.fixed)
+        self.pool.acquire([entry], f"gradient of {record.name}")
+        if record.acc is not None:
+            acc = record.acc
+            self.pool.acquire([acc], f"accumulating {record.name}")
+            acc.complete()  # its last write may still be in flight
+            # What AccumulateGrad does to a defined .grad: +=, exact and commutative.
+            acc.tensor.add_(grad)
+            if not self.pool.is_fixed(acc):
+                acc.mark_dirty()
+            self.pool.forget(entry)
+            del grad
+            record.acc = None
+            entry = acc
+        if not self._final:
+            record.acc = entry
+            self.pool.release(entry)
+        elif self.max_grad_norm is not None:
+            record.norm = gradient_norm(entry.tensor, self.norm_type)
+            record.grad = entry
+            self.pool.release(entry)
+        else:
+            self._update(record, entry)
+
+    # -- update -------------------------------------------------------------------------------
+    def _update(self, record: _Param, grad: OffloadedTensor) -> None:
+        entries = [record.entry, *record.state]
+        reserve = 0 if record.state else record.state_bytes
+        self.pool.acquire(entries, f"update of {record.name}", reserve)
+        for entry in entries:
+            entry.complete()  # a write still in flight must not see the update
+        record.param.grad = grad.tensor
+        try:
+            step_parameter(self.optimizer, record.param, record.group)
+        finally:
+            record.param.grad = None
+        self.pool.forget(grad)
+        self._adopt_state(record)
+        for entry in [record.entry, *record.state]:
+            if not self.pool.is_fixed(entry):
+                entry.mark_dirty()
+        for entry in entries:
+            self.pool.release(entry)
+        for entry in record.state:
+            if entry not in entries:
+                self.pool.let_go(entry)
+
+    def _adopt_state(self, record: _Param) -> None:
+        """Track the optimizer's state tensors of ``record`` (created by its first update)."""
+        values = [v for v in self.optimizer.state.get(record.param, {}).values()]
+        tensors = {t.untyped_storage()._cdata: t for t in values if isinstance(t, torch.Tensor)}
+        for entry in list(record.state):
+            if entry.storage._cdata not in tensors:
+                record.state.remove(entry)
+                self.pool.forget(entry)
+        known = {e.storage._cdata for e in record.state}
+        for key, tensor in tensors.items():
+            if key not in known:
+                small = tensor.untyped_storage().nbytes() < self._min_tensor_bytes
+                record.state.append(
+                    self.pool.adopt(tensor, f"{record.name}#state", fixed=record.fixed or small)
+                )
+
+    def step(self) -> torch.Tensor | None:
+        """Finish the optimizer step after ``accumulation_steps`` backward passes.
+
+        Without clipping every parameter was already updated as its gradient completed; with
+        ``max_grad_norm`` this clips and updates layer by layer and returns the total norm.
+        """
+        self._check_open()
+        if self._in_backward or self._backwards_done != self.accumulation_steps:
+            raise ParamOffloadError(
+                f"step() after {self._backwards_done} backward passes; accumulation_steps="
+                f"{self.accumulation_steps}: call step() once after that many loss.backward()"
+            )
+        total = None
+        if self.max_grad_norm is not None:
+            total = self._clip_and_update(self.max_grad_norm)
+        self._backwards_done = 0
+        self.pool.reap()
+        self._step_peaks.append(self.meter.peak_bytes)
+        self.meter.reset_peak()
+        return total
+
+    def _clip_and_update(self, max_norm: float) -> torch.Tensor:
+        pending = [r for r in self._params.values() if r.grad is not None]
+        norms = [
+            (r.grad.tensor, r.norm) for r in pending if r.grad is not None and r.norm is not None
+        ]
+        total = total_norm(norms, self.norm_type)
+        order = self.policy.update_order(self._schedule, len(self.units))
+        by_unit = {i: [r for r in pending if r.units and r.units[0] == i] for i in order}
+        by_unit[-1] = [r for r in pending if not r.units]
+        self._update_calls = 0
+        for index in [*order, -1]:
+            self._note(Event(Phase.UPDATE, index), self._update_calls)
+            records = by_unit.get(index, [])
+            grads = [r.grad for r in records if r.grad is not None]
+            self.pool.acquire(grads, "clip-and-update")
+            self._prefetch(Phase.UPDATE, self._update_calls, reserve_bytes=0)
+            self._update_calls += 1
+            for record in records:
+                grad = record.grad
+                assert grad is not None
+                clip_(grad.tensor, max_norm, total)
+                record.grad, record.norm = None, None
+                self._update(record, grad)
+        return total
+
+    # -- prefetch -----------------------------------------------------------------------------
+    def _note(self, event: Event, position: int) -> None:
+        if self._recording:
+            self.policy.record(self._schedule, event, position)
+
+    def _prefetch(self, phase: Phase, position: int, reserve_bytes: int) -> None:
+        upcoming = self.policy.upcoming(self._schedule, phase, position, final=self._final)
+        for event in upcoming:
+            if not self.pool.prefetch(self._need(event), reserve_bytes):
+                return
+
+    def _need(self, event: Event) -> list[OffloadedTensor]:
+        if event.unit < 0:
+            return []
+        unit = self.units[event.unit]
+        records = [self._params[n] for n in unit.params]
+        if event.phase is Phase.FORWARD:
+            return [r.entry for r in records]
+        if event.phase is Phase.BACKWARD:
+            needs = self._backward_need(unit, self._saved.get(unit.index, set()))[0]
+            return [e for group in needs.values() for e in group]
+        grads = [r.grad for r in records if r.grad is not None]
+        return [*(r.entry for r in records), *grads, *(e for r in records for e in r.state)]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ParamOffloadError("this ParamOffload is closed; make a new one to train again")
+
+    def report(self) -> ParamOffloadReport:
+        """Bytes held and moved since construction (peaks per ``step()``)."""
+        return ParamOffloadReport(
+            budget_bytes=self.budget_bytes,
+            min_budget_bytes=self.footprint.min_budget_bytes,
+            param_bytes=self.footprint.param_bytes,
+            grad_bytes=self.footprint.grad_bytes,
+            state_bytes=self.footprint.state_bytes,
+            resident_bytes=self.meter.resident_bytes,
+            peak_resident_bytes=max([*self._step_peaks, self.meter.peak_bytes]),
+            step_peak_bytes=tuple(self._step_peaks),
+            bytes_out=self.meter.bytes_out,
+            bytes_in=self.meter.bytes_in,
+            stall_s=self.meter.stall_s,
+            steps=len(self._step_peaks),
+        )
+
+    def close(self) -> None:
+        """Bring every parameter and state tensor back into memory and delete the swap file.
+
+        Gradients of a step not finished with ``step()`` are dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._guard = None
+        for hook in self._hooks:
+            hook.remove()
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            for record in self._params.values():
+                for extra in (record.acc, record.grad):
+                    if extra is not None:
+                        pool.forget(extra)
+                record.acc = record.grad = None
+            pool.close()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+        logger.debug("parameter offloading closed: %s", format_bytes(self.meter.peak_bytes))
+
+    def __enter__(self) -> "ParamOffload":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing more can be done
+            self.close()
+
+
+def _use_counts(record: _Param) -> tuple[int, int]:
+    """References to the parameter's TensorImpl and to its storage (autograd's saves add some)."""
+    tensor_refs = int(record.param._use_count())  # type: ignore[attr-defined]
+    return tensor_refs, int(torch._C._storage_Use_Count(record.entry.storage._cdata))
+
+
+def _grew(after: tuple[int, int], before: tuple[int, int]) -> bool:
+    return after[0] > before[0] or after[1] > before[1]
+
+
+def _output_nodes(output: Any) -> list[Any]:
+    """Autograd nodes that run before any node of the module that made ``output``.
+
+    A view's own node leaves the graph when the view is changed in place later (``ReLU(inplace=
+    True)`` after a 3-D ``Linear``, whose output is a view of a matmul's): its base's node stays.
+    """
+    nodes = []
+    for tensor in _tensors_in(output):
+        base: torch.Tensor | None = tensor
+        while base is not None:
+            if base.grad_fn is not None:
+                nodes.append(base.grad_fn)
+            base = base._base
+    return nodes
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
