@@ -104,7 +104,8 @@ def run_federation(
             "min_budget_bytes": peak.min_budget_bytes,
         }
     logger.info(
-        "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d; budgets %s",
+        "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d; "
+        "simulated fleet budgets %s (a deployed node uses its memory-budget node config)",
         s.client.model.name,
         sum(p.numel() for p in model.parameters()),
         info.name,
