@@ -158,6 +158,7 @@ class ParamOffload:
         self._in_backward = False
         self._bwd_pins: dict[str, list[OffloadedTensor]] = {}
         self._expected: dict[str, int] = {}  # gradients announced by a unit's backward
+        self._units_begun: set[int] = set()  # units whose backward began in this backward
         self._saved: dict[int, set[str]] = {}  # unit -> parameters autograd saved (last forward)
         self._calls: list[tuple[Unit, dict[str, tuple[int, int]], list[Any]]] = []
         self._guard: UseGuard | None = None
@@ -315,10 +316,14 @@ class ParamOffload:
         if not self._in_backward:
             self._in_backward = True
             self._backward_calls = 0
+            self._units_begun.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _begin_backward(self, unit: Unit, saved: set[str]) -> None:
         self._ensure_backward()
+        if unit.index in self._units_begun:  # another node of the same outputs
+            return
+        self._units_begun.add(unit.index)
         self._note(Event(Phase.BACKWARD, unit.index), self._backward_calls)
         needs, reserve = self._backward_need(unit, saved)
         entries = [e for group in needs.values() for e in group]
