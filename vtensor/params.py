@@ -16,7 +16,6 @@ flight. The policy (what to prefetch) is :class:`vtensor.param_policy.Lookahead`
 import contextlib
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from os import PathLike
 from types import TracebackType
 from typing import Any
@@ -30,8 +29,17 @@ from vtensor.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.offloaded import OffloadedTensor, ResidentMeter
 from vtensor.param_guard import UseGuard
+from vtensor.param_hooks import install_offload_hooks, on_backward_start
 from vtensor.param_policy import Event, Lookahead, Phase
 from vtensor.param_pool import OffloadPool
+from vtensor.param_records import (
+    ParamRecord,
+    adopt_state,
+    describe_params,
+    grew,
+    update_parameter,
+    use_counts,
+)
 from vtensor.param_report import ParamOffloadReport
 from vtensor.param_units import (
     ParamOffloadError,
@@ -39,30 +47,12 @@ from vtensor.param_units import (
     find_units,
     footprint,
     long_lived,
-    probe_state,
 )
-from vtensor.param_update import clip_, gradient_norm, step_parameter, total_norm
+from vtensor.param_update import clip_, gradient_norm, total_norm
 from vtensor.tiers import StorageTier
 from vtensor.transfer import FileTransferEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Param:
-    """One parameter and what offloading holds for it."""
-
-    name: str
-    param: nn.Parameter
-    group: int
-    fixed: bool
-    state_bytes: int  # optimizer state once stepped (measured on a proxy)
-    units: list[int]
-    entry: OffloadedTensor = field(init=False)
-    state: list[OffloadedTensor] = field(default_factory=list)
-    acc: OffloadedTensor | None = None  # gradient accumulated over earlier micro-batches
-    grad: OffloadedTensor | None = None  # final gradient awaiting the clip-and-update pass
-    norm: torch.Tensor | None = None
 
 
 class ParamOffload:
@@ -119,7 +109,7 @@ class ParamOffload:
         self.policy = Lookahead(lookahead)
         self.units, kept = find_units(model, resident)
         self._min_tensor_bytes = min_tensor_bytes
-        self._params = self._describe(kept, min_tensor_bytes)
+        self._params = describe_params(model, optimizer, self.units, kept, min_tensor_bytes)
         lasting = long_lived(self.units)
         managed = {r.name for r in self._params.values() if not r.fixed}
         self.footprint = footprint(
@@ -166,54 +156,18 @@ class ParamOffload:
         self._closed = False
         try:
             self._adopt_all()
-            self._install()
+            handles = install_offload_hooks(model, self.units, list(self._params.values()), self)
+            self._hooks += handles
         except BaseException:
             self.close()
             raise
         self.meter.reset_peak()
 
     # -- setup --------------------------------------------------------------------------------
-    def _describe(self, kept: set[str], min_tensor_bytes: int) -> dict[str, _Param]:
-        groups = {id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
-        named = dict(self.model.named_parameters())
-        extra = len(groups) - len({id(p) for p in named.values()} & groups.keys())
-        if extra:
-            raise ParamOffloadError(
-                f"the optimizer holds {extra} tensors that are not parameters of the model; "
-                "give it model.parameters() (or groups of them)"
-            )
-        records: dict[str, _Param] = {}
-        shapes: dict[tuple[int, torch.dtype], Any] = {}
-        for name, param in named.items():
-            if param.device.type != "cpu":
-                raise ParamOffloadError(
-                    f"parameter {name!r} is on {param.device}; parameter offloading runs on the "
-                    "CPU with the swap-file tier: move the model to the CPU"
-                )
-            if param.requires_grad and id(param) not in groups:
-                raise ParamOffloadError(
-                    f"parameter {name!r} requires grad but is not in the optimizer: add it, or "
-                    f"freeze it with requires_grad_(False)"
-                )
-            group = groups.get(id(param), -1)
-            state_bytes = 0
-            if group >= 0:
-                key = (group, param.dtype)
-                if key not in shapes:
-                    shapes[key] = probe_state(
-                        self.optimizer, self.optimizer.param_groups[group], param.dtype
-                    )
-                state_bytes = shapes[key].nbytes(param)
-            nbytes = param.untyped_storage().nbytes()
-            units = [u.index for u in self.units if name in u.params]
-            fixed = name in kept or not units or nbytes < min_tensor_bytes
-            records[name] = _Param(name, param, group, fixed, state_bytes, units)
-        return records
-
     def _adopt_all(self) -> None:
         for record in self._params.values():
             record.entry = self.pool.adopt(record.param, record.name, fixed=record.fixed)
-            self._adopt_state(record)
+            adopt_state(self.pool, self.optimizer, record, self._min_tensor_bytes)
             if not record.fixed:
                 owners = frozenset(self.units[i].name for i in record.units)
                 self._owners[record.entry.storage._cdata] = (record.name, owners)
@@ -222,53 +176,22 @@ class ParamOffload:
                 entry.start_write()
         self.pool.reap(block=True)
 
-    def _install(self) -> None:
-        for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
-            self._hooks.append(
-                unit.module.register_forward_hook(self._post_hook(unit), always_call=True)
-            )
-        # The root's own hooks run first before its forward and last after it.
-        root = self.model
-        self._hooks.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._hooks.append(root.register_forward_hook(self._root_post, always_call=True))
-        for record in self._params.values():
-            if record.param.requires_grad:
-                self._hooks.append(
-                    record.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                        self._grad_hook(record)
-                    )
-                )
-
     # -- forward ------------------------------------------------------------------------------
-    def _root_pre(self, _module: nn.Module, _args: Any) -> None:
+    def begin_forward(self) -> None:  # noqa: D102
         self._check_open()
         self._forward_calls = 0
         if self._recording and self._guard is None:
             self._guard = UseGuard(self._owners, self._running)
             self._guard.__enter__()  # type: ignore[no-untyped-call]
 
-    def _root_post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+    def end_forward(self) -> None:  # noqa: D102
         if self._guard is not None:
             self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             self._guard = None
         while self._calls:  # a forward that raised left calls open
-            self._end_call(*self._calls.pop(), output=None)
+            self.end_call(self._calls[-1][0], None)
 
-    def _pre_hook(self, unit: Unit) -> Any:
-        def hook(_module: nn.Module, _args: Any) -> None:
-            self._begin_call(unit)
-
-        return hook
-
-    def _post_hook(self, unit: Unit) -> Any:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if self._calls and self._calls[-1][0] is unit:
-                self._end_call(*self._calls.pop(), output=output)
-
-        return hook
-
-    def _begin_call(self, unit: Unit) -> None:
+    def begin_call(self, unit: Unit) -> None:  # noqa: D102
         self._note(Event(Phase.FORWARD, unit.index), self._forward_calls)
         records = [self._params[n] for n in unit.params]
         self.pool.acquire([r.entry for r in records], f"forward of {unit.name or '<root>'}")
@@ -281,33 +204,26 @@ class ParamOffload:
             for r in records
             if grad_on and r.param.requires_grad and not r.fixed
         ]
-        counts = {r.name: _use_counts(r) for r in records if not r.fixed}
+        counts = {r.name: use_counts(r) for r in records if not r.fixed}
         self._calls.append((unit, counts, nodes))
         self._prefetch(Phase.FORWARD, self._forward_calls, reserve_bytes=0)
         self._forward_calls += 1
 
-    def _end_call(
-        self, unit: Unit, counts: dict[str, tuple[int, int]], nodes: list[Any], output: Any
-    ) -> None:
+    def end_call(self, unit: Unit, output: Any) -> None:  # noqa: D102
+        if not self._calls or self._calls[-1][0] is not unit:
+            return  # its pre-hook raised before the call began
+        _, counts, nodes = self._calls.pop()
         self._running[unit.name] -= 1
-        saved = {n for n, before in counts.items() if _grew(_use_counts(self._params[n]), before)}
+        saved = {n for n, before in counts.items() if grew(use_counts(self._params[n]), before)}
         nodes.clear()
         self._saved[unit.index] = saved
         for name in unit.params:
             self.pool.release(self._params[name].entry)
         if output is None or not torch.is_grad_enabled():
             return
-        hook = self._backward_hook(unit, saved)
-        for node in {id(n): n for n in _output_nodes(output)}.values():
-            node.register_prehook(hook)
+        on_backward_start(output, lambda: self._begin_backward(unit, saved))
 
     # -- backward -----------------------------------------------------------------------------
-    def _backward_hook(self, unit: Unit, saved: set[str]) -> Any:
-        def hook(_grads: Any) -> None:
-            self._begin_backward(unit, saved)
-
-        return hook
-
     @property
     def _final(self) -> bool:
         return self._backwards_done + 1 == self.accumulation_steps
@@ -379,21 +295,18 @@ class ParamOffload:
         for entry in self._bwd_pins.pop(name, []):
             self.pool.release(entry)
 
-    def _grad_hook(self, record: _Param) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._ensure_backward()
-            grad = param.grad
-            param.grad = None
-            assert grad is not None
-            pins = self._bwd_pins.pop(record.name, [])
-            self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
-            self._take_gradient(record, grad)
-            for entry in pins:  # after the update: the parameter must not leave before it
-                self.pool.release(entry)
+    def take_gradient(self, record: ParamRecord) -> None:  # noqa: D102
+        self._ensure_backward()
+        grad = record.param.grad
+        record.param.grad = None
+        assert grad is not None
+        pins = self._bwd_pins.pop(record.name, [])
+        self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
+        self._keep_gradient(record, grad)
+        for entry in pins:  # after the update: the parameter must not leave before it
+            self.pool.release(entry)
 
-        return hook
-
-    def _take_gradient(self, record: _Param, grad: torch.Tensor) -> None:
+    def _keep_gradient(self, record: ParamRecord, grad: torch.Tensor) -> None:
         # Pinned from here on: making room for what follows must not take the gradient away.
         entry = self.pool.adopt(grad, f"{record.name}#grad", fixed=record.fixed)
         self.pool.acquire([entry], f"gradient of {record.name}")
@@ -417,47 +330,9 @@ class ParamOffload:
             record.grad = entry
             self.pool.release(entry)
         else:
-            self._update(record, entry)
+            update_parameter(self.pool, self.optimizer, record, entry, self._min_tensor_bytes)
 
     # -- update -------------------------------------------------------------------------------
-    def _update(self, record: _Param, grad: OffloadedTensor) -> None:
-        entries = [record.entry, *record.state]
-        reserve = 0 if record.state else record.state_bytes
-        self.pool.acquire(entries, f"update of {record.name}", reserve)
-        for entry in entries:
-            entry.complete()  # a write still in flight must not see the update
-        record.param.grad = grad.tensor
-        try:
-            step_parameter(self.optimizer, record.param, record.group)
-        finally:
-            record.param.grad = None
-        self.pool.forget(grad)
-        self._adopt_state(record)
-        for entry in [record.entry, *record.state]:
-            if not self.pool.is_fixed(entry):
-                entry.mark_dirty()
-        for entry in entries:
-            self.pool.release(entry)
-        for entry in record.state:
-            if entry not in entries:
-                self.pool.let_go(entry)
-
-    def _adopt_state(self, record: _Param) -> None:
-        """Track the optimizer's state tensors of ``record`` (created by its first update)."""
-        values = [v for v in self.optimizer.state.get(record.param, {}).values()]
-        tensors = {t.untyped_storage()._cdata: t for t in values if isinstance(t, torch.Tensor)}
-        for entry in list(record.state):
-            if entry.storage._cdata not in tensors:
-                record.state.remove(entry)
-                self.pool.forget(entry)
-        known = {e.storage._cdata for e in record.state}
-        for key, tensor in tensors.items():
-            if key not in known:
-                small = tensor.untyped_storage().nbytes() < self._min_tensor_bytes
-                record.state.append(
-                    self.pool.adopt(tensor, f"{record.name}#state", fixed=record.fixed or small)
-                )
-
     def step(self) -> torch.Tensor | None:
         """Finish the optimizer step after ``accumulation_steps`` backward passes.
 
@@ -501,7 +376,7 @@ class ParamOffload:
                 assert grad is not None
                 clip_(grad.tensor, max_norm, total)
                 record.grad, record.norm = None, None
-                self._update(record, grad)
+                update_parameter(self.pool, self.optimizer, record, grad, self._min_tensor_bytes)
         return total
 
     # -- prefetch -----------------------------------------------------------------------------
@@ -590,39 +465,3 @@ class ParamOffload:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing more can be done
             self.close()
-
-
-def _use_counts(record: _Param) -> tuple[int, int]:
-    """References to the parameter's TensorImpl and to its storage (autograd's saves add some)."""
-    tensor_refs = int(record.param._use_count())  # type: ignore[attr-defined]
-    return tensor_refs, int(torch._C._storage_Use_Count(record.entry.storage._cdata))
-
-
-def _grew(after: tuple[int, int], before: tuple[int, int]) -> bool:
-    return after[0] > before[0] or after[1] > before[1]
-
-
-def _output_nodes(output: Any) -> list[Any]:
-    """Autograd nodes that run before any node of the module that made ``output``.
-
-    A view's own node leaves the graph when the view is changed in place later (``ReLU(inplace=
-    True)`` after a 3-D ``Linear``, whose output is a view of a matmul's): its base's node stays.
-    """
-    nodes = []
-    for tensor in _tensors_in(output):
-        base: torch.Tensor | None = tensor
-        while base is not None:
-            if base.grad_fn is not None:
-                nodes.append(base.grad_fn)
-            base = base._base
-    return nodes
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
