@@ -211,12 +211,17 @@ class Iteration:
         ``pinned`` is the vTensor about to be used: it is neither evicted nor counted as
         evictable. ``judge=False`` makes room without recording feasibility (a first attempt).
         """
-        # NOTE [deterministic reaping]: every eviction started before this point completes here
-        # (it has had at least one op of compute to overlap with), so the memory it frees, and
-        # the decisions that follow, depend on the sequence of hook events rather than on disk
-        # speed. Restores are not waited for here: their bytes are allocated when they start,
-        # and backward waits on them only when it uses them, so prefetches overlap compute.
-        self.store.reap(block=True, block_restores=False)
+        # NOTE [deterministic reaping]: while profiling or reacting, every eviction started
+        # before this point completes here (it has had at least one op of compute to overlap
+        # with), so the memory it frees, and the decisions that follow (the trace, the plan),
+        # depend on the sequence of hook events rather than on disk speed. While a plan is
+        # replayed, the decisions are the plan's: evictions still in flight are left to run
+        # (their bytes count as live until they complete) and are waited for only when the
+        # headroom below needs them, so the writes overlap the following ops instead of
+        # stalling at the next hook. Restores are never waited for here: their bytes are
+        # allocated when they start, and backward waits on them only when it uses them.
+        replaying = self.executor is not None and self.executor.active
+        self.store.reap(block=not replaying, block_restores=False)
         live = self.live_bytes()
         self._sample(live)
         self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)
@@ -240,10 +245,15 @@ class Iteration:
             if record is pinned:
                 continue
             nbytes = self.store.evictable_bytes(record)
+            pending = record.pending
+            if pending is not None and pending.outgoing:
+                # Still resident while its write runs (a replayed plan does not wait for it).
+                nbytes = sum(c.nbytes for c in pending.chunks)
             evictable_now += nbytes
             # Evicted (or being evicted) counts too: it was evictable when the policy chose it.
-            moved = record.pending is not None or bool(record.offloaded_chunks())
-            if (nbytes or moved) and record.vid not in self.books.evictable_step:
+            if record.vid not in self.books.evictable_step and (
+                nbytes or pending is not None or record.offloaded_chunks()
+            ):
                 self.books.evictable_step[record.vid] = self.step_index
         # Bytes that only became evictable at this point (inputs the op just finished with)
         # could not have been evicted before the op allocated: only what was evictable at the

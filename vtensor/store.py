@@ -150,7 +150,7 @@ class ChunkStore:
         """True when no one but the store references the storage and nothing is in flight."""
         if record.dead or record.pending is not None or record.storage is None:
             return False
-        if not record.device_chunks():
+        if record.storage.nbytes() == 0:  # nothing resident (see evictable_bytes)
             return False
         # +1: the temporary reference of this call's own ``_cdata`` lookup is not counted, but
         # the record's Python storage object is.
@@ -160,7 +160,13 @@ class ChunkStore:
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
-        return sum(c.nbytes for c in record.device_chunks()) if self.evictable(record) else 0
+        # With nothing in flight the storage's size is its resident prefix, which is exactly
+        # its DEVICE chunks; reading it is O(1), where this is asked of every record at every
+        # hook point.
+        if not self.evictable(record):
+            return 0
+        assert record.storage is not None
+        return int(record.storage.nbytes())
 
     def device_bytes(self) -> int:
         """Bytes the managed storages occupy on the device now."""

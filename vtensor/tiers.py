@@ -165,6 +165,11 @@ class StorageTier:
             done += got
             views = _skip(views, got)
 
+    def read_ahead(self, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start reading a range into the page cache (returns at once)."""
+        if self.drop_page_cache:
+            os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
     def release_cache(self, offset: int, nbytes: int, *, dirty: bool) -> None:
         """Drop a range from the page cache so the RAM it used is really free."""
         if not self.drop_page_cache:

@@ -141,6 +141,11 @@ class FileTransferEngine:
         runs = _contiguous_runs(chunks)
         sealer = self.sealer
         pieces = _pieces(storage, chunks) if sealer is not None else []
+        # NOTE [read-ahead]: the disk starts reading now, while the I/O thread is still busy
+        # with earlier jobs (sealing, writing, other restores), so the job finds its bytes in
+        # the page cache; the job drops them from it once they are copied out.
+        for slot, _, nbytes in runs:
+            self.tier.read_ahead(slot, nbytes)
 
         def job() -> None:
             if sealer is not None:
