@@ -120,6 +120,13 @@ class StorageTier:
         self.drop_page_cache = drop_page_cache
         self._fd: int | None = fd
         self.extents = ExtentAllocator()
+        if drop_page_cache:
+            # NOTE [no kernel read-ahead]: the kernel's own read-ahead (8 MiB on this project's
+            # VM) would pull the neighbouring extents, other chunks still swapped out, into the
+            # page cache on every read, where they stay until read and dropped themselves: tens
+            # of MiB outside the budget. Restores ask for exactly their own ranges instead
+            # (``read_ahead``).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     @property
     def fd(self) -> int:

@@ -1,6 +1,7 @@
 """Asynchronous transfer engines: a background thread for file I/O, a side stream for CUDA."""
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ import torch
 from vtensor.chunk import Chunk
 from vtensor.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.tiers import HostTier, StorageTier
+
+READ_AHEAD_BYTES = 16 << 20  # most swap-file bytes read ahead of their restores at a time
 
 
 class Transfer(Protocol):
@@ -104,6 +107,8 @@ class FileTransferEngine:
         self.tier = tier
         self.sealer = Sealer(cipher) if encrypt else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
+        self._ahead_lock = threading.Lock()
+        self._ahead_bytes = 0  # read ahead by restores whose jobs have not finished
 
     def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
         def timed() -> float:
@@ -112,6 +117,42 @@ class FileTransferEngine:
             return time.perf_counter() - begin
 
         return ThreadTransfer(self._pool.submit(timed), nbytes)
+
+    def _read_ahead(self, runs: list[tuple[int, int, int]]) -> int:
+        """Start the disk reading the first bytes of ``runs``; returns the bytes asked for.
+
+        NOTE [read-ahead]: the disk starts reading a restore when it is issued, while the I/O
+        thread is still busy with earlier jobs (sealing, writing, other restores), so the job
+        finds its first bytes in the page cache. Pages read ahead sit in the page cache until
+        their job copies them out and drops them, so the bytes read ahead and not yet consumed
+        are capped at ``READ_AHEAD_BYTES``.
+        """
+        asked: list[tuple[int, int]] = []
+        with self._ahead_lock:
+            room = READ_AHEAD_BYTES - self._ahead_bytes
+            for slot, _, nbytes in runs:
+                take = min(nbytes, room)
+                if take <= 0:
+                    break
+                asked.append((slot, take))
+                room -= take
+            total = sum(take for _, take in asked)
+            self._ahead_bytes += total
+        for slot, take in asked:
+            self.tier.read_ahead(slot, take)
+        return total
+
+    # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
+    # vectored call and drop its pages from the page cache right after it, so the swap file
+    # holds at most about one staging buffer of page cache on the I/O thread's account, instead
+    # of a whole eviction run or restore (tens of MiB for a large activation).
+    def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
+        self.tier.writev(offset, views)
+        self.tier.release_cache(offset, sum(len(v) for v in views), dirty=True)
+
+    def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
+        self.tier.readv(offset, views)
+        self.tier.release_cache(offset, sum(len(v) for v in views), dirty=False)
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
@@ -130,9 +171,9 @@ class FileTransferEngine:
         def job() -> None:
             if sealer is None:
                 self.tier.write(start, address, total)
+                self.tier.release_cache(start, total, dirty=True)
             else:
-                sealer.seal(pieces, self.tier.writev)
-            self.tier.release_cache(start, total, dirty=True)
+                sealer.seal(pieces, self._write_dropped)
 
         return self._submit(job, total)
 
@@ -141,19 +182,19 @@ class FileTransferEngine:
         runs = _contiguous_runs(chunks)
         sealer = self.sealer
         pieces = _pieces(storage, chunks) if sealer is not None else []
-        # NOTE [read-ahead]: the disk starts reading now, while the I/O thread is still busy
-        # with earlier jobs (sealing, writing, other restores), so the job finds its bytes in
-        # the page cache; the job drops them from it once they are copied out.
-        for slot, _, nbytes in runs:
-            self.tier.read_ahead(slot, nbytes)
+        ahead = self._read_ahead(runs)
 
         def job() -> None:
-            if sealer is not None:
-                sealer.open(pieces, self.tier.readv)
-            for slot, offset, nbytes in runs:
-                if sealer is None:
+            try:
+                if sealer is not None:
+                    sealer.open(pieces, self._read_dropped)
+                    return
+                for slot, offset, nbytes in runs:
                     self.tier.read(slot, base + offset, nbytes)
-                self.tier.release_cache(slot, nbytes, dirty=False)
+                    self.tier.release_cache(slot, nbytes, dirty=False)
+            finally:
+                with self._ahead_lock:
+                    self._ahead_bytes -= ahead
 
         return self._submit(job, sum(c.nbytes for c in chunks))
 

@@ -1,0 +1,74 @@
+"""Swap-file I/O: what the page cache holds of the swap file during and after transfers."""
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from vtensor.chunk import split_into_chunks
+from vtensor.tiers import PAGE_BYTES, StorageTier
+from vtensor.transfer import READ_AHEAD_BYTES, FileTransferEngine
+
+CHUNK_BYTES = 1 << 20
+TENSOR_BYTES = 8 << 20
+TENSORS = 4  # more bytes queued for restore than READ_AHEAD_BYTES
+
+
+def _cached_pages(fd: int, nbytes: int) -> int:
+    """Pages of the file's first ``nbytes`` held in the page cache (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-nbytes // PAGE_BYTES)
+    vec = (ctypes.c_ubyte * pages)()
+    mapped = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE)  # never written: mincore only
+    try:
+        anchor = ctypes.c_char.from_buffer(mapped)
+        status = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), nbytes, vec)
+        del anchor  # the exported buffer must go before the mapping can close
+        assert status == 0, ctypes.get_errno()
+    finally:
+        mapped.close()
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_swap_file_leaves_page_cache_and_read_ahead_is_capped(
+    tmp_storage_dir: Path, encrypt: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = FileTransferEngine(StorageTier(tmp_storage_dir), encrypt=encrypt)
+    asked: list[int] = []
+    read_ahead = engine.tier.read_ahead
+
+    def recording(offset: int, nbytes: int) -> None:
+        asked.append(nbytes)
+        assert engine._ahead_bytes <= READ_AHEAD_BYTES
+        read_ahead(offset, nbytes)
+
+    monkeypatch.setattr(engine.tier, "read_ahead", recording)
+    gen = torch.Generator().manual_seed(0)
+    datas = [
+        torch.randint(0, 256, (TENSOR_BYTES,), dtype=torch.uint8, generator=gen)
+        for _ in range(TENSORS)
+    ]
+    expected = [d.clone() for d in datas]
+    chunks = [split_into_chunks(TENSOR_BYTES, CHUNK_BYTES) for _ in datas]
+    try:
+        for data, cs in zip(datas, chunks, strict=True):
+            engine.evict(data.untyped_storage(), cs).wait()
+        size = engine.tier.extents.end_bytes
+        assert _cached_pages(engine.tier.fd, size) == 0  # written, flushed and dropped
+        for data in datas:
+            data.zero_()
+        restores = [
+            engine.restore(data.untyped_storage(), cs)
+            for data, cs in zip(datas, chunks, strict=True)
+        ]
+        for transfer in restores:
+            transfer.wait()
+        assert all(map(torch.equal, datas, expected))
+        assert asked and READ_AHEAD_BYTES < TENSORS * TENSOR_BYTES  # the cap was exercised
+        assert engine._ahead_bytes == 0
+        assert _cached_pages(engine.tier.fd, size) == 0  # read pages dropped, no kernel read-ahead
+    finally:
+        engine.close()
