@@ -12,6 +12,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
+from torch import nn
 
 from edgefl.checkpoint import (
     Checkpoint,
@@ -23,6 +24,7 @@ from edgefl.checkpoint import (
 )
 from edgefl.client_data import central_test_set
 from edgefl.config import instantiate_strategy, settings_from_run_config
+from edgefl.data import ArrayDataset
 from edgefl.errors import ConfigError
 from edgefl.history import RunHistory
 from edgefl.log_setup import configure_logging
@@ -87,95 +89,159 @@ def run_federation(
     torch.manual_seed(s.client.seed)
     model = build_model(s.client.model.name, info, s.client.model.options)
     key = run_key(s)
+    start = _starting_state(s, key, model, test_set, peak)
+    _log_model(s, model, info.name, start.extra)
+    hooks = _RoundHooks(s, model, test_set, start, _privacy_guard(s, start.strategy), key, out_dir)
+    started = time.perf_counter()
+    result = run_rounds(
+        start.strategy,
+        RecordingGrid(grid, [start.history.on_exchange, _log_errors, *observers]),
+        ArrayRecord(model.state_dict()),
+        _round_plan(s, start.first_round),
+        evaluate_fn=hooks.central_eval,
+        before_round=hooks.before_round,
+        after_round=hooks.checkpoint,
+    )
+    final_state = result.arrays.to_torch_state_dict()
+    summary = {
+        **start.extra,
+        "strategy_s": time.perf_counter() - started,
+        "resumed_after": start.first_round - 1,
+        "stopped_early": result.stopped_early,
+    }
+    unmanaged_peak_bytes = start.extra["unmanaged_peak_bytes"]
+    _write_outputs(out_dir, s, start.history, final_state, summary, unmanaged_peak_bytes)
+    return {
+        "history": start.history,
+        "final_state": final_state,
+        "output_dir": out_dir,
+        "unmanaged_peak_bytes": unmanaged_peak_bytes,
+        "last_round": result.last_round,
+    }
+
+
+@dataclasses.dataclass
+class _Start:
+    """Where a run starts: a new run, or the checkpoint it resumes."""
+
+    strategy: Strategy
+    history: RunHistory
+    first_round: int
+    extra: dict[str, Any]  # measured once per run: the unmanaged peak and least budget
+
+
+def _starting_state(
+    s: RunSettings,
+    key: dict[str, Any],
+    model: nn.Module,
+    test_set: ArrayDataset,
+    peak: PeakMeasurement | None,
+) -> _Start:
+    """Resume the checkpoint (loading ``model`` and the RNGs from it), or start a new run."""
     resumed = _resume(s, key)
     if resumed is not None:
-        strategy, history, extra = resumed.strategy, resumed.history, resumed.extra
         model.load_state_dict(resumed.state_dict)
         restore_rng(resumed.rng)
-        history.restart_clock()
-        first_round = resumed.server_round + 1
-    else:
-        strategy, history, first_round = build_strategy(s), RunHistory(), 1
-        if peak is None:  # flwr run: measure here, with the clients' thread count
-            torch.set_num_threads(s.client.train.torch_threads)
-            peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
-        extra = {
-            "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
-            "min_budget_bytes": peak.min_budget_bytes,
-        }
+        resumed.history.restart_clock()
+        return _Start(resumed.strategy, resumed.history, resumed.server_round + 1, resumed.extra)
+    strategy, history = build_strategy(s), RunHistory()  # its clock starts here
+    if peak is None:  # flwr run: measure here, with the clients' thread count
+        torch.set_num_threads(s.client.train.torch_threads)
+        peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
+    extra = {
+        "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
+        "min_budget_bytes": peak.min_budget_bytes,
+    }
+    return _Start(strategy, history, 1, extra)
+
+
+def _log_model(s: RunSettings, model: nn.Module, dataset: str, extra: dict[str, Any]) -> None:
     logger.info(
         "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d; "
         "simulated fleet budgets %s (a deployed node uses its memory-budget node config)",
         s.client.model.name,
         sum(p.numel() for p in model.parameters()),
-        info.name,
+        dataset,
         extra["unmanaged_peak_bytes"] / 2**20,
         s.client.train.batch_size,
         ", ".join(f"{c.name} {c.budget}" for c in s.client.fleet.classes),
     )
 
-    guard = _privacy_guard(s, strategy)
 
-    def before_round(server_round: int) -> None:
+@dataclasses.dataclass
+class _RoundHooks:
+    """``run_rounds``' callbacks: the privacy budget check, central evaluation, checkpoints.
+
+    ``model`` is the server's copy, loaded with each round's arrays for central evaluation.
+    """
+
+    s: RunSettings
+    model: nn.Module
+    test_set: ArrayDataset
+    start: _Start
+    guard: PrivacyGuard
+    key: dict[str, Any]
+    out_dir: Path
+
+    def before_round(self, server_round: int) -> None:
         try:
-            guard.before_round(server_round)
+            self.guard.before_round(server_round)
         except PrivacyBudgetExhausted as exc:
             raise StopRun(str(exc)) from exc
 
-    def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def central_eval(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        s = self.s
         outcome = None
         if s.server.central_eval:
-            model.load_state_dict(arrays.to_torch_state_dict())
-            outcome = evaluate(model, test_set, s.client.train.eval_batch_size)
-        record = history.close_round(server_round, outcome, guard.epsilon())
+            self.model.load_state_dict(arrays.to_torch_state_dict())
+            outcome = evaluate(self.model, self.test_set, s.client.train.eval_batch_size)
+        record = self.start.history.close_round(server_round, outcome, self.guard.epsilon())
         logger.info("%s", round_line(record, s.server.num_rounds))
         if outcome is None:
             return None
         return MetricRecord({"central-loss": outcome.loss, "central-acc": outcome.accuracy})
 
-    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
-        if s.server.checkpoint:
+    def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
+        if self.s.server.checkpoint:
             state = Checkpoint(
                 server_round,
                 arrays.to_torch_state_dict(),
-                strategy,
-                history,
-                key,
+                self.start.strategy,
+                self.start.history,
+                self.key,
                 capture_rng(),
-                extra,
+                self.start.extra,
             )
-            save_checkpoint(out_dir, state)
+            save_checkpoint(self.out_dir, state)
 
-    started = time.perf_counter()
-    result = run_rounds(
-        strategy,
-        RecordingGrid(grid, [history.on_exchange, _log_errors, *observers]),
-        ArrayRecord(model.state_dict()),
-        RoundPlan(
-            first_round=first_round,
-            num_rounds=s.server.num_rounds,
-            timeout_s=s.server.round_timeout_s,
-            train_config=ConfigRecord(
-                {
-                    "lr": s.client.train.lr,
-                    "seed": s.client.seed,
-                    "local-epochs": s.client.train.local_epochs,
-                    "batch-size": s.client.train.batch_size,
-                }
-            ),
-            evaluate_config=ConfigRecord({"seed": s.client.seed}),
+
+def _round_plan(s: RunSettings, first_round: int) -> RoundPlan:
+    """Rounds ``first_round``..``num_rounds`` and the configs sent with each."""
+    return RoundPlan(
+        first_round=first_round,
+        num_rounds=s.server.num_rounds,
+        timeout_s=s.server.round_timeout_s,
+        train_config=ConfigRecord(
+            {
+                "lr": s.client.train.lr,
+                "seed": s.client.seed,
+                "local-epochs": s.client.train.local_epochs,
+                "batch-size": s.client.train.batch_size,
+            }
         ),
-        evaluate_fn=central_eval,
-        before_round=before_round,
-        after_round=checkpoint,
+        evaluate_config=ConfigRecord({"seed": s.client.seed}),
     )
-    final_state = result.arrays.to_torch_state_dict()
-    summary = {
-        **extra,
-        "strategy_s": time.perf_counter() - started,
-        "resumed_after": first_round - 1,
-        "stopped_early": result.stopped_early,
-    }
+
+
+def _write_outputs(
+    out_dir: Path,
+    s: RunSettings,
+    history: RunHistory,
+    final_state: dict[str, torch.Tensor],
+    summary: dict[str, Any],
+    unmanaged_peak_bytes: int,
+) -> None:
+    """Results, plots (if asked) and the summary table in ``out_dir``; log where they are."""
     paths = write_results(out_dir, history, final_state, s, summary)
     if s.server.save_plots:
         paths.append(plot_accuracy_loss(history, out_dir / ACCURACY_PNG))
@@ -183,7 +249,7 @@ def run_federation(
             plot_client_memory(
                 history,
                 s.client.fleet.classes,
-                extra["unmanaged_peak_bytes"],
+                unmanaged_peak_bytes,
                 out_dir / MEMORY_PNG,
             )
         )
@@ -191,13 +257,6 @@ def run_federation(
     (out_dir / SUMMARY_TXT).write_text(table + "\n")
     logger.info("summary of the run:\n%s", table)
     logger.info("results in %s: %s", out_dir, ", ".join(p.name for p in paths))
-    return {
-        "history": history,
-        "final_state": final_state,
-        "output_dir": out_dir,
-        "unmanaged_peak_bytes": extra["unmanaged_peak_bytes"],
-        "last_round": result.last_round,
-    }
 
 
 def build_strategy(s: RunSettings) -> Strategy:
