@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             r = offloaded(w, model, args.steps, budget, param_budget, args.count_workspaces)
         except vtensor.InfeasibleBudgetError as exc:
-            print(f"| {name} | {p0 / mib:.1f} | {budget / mib:.1f} | infeasible: {exc} |")
+            share = exc.min_budget_bytes / p0
+            print(
+                f"| {name} | {p0 / mib:.1f} | {budget / mib:.1f} | infeasible: needs "
+                f"{exc.min_budget_bytes / mib:.1f} MiB ({share:.1%}) at {exc.step} |"
+            )
             continue
         expected = reference.state_dict()
         same = all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())

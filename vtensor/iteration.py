@@ -79,8 +79,10 @@ class Iteration:
         # process's RSS high-water mark is read at every step boundary: what a step grew in RSS
         # beyond what it grew in tracked bytes is its transient, which the trace records and,
         # with ``count_workspaces``, the plan and the policy
-        # then budget for. It also keeps the iteration's RSS peak (``rss_peak_bytes``).
-        self.rss = rss if record_trace else None
+        # then budget for. It also keeps the iteration's RSS peak (``rss_peak_bytes``). With
+        # ``count_workspaces`` every iteration measures them, so the reactive policy (which
+        # never profiles) learns them too.
+        self.rss = rss if record_trace or count_workspaces else None
         self.count_workspaces = count_workspaces
         self.rss_peak_bytes = 0
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
@@ -198,6 +200,22 @@ class Iteration:
             self.policy.early_eviction = not self.executor.active
         self.enforce()
 
+    def after_node(self) -> None:
+        """Sample a backward node's working set (NOTE [node peaks] in ``vtensor.hooks``).
+
+        No eviction here: the node's bytes are already allocated. What grew since the last
+        hook point is headroom the policy must keep (``reserve``), and a working set above the
+        budget breaks it like any other sample; its floor is judged against what was evictable
+        at the previous hook point, which is what could have made room.
+        """
+        live = self.live_bytes()
+        self._sample(live)
+        self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)
+        # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
+        # policy had no chance to act since the last hook point.
+        self._note_feasibility(live, None, strict=False)
+        self._last_live = live
+
     def _backward_done(self) -> None:
         self._backward_done_queued = False
         self.begin_step("other:after-backward")
@@ -239,7 +257,7 @@ class Iteration:
             self._note_feasibility(live + incoming_bytes, pinned)
         self._last_live = live
 
-    def _note_feasibility(self, need: int, pinned: VTensor | None) -> None:
+    def _note_feasibility(self, need: int, pinned: VTensor | None, *, strict: bool = True) -> None:
         evictable_now = 0
         for record in self.store.records.values():
             if record is pinned:
@@ -268,7 +286,7 @@ class Iteration:
         if floor > self.books.min_budget_bytes:
             self.books.min_budget_bytes = floor
             self.books.min_budget_step = self._open.name if self._open else "start"
-        if need > self.policy.budget_bytes:
+        if strict and need > self.policy.budget_bytes:
             self.books.violated = True
 
     # -- closing ------------------------------------------------------------------------------
