@@ -57,7 +57,7 @@ def offloaded(
 ) -> dict[str, float]:
     """Train under both managers; the worst peaks, bytes moved per step and step times."""
     optimizer, times = _sgd(model), []
-    peak = independent = out = 0.0
+    peak = independent = first_independent = out = 0.0
     with (
         vtensor.ParamOffload(model, optimizer, param_budget) as po,
         vtensor.MemoryManager(budget, count_workspaces=count_workspaces) as mm,
@@ -71,11 +71,17 @@ def offloaded(
             times.append(time.perf_counter() - begin)
             rep = mm.report()
             peak, out = max(peak, rep.peak_device_bytes), rep.bytes_out
-            independent = max(independent, rep.peak_independent_bytes or 0)
+            # The first iteration learns the workspaces as it meets them (count_workspaces):
+            # it is reported apart.
+            if i == 0:
+                first_independent = rep.peak_independent_bytes or 0
+            else:
+                independent = max(independent, rep.peak_independent_bytes or 0)
         params = po.report()
     return {
         "peak": peak,
         "independent": independent,
+        "first_independent": first_independent,
         "param_peak": params.peak_resident_bytes,
         "out": out + params.bytes_out / params.steps,
         "step_s": statistics.median(times[1:]),
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(
-        "| model | unmanaged peak MiB | budget MiB | tracked peak MiB | independent peak MiB "
+        "| model | unmanaged peak MiB | budget MiB | tracked peak MiB "
+        "| independent peak MiB (first iteration) "
         "| parameter-state peak MiB | MiB out per step | step s (unmanaged) | weights |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -124,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         same = all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
         print(
             f"| {name} | {p0 / mib:.1f} | {budget / mib:.1f} | {r['peak'] / mib:.1f} "
-            f"| {r['independent'] / mib:.1f} | {r['param_peak'] / mib:.1f} | {r['out'] / mib:.0f} "
+            f"| {r['independent'] / mib:.1f} ({r['first_independent'] / mib:.1f}) "
+            f"| {r['param_peak'] / mib:.1f} | {r['out'] / mib:.0f} "
             f"| {r['step_s']:.2f} ({statistics.median(plain_times[1:]):.2f}) "
             f"| {'bit-identical' if same else 'DIFFERENT'} |"
         )

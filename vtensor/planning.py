@@ -83,6 +83,7 @@ class PlanBook:
         self.planned = planned
         # Plans that budget op workspaces differ from plans that do not: keep them apart.
         self.planner_version = PLANNER_VERSION + ("+workspaces" if count_workspaces else "")
+        self.count_workspaces = count_workspaces
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
 
     def _key(
@@ -116,7 +117,7 @@ class PlanBook:
             if plan is None:
                 return IterationPlan(signature, PlanSource.REACTIVE, None, False, key)
             return IterationPlan(
-                signature, PlanSource.PLANNED, PlanExecutor(plan, store), False, key
+                signature, PlanSource.PLANNED, self._executor(plan, store), False, key
             )
         if self.cache is not None:
             cached = self.cache.get(key)
@@ -125,12 +126,15 @@ class PlanBook:
                 return IterationPlan(
                     signature,
                     PlanSource.CACHED,
-                    PlanExecutor(cached, store),
+                    self._executor(cached, store),
                     False,
                     key,
                     cache_load_s=self.cache.last_load_s,
                 )
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
+
+    def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
+        return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
 
     def after_iteration(
         self, chosen: IterationPlan, trace: Trace | None, reserve_bytes: int

@@ -4,7 +4,9 @@ import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -186,3 +188,45 @@ def test_replay_with_slow_writes_keeps_budget_and_resident_prefix(tmp_path, monk
         assert [r.policy for r in mm.reports[1:]] == ["planned", "planned"]
         assert all(r.peak_device_bytes <= budget + 65536 for r in mm.reports)
         assert mm.reports[-1].bytes_out > 0
+
+
+def test_replay_counting_workspaces_waits_for_early_evictions_at_their_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With count_workspaces the plan gives a step's evicted bytes to its workspace, which no
+    sample sees: an eviction started a step early must be complete when its step begins
+    (NOTE [eviction timing]); without it, slow writes are still running then."""
+    from vtensor import tiers
+    from vtensor.executor import PlanExecutor
+
+    write = tiers.StorageTier.writev
+
+    def slow_write(self: tiers.StorageTier, offset: int, views: list[memoryview]) -> None:
+        time.sleep(0.002)
+        write(self, offset, views)
+
+    on_step = PlanExecutor.on_step
+    running: list[int] = []
+
+    def checked(self: PlanExecutor, index: int, name: str) -> None:
+        on_step(self, index, name)
+        for vid, step in self._started:
+            pending = self.records[vid].pending if step == index else None
+            running.append(int(pending is not None and pending.outgoing))
+
+    monkeypatch.setattr(tiers.StorageTier, "writev", slow_write)
+    monkeypatch.setattr(PlanExecutor, "on_step", checked)
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4096, 64)
+    budget = _budget(model, x, 0.6)
+    ref = _run(model, x, None)
+    for count in (False, True):
+        running.clear()
+        with vtensor.MemoryManager(
+            budget, chunk_bytes=65536, storage_dir=tmp_path, count_workspaces=count
+        ) as mm:
+            for _ in range(3):
+                assert all(map(torch.equal, ref, _run(model, x, mm, inputs=(x,))))
+            assert [r.policy for r in mm.reports[1:]] == ["planned", "planned"]
+        assert running, "the plan started no eviction early"
+        assert (sum(running) == 0) == count
