@@ -102,13 +102,14 @@ def make_saved_tensor_hooks(
     return pack, unpack
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a module output (nested tuples, lists and dicts), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
 
 
@@ -182,7 +183,7 @@ def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable
             target.begin_step(f"forward:{name}")
 
         def post(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
-            tensors = _tensors_in(output)
+            tensors = tensors_in(output)
             sampler.add_graph_of(tensors)
             for tensor in tensors:
                 node = tensor.grad_fn

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from vtensor.hooks import tensors_in
 from vtensor.param_records import ParamRecord
 from vtensor.param_units import Unit
 
@@ -84,7 +85,7 @@ def on_backward_start(output: Any, callback: Callable[[], None]) -> None:
         callback()
 
     nodes = {}
-    for tensor in _tensors_in(output):
+    for tensor in tensors_in(output):
         base: torch.Tensor | None = tensor
         while base is not None:
             if base.grad_fn is not None:
@@ -92,13 +93,3 @@ def on_backward_start(output: Any, callback: Callable[[], None]) -> None:
             base = base._base
     for node in nodes.values():
         node.register_prehook(hook)
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
