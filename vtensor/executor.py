@@ -31,7 +31,10 @@ class PlanExecutor:
         self._started: set[tuple[int, int]] = set()  # (vid, planned step) started a step early
         self._evictions: dict[int, list[TensorMove]] = defaultdict(list)
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
+        self._count = plan.activation_count  # the parameter side is ParamPlanExecutor's
         for move in plan.moves:
+            if move.vid >= self._count:
+                continue
             self._evictions[move.evict_step].append(move)
             self._prefetches[move.prefetch_step].append(move)
 
@@ -49,7 +52,7 @@ class PlanExecutor:
         """A vTensor was saved for the first time in this iteration."""
         position = len(self.records)
         self.records.append(record)
-        expected = self.plan.tensor_bytes
+        expected = self.plan.tensor_bytes[: self._count]
         if position >= len(expected) or expected[position] != record.nbytes:
             want = expected[position] if position < len(expected) else "none"
             self._diverge(f"saved tensor {position} has {record.nbytes} bytes, plan: {want}")

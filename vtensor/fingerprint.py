@@ -128,6 +128,8 @@ class PlanKey:
         device_kind: torch device type the model trains on (``"cpu"``, ``"cuda"``).
         planner_version: name and version of the planner; bump it when plans change meaning.
         torch_version: ``torch.__version__``; autograd's saved tensors change between releases.
+        params: what a joint plan with parameter offloading depends on
+            (``ParamOffload.plan_signature()``); empty when activations are planned alone.
     """
 
     architecture: str
@@ -138,6 +140,7 @@ class PlanKey:
     device_kind: str
     planner_version: str
     torch_version: str = field(default=torch.__version__)
+    params: str = ""
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:

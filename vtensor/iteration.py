@@ -3,6 +3,7 @@
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -17,6 +18,24 @@ from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
 logger = logging.getLogger(__name__)
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class ParamSide(Protocol):
+    """The parameter offloading that shares the iteration's budget (``vtensor/param_plan.py``)."""
+
+    def on_step(self, index: int) -> None:
+        """Step ``index`` begins."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Bytes of its movable tensors in memory now."""
+        ...
+
+    def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
+        """Its tensors as trace tensors (profiling), numbered from ``first_vid``."""
+        ...
+
+
 MIN_BUDGET_MARGIN_BYTES = 64 * 1024
 
 
@@ -64,8 +83,10 @@ class Iteration:
         executor: PlanExecutor | None = None,
         rss: RssMeter | None = None,
         count_workspaces: bool = False,
+        params: ParamSide | None = None,
     ) -> None:
         self.store = store
+        self.params = params  # NOTE [one plan] in vtensor/param_plan.py
         self.policy = policy
         self.tracker = tracker
         self.device = device
@@ -94,12 +115,27 @@ class Iteration:
         self.books = IterationBooks()
         self.step_index = -1
         self._open: _OpenStep | None = None
-        self._last_live = self.live_bytes()
+        self._last_param = 0
+        self._last_live = 0
+        self._note_live(self.live_bytes())
         self._backward_done_queued = False
         self._prev_evictable = 0
         self.begin_step("other:start")
 
     # -- measurement --------------------------------------------------------------------------
+    def _note_live(self, live: int) -> None:
+        self._last_live = live
+        self._last_param = self.params.resident_bytes() if self.params is not None else 0
+
+    def _growth(self, live: int) -> int:
+        """Growth since the last hook point that nobody announced: the guard's headroom.
+
+        Reads of the parameter offloading sharing the budget are announced (``make_room``) and,
+        under a joint plan, planned; they are not headroom the guard must keep.
+        """
+        param = self.params.resident_bytes() if self.params is not None else 0
+        return live - self._last_live - max(0, param - self._last_param)
+
     def live_bytes(self) -> int:
         """Tracked device bytes now."""
         now = self.tracker.current_bytes()
@@ -122,6 +158,8 @@ class Iteration:
             self._open.peak = max(self._open.peak, live)
             if self.record_trace:
                 unmanaged = live - self.store.device_bytes()
+                if self.params is not None:
+                    unmanaged -= self.params.resident_bytes()  # the plan places them
                 self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
 
     # -- hook target --------------------------------------------------------------------------
@@ -176,7 +214,7 @@ class Iteration:
         ):
             live = self.live_bytes()
             self._sample(live)
-        self._last_live = live
+        self._note_live(live)
 
     def begin_step(self, name: str) -> None:
         """Close the open step and open the next one."""
@@ -198,6 +236,8 @@ class Iteration:
         if self.executor is not None:
             self.executor.on_step(self.step_index, name)
             self.policy.early_eviction = not self.executor.active
+        if self.params is not None:
+            self.params.on_step(self.step_index)
         self.enforce()
 
     def after_node(self) -> None:
@@ -210,17 +250,24 @@ class Iteration:
         """
         live = self.live_bytes()
         self._sample(live)
-        self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)
+        self.policy.reserve_bytes = max(self.policy.reserve_bytes, self._growth(live))
         # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
         # policy had no chance to act since the last hook point.
         self._note_feasibility(live, None, strict=False)
-        self._last_live = live
+        self._note_live(live)
 
     def _backward_done(self) -> None:
         self._backward_done_queued = False
         self.begin_step("other:after-backward")
 
     # -- the budget ---------------------------------------------------------------------------
+    def make_room(self, nbytes: int) -> None:
+        """Evict activations so that ``nbytes`` about to be allocated elsewhere fit the budget.
+
+        The parameter offloading that shares the budget calls this before each read.
+        """
+        self.enforce(incoming_bytes=nbytes, judge=False)
+
     def enforce(
         self, incoming_bytes: int = 0, pinned: VTensor | None = None, *, judge: bool = True
     ) -> None:
@@ -242,7 +289,7 @@ class Iteration:
         self.store.reap(block=not replaying, block_restores=False)
         live = self.live_bytes()
         self._sample(live)
-        self.policy.reserve_bytes = max(self.policy.reserve_bytes, live - self._last_live)
+        self.policy.reserve_bytes = max(self.policy.reserve_bytes, self._growth(live))
         self.policy.enforce(live + incoming_bytes, pinned)
         live = self.live_bytes()
         if live + incoming_bytes > self.policy.high_watermark():
@@ -255,7 +302,7 @@ class Iteration:
             live = self.live_bytes()
         if judge:
             self._note_feasibility(live + incoming_bytes, pinned)
-        self._last_live = live
+        self._note_live(live)
 
     def _note_feasibility(self, need: int, pinned: VTensor | None, *, strict: bool = True) -> None:
         evictable_now = 0
@@ -357,6 +404,8 @@ class Iteration:
             )
             for position, r in enumerate(ordered)
         )
+        if self.params is not None:
+            tensors += tuple(self.params.trace_tensors(len(tensors), len(self.books.trace_steps)))
         return Trace(
             steps=tuple(self.books.trace_steps),
             tensors=tensors,

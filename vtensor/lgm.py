@@ -17,6 +17,7 @@ from vtensor.errors import InfeasibleBudgetError
 from vtensor.plan import (
     Plan,
     TensorMove,
+    chunk_of,
     last_live_step,
     next_use,
     predict_stalls,
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 # Measured on the development machine: swap-file writes with fdatasync, cold reads.
 DEFAULT_WRITE_BYTES_PER_S = 0.3e9
 DEFAULT_READ_BYTES_PER_S = 1.2e9
-PLANNER_VERSION = "lgm-belady/1"  # name/version; bump when plans change meaning
+PLANNER_VERSION = "lgm-belady/2"  # name/version; bump when plans change meaning
 
 Bytes = npt.NDArray[np.int64]
 
@@ -94,8 +95,9 @@ class LayeredGraph:
         return len(self.trace.steps)
 
     def n_chunks(self, t: TraceTensor) -> int:
-        """Chunks of a vTensor."""
-        return 1 if self.chunk_bytes is None else -(-t.nbytes // self.chunk_bytes)
+        """Chunks of a vTensor (1 for a whole one)."""
+        chunk = chunk_of(t, self.chunk_bytes)
+        return 1 if chunk is None else -(-t.nbytes // chunk)
 
     def write_s(self, nbytes: int) -> float:
         """Seconds to swap ``nbytes`` out."""
@@ -186,6 +188,9 @@ def _empty_plan(trace: Trace, budget_bytes: int, chunk_bytes: int | None) -> Pla
         moves=(),
         step_names=tuple(s.name for s in trace.steps),
         tensor_bytes=tuple(t.nbytes for t in trace.tensors),
+        tensor_names=tuple(t.name for t in trace.tensors)
+        if any(t.name for t in trace.tensors)
+        else (),
         predicted_peak_bytes=0,
         predicted_stall_s=0.0,
         planner=PLANNER_VERSION,
@@ -244,6 +249,7 @@ def plan_lgm(
     resident = lgm.full_resident()
     windows = _evict_farthest(lgm, resident, budget_bytes)
     windows = _trim_overshoot(lgm, windows, resident, budget_bytes)
+    windows = _close_cycles(lgm, windows, resident)
     _schedule_prefetches(lgm, windows, resident, budget_bytes)
     moves = sorted(
         (TensorMove(w.vid, w.nbytes, w.first, w.stop) for w in windows),
@@ -347,7 +353,7 @@ def _evict_more(
     if w.n_chunks == total:
         return 0
     k = max(w.n_chunks + 1, _chunks_for(lgm, t, w.nbytes + deficit))
-    freed = tail_chunk_bytes(t.nbytes, lgm.chunk_bytes, k) - w.nbytes
+    freed = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), k) - w.nbytes
     w.n_chunks, w.nbytes = k, w.nbytes + freed
     resident[first:stop] -= freed
     return freed
@@ -357,9 +363,10 @@ def _chunks_for(lgm: LayeredGraph, t: TraceTensor, nbytes: int) -> int:
     """The fewest tail chunks of ``t`` that hold at least ``nbytes``."""
     if nbytes <= 0:
         return 0
-    if lgm.chunk_bytes is None or nbytes >= t.nbytes:
+    chunk = chunk_of(t, lgm.chunk_bytes)
+    if chunk is None or nbytes >= t.nbytes:
         return lgm.n_chunks(t)
-    return lgm.n_chunks(t) - (t.nbytes - nbytes) // lgm.chunk_bytes
+    return lgm.n_chunks(t) - (t.nbytes - nbytes) // chunk
 
 
 def _trim_overshoot(
@@ -375,10 +382,41 @@ def _trim_overshoot(
         t = lgm.trace.tensors[w.vid]
         k = _chunks_for(lgm, t, w.nbytes - slack)
         if k < w.n_chunks:
-            kept = tail_chunk_bytes(t.nbytes, lgm.chunk_bytes, k)
+            kept = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), k)
             resident[w.first : w.stop] += w.nbytes - kept
             w.n_chunks, w.nbytes = k, kept
     return [w for w in windows if w.n_chunks]
+
+
+def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) -> list[_Window]:
+    """Make each persistent tensor's residency at the end of the iteration match its start.
+
+    Iterations repeat, so a parameter the plan has away after its last use is still away when
+    the next iteration starts: it gets the window before its first use as well. Conversely,
+    one away before its first use must have left after its last use of the iteration before.
+    Both only take bytes away, so the budget still holds.
+    """
+    n = lgm.n_steps
+    by_vid: dict[int, list[_Window]] = {}
+    for w in windows:
+        by_vid.setdefault(w.vid, []).append(w)
+    added: list[_Window] = []
+    for vid, group in sorted(by_vid.items()):
+        t = lgm.trace.tensors[vid]
+        if not t.persistent or t.saved_step != 0 or not t.use_steps:
+            continue
+        first_use, last_use = min(t.use_steps), max(t.use_steps)
+        starts = any(w.first == 0 for w in group)
+        ends = any(w.stop == n for w in group)
+        if ends and not starts and first_use > 0:
+            added.append(_Window(vid, 0, first_use))
+        if starts and not ends and last_use + 1 < n:
+            added.append(_Window(vid, last_use + 1, n))
+    for w in added:
+        t = lgm.trace.tensors[w.vid]
+        w.n_chunks, w.nbytes = lgm.n_chunks(t), t.nbytes
+        resident[w.first : w.stop] -= t.nbytes
+    return sorted([*windows, *added], key=lambda w: (w.stop, w.vid))
 
 
 def _schedule_prefetches(

@@ -6,6 +6,8 @@ in ``vtensor/offloaded.py``).
 """
 
 import itertools
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -15,11 +17,40 @@ from vtensor.offloaded import OffloadedTensor, Residency, ResidentMeter
 from vtensor.transfer import TransferEngine
 
 
+class PoolListener(Protocol):
+    """What a joint plan's recorder or executor learns from the pool (``vtensor/param_plan.py``)."""
+
+    def adopted(self, entry: "OffloadedTensor") -> None:
+        """``entry`` is managed from now on."""
+        ...
+
+    def used(self, entry: "OffloadedTensor") -> None:
+        """A use pinned ``entry``."""
+        ...
+
+    def released(self, entry: "OffloadedTensor") -> None:
+        """A use of ``entry`` ended."""
+        ...
+
+    def forgotten(self, entry: "OffloadedTensor") -> None:
+        """``entry`` is no longer managed."""
+        ...
+
+    def holds(self, entry: "OffloadedTensor") -> bool:
+        """True to keep the unpinned ``entry`` in memory (a plan has it resident now)."""
+        ...
+
+
 class OffloadPool:
     """Owns the session's offloaded tensors and the meter of their resident bytes.
 
     A *fixed* tensor (too small to be worth a transfer, or in a ``resident`` module) never
     leaves memory; it is counted like the others.
+
+    Under a joint plan (NOTE [one plan] in ``vtensor/param_plan.py``) a ``listener`` sees
+    every adoption, use and release and may hold tensors in memory between uses, and
+    ``before_allocate(nbytes)`` is called before the pool allocates ``nbytes`` (a read), so the
+    activation manager that shares the budget can make room for them first.
     """
 
     def __init__(
@@ -37,6 +68,9 @@ class OffloadPool:
         self.reserved_bytes = 0
         self._wanted_order = itertools.count()
         self._wanted_at: dict[int, int] = {}
+        self.fixed_bytes = 0  # bytes of fixed tensors: always in memory
+        self.listener: PoolListener | None = None
+        self.before_allocate: Callable[[int], None] | None = None
 
     def adopt(self, tensor: torch.Tensor, name: str, *, fixed: bool) -> OffloadedTensor:
         """Start managing ``tensor`` (resident now, counted from now on)."""
@@ -45,11 +79,18 @@ class OffloadPool:
         self._alive.add(id(entry))
         if fixed:
             self._fixed.add(id(entry))
+            self.fixed_bytes += entry.nbytes
             entry.pins = 1
+        if self.listener is not None:
+            self.listener.adopted(entry)
         return entry
 
     def forget(self, entry: OffloadedTensor) -> None:
         """Stop managing ``entry`` (a gradient after its update, a replaced state tensor)."""
+        if self.listener is not None:
+            self.listener.forgotten(entry)
+        if id(entry) in self._fixed:
+            self.fixed_bytes -= entry.nbytes
         entry.discard()
         self.tensors.remove(entry)
         self._alive.discard(id(entry))
@@ -72,7 +113,10 @@ class OffloadPool:
         ``extra_bytes`` is memory the use will allocate on top (gradients backward produces).
         """
         self.make_room(self.missing_bytes(entries) + extra_bytes, what)
+        self._announce(self.missing_bytes(entries))
         for entry in entries:
+            if self.listener is not None:
+                self.listener.used(entry)
             entry.pins += 1
             entry.wanted = False
             self._wanted_at.pop(id(entry), None)
@@ -87,6 +131,8 @@ class OffloadPool:
             return  # never leaves, or forgotten during the use (a gradient after its update)
         assert entry.pins > 0, f"{entry.name!r} released more often than acquired"
         entry.pins -= 1
+        if self.listener is not None:
+            self.listener.released(entry)
         self._settle(entry)
 
     def let_go(self, entry: OffloadedTensor) -> None:
@@ -100,6 +146,7 @@ class OffloadPool:
         held = self.meter.resident_bytes + self.reserved_bytes
         if held + missing + reserve_bytes > self.budget_bytes:
             return False
+        self._announce(missing)
         for entry in entries:
             if not entry.pins and not self.is_fixed(entry):
                 entry.wanted = True
@@ -107,9 +154,22 @@ class OffloadPool:
             entry.fetch()
         return True
 
+    def _announce(self, nbytes: int) -> None:
+        if nbytes and self.before_allocate is not None:
+            self.before_allocate(nbytes)
+
+    def fetch_held(self, entry: OffloadedTensor) -> None:
+        """Start reading ``entry`` for a plan that has it resident from now on."""
+        if entry.in_memory or id(entry) not in self._alive:
+            return
+        self._announce(entry.nbytes)
+        entry.fetch()
+
     def _settle(self, entry: OffloadedTensor) -> None:
         """Move an unpinned, unwanted tensor toward the tier: drop if clean, else write."""
         if entry.pins or entry.wanted or self.is_fixed(entry) or not entry.done():
+            return
+        if self.listener is not None and self.listener.holds(entry):
             return
         entry.complete()
         if entry.state is not Residency.RESIDENT:

@@ -95,8 +95,9 @@ def adopt_state(
     min_tensor_bytes: int,
 ) -> None:
     """Track the optimizer's state tensors of ``record`` (created by its first update)."""
-    values = optimizer.state.get(record.param, {}).values()
-    tensors = {t.untyped_storage()._cdata: t for t in values if isinstance(t, torch.Tensor)}
+    items = optimizer.state.get(record.param, {}).items()
+    named = {t.untyped_storage()._cdata: (k, t) for k, t in items if isinstance(t, torch.Tensor)}
+    tensors = {storage: t for storage, (_, t) in named.items()}
     for entry in list(record.state):
         if entry.storage._cdata not in tensors:
             record.state.remove(entry)
@@ -106,7 +107,8 @@ def adopt_state(
         if key not in known:
             small = tensor.untyped_storage().nbytes() < min_tensor_bytes
             fixed = record.fixed or small
-            record.state.append(pool.adopt(tensor, f"{record.name}#state", fixed=fixed))
+            name = f"{record.name}#state:{named[key][0]}"  # unique: joint plans match by name
+            record.state.append(pool.adopt(tensor, name, fixed=fixed))
 
 
 def update_parameter(

@@ -154,6 +154,9 @@ class ParamOffload:
         self._guard: UseGuard | None = None
         self._step_peaks: list[int] = []
         self._closed = False
+        # True while a MemoryManager replays a joint plan (NOTE [one plan]): reads are then
+        # the plan's, not the lookahead's.
+        self.plan_driven = False
         try:
             self._adopt_all()
             handles = install_offload_hooks(model, self.units, list(self._params.values()), self)
@@ -385,6 +388,8 @@ class ParamOffload:
             self.policy.record(self._schedule, event, position)
 
     def _prefetch(self, phase: Phase, position: int, reserve_bytes: int) -> None:
+        if self.plan_driven:
+            return
         upcoming = self.policy.upcoming(self._schedule, phase, position, final=self._final)
         for event in upcoming:
             if not self.pool.prefetch(self._need(event), reserve_bytes):
@@ -402,6 +407,30 @@ class ParamOffload:
             return [e for group in needs.values() for e in group]
         grads = [r.grad for r in records if r.grad is not None]
         return [*(r.entry for r in records), *grads, *(e for r in records for e in r.state)]
+
+    # -- joint plans --------------------------------------------------------------------------
+    def plan_signature(self) -> str:
+        """What a joint plan of the coming backward pass depends on (NOTE [one plan]).
+
+        The settings that change which tensors exist and when they are used, and the position
+        of the backward pass in its step: the first micro-batch of an accumulating step creates
+        the accumulated gradients, the last one updates, the others only accumulate.
+        """
+        if self.accumulation_steps == 1:
+            position = "only"
+        elif self._backwards_done == 0:
+            position = "first"
+        elif self._final:
+            position = "last"
+        else:
+            position = "middle"
+        clip = "none" if self.max_grad_norm is None else f"{self.norm_type}"
+        optimizer = type(self.optimizer)
+        return (
+            f"param-offload/1;optimizer={optimizer.__module__}.{optimizer.__qualname__};"
+            f"accumulation={self.accumulation_steps};clip={clip};micro-batch={position};"
+            f"fixed={','.join(sorted(r.name for r in self._params.values() if r.fixed))}"
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from vtensor.trace import Trace, TraceTensor
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class Plan:
         moves: the swaps, ordered by ``evict_step`` then ``vid``.
         step_names: the trace's step names, to recognise a diverging iteration.
         tensor_bytes: the trace's vTensor sizes by vid, same purpose.
+        tensor_names: the names of the parameter-side tensors by vid (empty for activations,
+            which come first); empty when the plan has none (NOTE [one plan]).
         predicted_peak_bytes: the largest device bytes the model predicts at any step.
         predicted_stall_s: the transfer time the model predicts compute waits for.
         planner: name and version of the planner that made it.
@@ -62,6 +64,16 @@ class Plan:
     planner: str
     schema_version: int = PLAN_SCHEMA_VERSION
     meta: dict[str, str] = field(default_factory=dict)
+    tensor_names: tuple[str, ...] = ()
+
+    @property
+    def activation_count(self) -> int:
+        """How many of the vTensors (the first ones) are saved activations."""
+        return (
+            sum(1 for name in self.tensor_names if not name)
+            if self.tensor_names
+            else len(self.tensor_bytes)
+        )
 
     @property
     def bytes_moved(self) -> int:
@@ -85,6 +97,7 @@ class Plan:
             moves=moves,
             step_names=tuple(raw.pop("step_names")),
             tensor_bytes=tuple(raw.pop("tensor_bytes")),
+            tensor_names=tuple(raw.pop("tensor_names", ())),
             **raw,
         )
 
@@ -94,14 +107,22 @@ class Plan:
 
 
 # NOTE [memory model]: tensor t occupies ``nbytes`` from ``saved_step`` through its last use
-# step (through the last step if it has no use); a move takes ``evict_bytes`` off it during
+# step (through the last step if it has no use, or if it is persistent: parameters and
+# optimizer state live across iterations); a move takes ``evict_bytes`` off it during
 # ``[evict_step, prefetch_step)``. Resident bytes at a step are the step's unmanaged peak plus
 # the resident parts of the live tensors. docs/lgm.md states the model in full.
 
 
 def last_live_step(tensor: TraceTensor, n_steps: int) -> int:
     """The last step at which ``tensor`` occupies memory: its last use, else the last step."""
-    return max(tensor.use_steps) if tensor.use_steps else n_steps - 1
+    if tensor.persistent or not tensor.use_steps:
+        return n_steps - 1
+    return max(tensor.use_steps)
+
+
+def chunk_of(tensor: TraceTensor, chunk_bytes: int | None) -> int | None:
+    """The unit in which ``tensor`` moves: the plan's chunk, or None (whole) for whole tensors."""
+    return None if tensor.whole else chunk_bytes
 
 
 def tail_chunk_bytes(nbytes: int, chunk_bytes: int | None, n_chunks: int) -> int:
@@ -155,6 +176,7 @@ def check_plan(plan: Plan, trace: Trace, budget_bytes: int) -> list[str]:
         return ["plan is for another trace (step names or vTensor sizes differ)"]
     problems = [p for m in plan.moves for p in _check_move(m, plan.chunk_bytes, trace)]
     problems += _check_disjoint(plan.moves)
+    problems += _check_cycle(plan.moves, trace)
     for step, resident in zip(trace.steps, simulate(plan, trace), strict=True):
         if resident > budget_bytes:
             problems.append(f"step {step.index} {step.name!r}: {resident} bytes > {budget_bytes}")
@@ -168,7 +190,8 @@ def _check_move(m: TensorMove, chunk_bytes: int | None, trace: Trace) -> list[st
     t = trace.tensors[m.vid]
     kept = t.nbytes - m.evict_bytes
     bad: list[str] = []
-    whole = kept == 0 if chunk_bytes is None else kept >= 0 and kept % chunk_bytes == 0
+    chunk = chunk_of(t, chunk_bytes)
+    whole = kept == 0 if chunk is None else kept >= 0 and kept % chunk == 0
     if m.evict_bytes <= 0 or not whole:
         bad.append(f"vTensor {m.vid}: {m.evict_bytes} bytes is not a whole number of tail chunks")
     if t.evictable_step < 0 or m.evict_step < max(t.saved_step, t.evictable_step):
@@ -179,6 +202,21 @@ def _check_move(m: TensorMove, chunk_bytes: int | None, trace: Trace) -> list[st
     if used:
         bad.append(f"vTensor {m.vid}: used at step {used[0]} while evicted")
     return bad
+
+
+def _check_cycle(moves: tuple[TensorMove, ...], trace: Trace) -> list[str]:
+    """A persistent tensor away at the end of an iteration must be away at the start of one."""
+    n = len(trace.steps)
+    at_end = {m.vid for m in moves if m.prefetch_step == n}
+    at_start = {m.vid for m in moves if m.evict_step == 0}
+    return [
+        f"vTensor {vid}: persistent, away at the end of the iteration but not at its start"
+        for vid in sorted(at_end - at_start)
+        if 0 <= vid < len(trace.tensors)
+        and trace.tensors[vid].persistent
+        and trace.tensors[vid].saved_step == 0
+        and 0 not in trace.tensors[vid].use_steps
+    ]
 
 
 def _check_disjoint(moves: tuple[TensorMove, ...]) -> list[str]:
@@ -205,7 +243,10 @@ def predict_stalls(
     """
     resident = np.array(simulate(plan, trace), dtype=np.int64)
     issued: dict[int, list[tuple[float, int]]] = {}  # step -> (seconds of I/O, step it is due)
+    writes = writing_moves(plan, trace)
     for m in plan.moves:
+        if m not in writes:
+            continue  # a clean copy is in the tier already: leaving memory is free
         away = resident[m.evict_step : m.prefetch_step] + m.evict_bytes > plan.budget_bytes
         if away.any():
             due = m.evict_step + int(np.argmax(away))
@@ -215,6 +256,31 @@ def predict_stalls(
         if m.prefetch_step < len(trace.steps) and use is not None:
             issued.setdefault(m.prefetch_step, []).append((m.evict_bytes / read_bytes_per_s, use))
     return _replay_timeline(trace, issued)
+
+
+def writing_moves(plan: Plan, trace: Trace) -> set[TensorMove]:
+    """The moves whose eviction writes bytes; the others drop a copy the tier already holds.
+
+    Saved activations are written at every eviction. A persistent tensor keeps its last
+    written copy (NOTE [write-back residency] in ``vtensor/offloaded.py``): of its moves, the
+    first after its change (``dirty_step``; cyclically, into the next iteration, if none
+    follows it) writes and the rest only drop; one never changed never writes.
+    """
+    writes: set[TensorMove] = set()
+    by_vid: dict[int, list[TensorMove]] = {}
+    for m in plan.moves:
+        by_vid.setdefault(m.vid, []).append(m)
+    for vid, moves in by_vid.items():
+        t = trace.tensors[vid] if 0 <= vid < len(trace.tensors) else None
+        if t is None or not t.persistent:
+            writes.update(moves)
+            continue
+        if t.dirty_step < 0:
+            continue
+        moves.sort(key=lambda m: m.evict_step)
+        after = [m for m in moves if m.evict_step > t.dirty_step]
+        writes.add(after[0] if after else moves[0])
+    return writes
 
 
 def _replay_timeline(trace: Trace, issued: dict[int, list[tuple[float, int]]]) -> list[float]:

@@ -20,6 +20,7 @@ from vtensor.fingerprint import (
     parameter_dtype,
 )
 from vtensor.lgm import PLANNER_VERSION, plan_lgm
+from vtensor.param_plan import INCOMPLETE_KEY
 from vtensor.plan import Plan
 from vtensor.plan_cache import PlanCache
 from vtensor.store import ChunkStore
@@ -87,7 +88,11 @@ class PlanBook:
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
 
     def _key(
-        self, model: nn.Module, inputs: Sequence[torch.Tensor], device: torch.device
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        params: str,
     ) -> PlanKey:
         return PlanKey(
             architecture=architecture_fingerprint(model),
@@ -98,6 +103,7 @@ class PlanBook:
             device_kind=device.type,
             planner_version=self.planner_version,
             torch_version=torch.__version__,
+            params=params,
         )
 
     def for_iteration(
@@ -106,11 +112,15 @@ class PlanBook:
         inputs: Sequence[torch.Tensor],
         device: torch.device,
         store: ChunkStore,
+        params: str = "",
     ) -> IterationPlan:
-        """Choose the plan (or profiling) for the coming iteration."""
+        """Choose the plan (or profiling) for the coming iteration.
+
+        ``params`` is the parameter offloading's ``plan_signature()`` for a joint plan.
+        """
         if not self.planned:
             return IterationPlan("", PlanSource.REACTIVE, None, False, None)
-        key = self._key(model, inputs, device)
+        key = self._key(model, inputs, device, params)
         signature = key.digest()
         if signature in self._plans:
             plan = self._plans[signature]
@@ -133,6 +143,16 @@ class PlanBook:
                 )
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
 
+    def plan_for(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        params: str = "",
+    ) -> Plan | None:
+        """The plan held in this process for these settings (None: none yet, or no plan)."""
+        return self._plans.get(self._key(model, inputs, device, params).digest())
+
     def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
 
@@ -147,6 +167,9 @@ class PlanBook:
         if chosen.executor is not None and not chosen.executor.active:
             self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
             return PlanSource.FALLBACK
+        if trace is not None and trace.meta.get(INCOMPLETE_KEY):
+            # Not a steady-state iteration (it created optimizer state): profile the next one.
+            return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
             begin = time.perf_counter()
             try:

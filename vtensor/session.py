@@ -1,6 +1,7 @@
 """The public memory manager: one context manager per training iteration under a budget."""
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -9,6 +10,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 from os import PathLike
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,7 +20,9 @@ from vtensor.budget import format_bytes, parse_bytes
 from vtensor.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.hooks import install_module_hooks, make_saved_tensor_hooks
-from vtensor.iteration import Iteration
+from vtensor.iteration import Iteration, ParamSide
+from vtensor.param_plan import INCOMPLETE_KEY, ParamPlanExecutor, ParamRecorder
+from vtensor.plan import Plan
 from vtensor.planning import IterationPlan, PlanBook, plan_reserve_bytes
 from vtensor.policy import ReactivePolicy
 from vtensor.report import IterationReport
@@ -27,6 +31,9 @@ from vtensor.store import ChunkStore
 from vtensor.tiers import HostTier, StorageTier
 from vtensor.trace import Trace
 from vtensor.transfer import CudaTransferEngine, FileTransferEngine, TransferEngine
+
+if TYPE_CHECKING:
+    from vtensor.params import ParamOffload
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +185,7 @@ class MemoryManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         inputs: Sequence[torch.Tensor] = (),
+        params: "ParamOffload | None" = None,
     ) -> Iterator[None]:
         """Manage one training iteration (forward and backward) of ``model`` under the budget.
 
@@ -185,6 +193,10 @@ class MemoryManager:
             model: the module being trained; its parameters and buffers are never swapped here.
             optimizer: its state counts toward the budget when given.
             inputs: tensors made before the step (the batch) that count toward the budget on CPU.
+            params: a ``ParamOffload`` of ``model`` with the same budget: its parameters,
+                gradients and optimizer state are planned together with the activations, in
+                one plan under one budget (NOTE [one plan] in ``vtensor/param_plan.py``). Its
+                ``step()`` may run inside or after the block.
 
         Raises:
             InfeasibleBudgetError: the budget cannot be met; the error states the smallest
@@ -193,9 +205,12 @@ class MemoryManager:
         if self._active:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
         device = self.device or _device_of(model)
+        self._check_params(model, optimizer, params, device)
         store, policy = self._ensure_started(device)
         protected = _storages_of(model, optimizer)
         baseline = _baseline_bytes(model, optimizer, inputs, device)
+        if params is not None:
+            baseline += _held_outside_model(params, model)
         if baseline > self.budget_bytes:
             raise InfeasibleBudgetError(
                 self.budget_bytes,
@@ -214,7 +229,9 @@ class MemoryManager:
         if device.type == "cpu":
             gc.disable()
         rss_start = self._start_independent(device)
-        chosen = self._plans.for_iteration(model, inputs, device, store)
+        signature = params.plan_signature() if params is not None else ""
+        chosen = self._plans.for_iteration(model, inputs, device, store, signature)
+        side = _param_side(params, chosen)
         if chosen.executor is not None:
             policy.reserve_bytes = max(
                 policy.reserve_bytes, plan_reserve_bytes(chosen.executor.plan)
@@ -231,7 +248,12 @@ class MemoryManager:
             executor=chosen.executor,
             rss=self._rss,
             count_workspaces=self.count_workspaces,
+            params=side,
         )
+        if params is not None:
+            params.pool.listener = side
+            params.pool.before_allocate = iteration.make_room
+            params.plan_driven = isinstance(side, ParamPlanExecutor)
         pack, unpack = make_saved_tensor_hooks(iteration)
         module_hooks = install_module_hooks(model, iteration)
         started = time.perf_counter()
@@ -248,14 +270,48 @@ class MemoryManager:
                 gc.enable()
             for hook in module_hooks:
                 hook.remove()
+            if params is not None:
+                params.pool.before_allocate = None
+                params.plan_driven = False
+                if not isinstance(side, ParamPlanExecutor):
+                    # A replayed plan keeps holding what it has resident at the end (the next
+                    # iteration starts from that); a recorder's job ends with the iteration.
+                    params.pool.listener = None
             iteration.finish()
             store.reap()
         books = iteration.books
         if not failed and not books.violated:
-            self._record(iteration, chosen, device, started, stats_before, rss_start)
+            self._record(iteration, chosen, device, started, stats_before, rss_start, side)
         if books.violated:
             raise InfeasibleBudgetError(
                 self.budget_bytes, books.min_budget_bytes, books.min_budget_step
+            )
+
+    def _check_params(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        params: "ParamOffload | None",
+        device: torch.device,
+    ) -> None:
+        if params is None:
+            return
+        if params.model is not model:
+            raise VTensorError("step(params=...) needs the ParamOffload of the model being stepped")
+        if optimizer is not None:
+            raise VTensorError(
+                "step(optimizer=..., params=...): the optimizer's state is offloaded by the "
+                "ParamOffload; leave optimizer out of step()"
+            )
+        if params.budget_bytes != self.budget_bytes:
+            raise VTensorError(
+                f"one plan needs one budget: ParamOffload(budget={params.budget_bytes}) and "
+                f"MemoryManager(budget={self.budget_bytes}); give both the same budget"
+            )
+        if device.type != "cpu" or self.granularity is not Granularity.CHUNK:
+            raise VTensorError(
+                "step(params=...) plans parameter offloading on the CPU at chunk granularity "
+                f"(device {device.type}, granularity {self.granularity.value})"
             )
 
     def _start_independent(self, device: torch.device) -> int:
@@ -284,6 +340,7 @@ class MemoryManager:
         started: float,
         before: tuple[int, int, float, float],
         rss_start: int,
+        side: ParamSide | None = None,
     ) -> None:
         assert self._store is not None and self._policy is not None
         stats = self._store.stats
@@ -291,6 +348,10 @@ class MemoryManager:
         trace = None
         if chosen.record_trace:
             trace = iteration.trace(self.budget_bytes, self.chunk_size)
+            if isinstance(side, ParamRecorder) and side.created_state:
+                trace = dataclasses.replace(
+                    trace, meta={**trace.meta, INCOMPLETE_KEY: "optimizer state was created"}
+                )
             self._trace = trace
         source = self._plans.after_iteration(chosen, trace, self._policy.reserve_bytes)
         executor = chosen.executor
@@ -342,10 +403,46 @@ class MemoryManager:
         """Statistics of every completed iteration, in order."""
         return tuple(self._reports)
 
+    def plan_for(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor] = (),
+        params: "ParamOffload | None" = None,
+    ) -> Plan | None:
+        """The swap plan this manager replays for ``model`` at ``inputs`` (None if none yet).
+
+        ``params`` as for :meth:`step`: the joint plan of that offloading's next backward pass.
+        """
+        device = self.device or _device_of(model)
+        signature = params.plan_signature() if params is not None else ""
+        return self._plans.plan_for(model, inputs, device, signature)
+
     @property
     def trace(self) -> Trace | None:
         """The trace of the last profiled iteration."""
         return self._trace
+
+
+def _param_side(params: "ParamOffload | None", chosen: IterationPlan) -> ParamSide | None:
+    """The parameter side of a joint iteration: record it, replay it, or leave it be."""
+    if params is None:
+        return None
+    executor = chosen.executor
+    if executor is not None:
+        return ParamPlanExecutor(executor.plan, params.pool, lambda: executor.active)
+    if chosen.record_trace:
+        return ParamRecorder(params.pool)
+    return None
+
+
+def _held_outside_model(params: "ParamOffload", model: nn.Module) -> int:
+    """Bytes the offload pool holds in memory that are not the model's parameters (state)."""
+    model_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    return sum(
+        e.nbytes
+        for e in params.pool.tensors
+        if e.in_memory and e.storage._cdata not in model_storages
+    )
 
 
 def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 3
+TRACE_SCHEMA_VERSION = 4
 
 
 class Phase(StrEnum):
@@ -58,6 +58,17 @@ class TraceTensor:
             be swapped from then on: the step after the one during which that became true);
             -1 if that never happened.
         use_steps: step indices at which backward unpacked it, in order.
+        kind: ``"activation"`` (a saved tensor), or a tensor of parameter offloading
+            (``"param"``, ``"grad"``, ``"state"``): NOTE [one plan] in ``vtensor/param_plan.py``.
+        name: a parameter-side tensor's name in its ``ParamOffload``
+            (``"fc.weight#state:exp_avg"``); empty for activations, matched by position instead.
+        persistent: it outlives the iteration (parameters, optimizer state, gradients kept
+            for an update after it): live through the last step. One that also existed before
+            it (``saved_step`` 0) is away at the start of an iteration if a plan has it away at
+            the end (NOTE [memory model] in plan.py).
+        whole: it moves as one piece whatever the chunk size (parameter-side tensors).
+        dirty_step: the last step at which it was changed (an update, an accumulation), -1 if
+            it was not: an eviction before that step and after a write-back needs no write.
     """
 
     vid: int
@@ -66,6 +77,11 @@ class TraceTensor:
     saved_step: int
     evictable_step: int
     use_steps: tuple[int, ...]
+    kind: str = "activation"
+    name: str = ""
+    persistent: bool = False
+    whole: bool = False
+    dirty_step: int = -1
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from vtensor.fingerprint import (
     parameter_dtype,
     plan_key,
 )
-from vtensor.plan import Plan, TensorMove
+from vtensor.plan import PLAN_SCHEMA_VERSION, Plan, TensorMove
 from vtensor.plan_cache import CACHE_SCHEMA_VERSION, PlanCache
 
 HERE = Path(__file__).resolve().parent
@@ -259,7 +259,9 @@ def _one_digit(path: Path) -> None:
 
 def _foreign_plan_schema(path: Path) -> None:
     def edit(entry: dict[str, object]) -> None:
-        text = str(entry["plan"]).replace('"schema_version": 1', '"schema_version": 99')
+        text = str(entry["plan"]).replace(
+            f'"schema_version": {PLAN_SCHEMA_VERSION}', '"schema_version": 99'
+        )
         entry.update(plan=text, plan_sha256=hashlib.sha256(text.encode()).hexdigest())
 
     _edit_entry(path, edit)
