@@ -56,12 +56,7 @@ class ReactivePolicy:
         self, live_bytes: int, target_bytes: int, pinned: VTensor | None = None
     ) -> int:
         """Schedule evictions so that ``live_bytes`` falls to ``target_bytes``; returns bytes."""
-        in_flight_out = sum(
-            sum(c.nbytes for c in r.pending.chunks)
-            for r in self.store.in_flight()
-            if r.pending is not None and r.pending.outgoing
-        )
-        deficit = live_bytes - in_flight_out - target_bytes
+        deficit = live_bytes - self.store.outgoing_bytes() - target_bytes
         scheduled = 0
         for record in eviction_order(list(self.store.records.values())):
             if deficit - scheduled <= 0:
@@ -85,7 +80,9 @@ class ReactivePolicy:
         if live_bytes > early:
             self.evict_down_to(live_bytes, max(early, 0), pinned)
         if live_bytes > high and self.store.in_flight():
-            self.store.reap(block=True)
+            # Only completed writes free memory: a restore's bytes were allocated when it
+            # started, so waiting for one here would stall without making room.
+            self.store.reap(block=True, block_restores=False)
 
     def prefetch(self, live_bytes: int, current: VTensor) -> int:
         """Start restoring the vTensors backward will use next, as far as headroom allows."""

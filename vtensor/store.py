@@ -13,6 +13,7 @@ from vtensor.transfer import CudaTransferEngine, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
 
+_use_count = torch._C._storage_Use_Count
 _RESIDENT = (ChunkState.DEVICE, ChunkState.EVICTING, ChunkState.RESTORING)
 
 
@@ -25,7 +26,7 @@ class Pending:
     outgoing: bool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class VTensor:
     """One saved storage, virtualized into chunks. Views of it share this one record.
 
@@ -86,6 +87,9 @@ class ChunkStore:
         self._owner = threading.get_ident()
         self._deferred: list[VTensor] = []  # died on another thread or with a transfer in flight
         self._lock = threading.Lock()
+        # Records with a transfer in flight, by vid: asked at every hook point, so kept apart
+        # instead of found by scanning every record.
+        self._in_flight: dict[int, VTensor] = {}
         self.stats = StoreStats()
 
     # -- adoption and death -------------------------------------------------------------------
@@ -148,33 +152,50 @@ class ChunkStore:
 
     def evictable(self, record: VTensor) -> bool:
         """True when no one but the store references the storage and nothing is in flight."""
-        if record.dead or record.pending is not None or record.storage is None:
-            return False
-        if record.storage.nbytes() == 0:  # nothing resident (see evictable_bytes)
-            return False
-        # +1: the temporary reference of this call's own ``_cdata`` lookup is not counted, but
-        # the record's Python storage object is.
-        return bool(
-            torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(record)
-        )
+        return self.evictable_bytes(record) > 0
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
         # With nothing in flight the storage's size is its resident prefix, which is exactly
-        # its DEVICE chunks; reading it is O(1), where this is asked of every record at every
-        # hook point.
-        if not self.evictable(record):
+        # its DEVICE chunks; reading it is O(1). This is asked of every record at every hook
+        # point, so the checks of ``evictable`` and ``own_references`` are written out here.
+        storage = record.storage
+        if storage is None or record.dead or record.pending is not None:
             return 0
-        assert record.storage is not None
-        return int(record.storage.nbytes())
+        nbytes: int = storage.nbytes()
+        # Only the store's own references (the record and one alias per handle, see
+        # ``own_references``): the temporary reference of this call's own ``_cdata`` lookup
+        # is not counted, but the record's Python storage object is.
+        if nbytes == 0 or _use_count(storage._cdata) != 1 + record.handles:
+            return 0
+        return nbytes
 
     def device_bytes(self) -> int:
         """Bytes the managed storages occupy on the device now."""
         return sum(r.storage.nbytes() for r in self.records.values() if r.storage is not None)
 
     def in_flight(self) -> list[VTensor]:
-        """Records with a transfer in flight."""
-        return [r for r in self.records.values() if r.pending is not None]
+        """Records with a transfer in flight, in vid order."""
+        if len(self._in_flight) < 2:
+            return list(self._in_flight.values())
+        return sorted(self._in_flight.values(), key=_vid)
+
+    def outgoing_bytes(self) -> int:
+        """Bytes of the evictions in flight (still resident until their writes complete)."""
+        total = 0
+        for record in self._in_flight.values():
+            pending = record.pending
+            if pending is not None and pending.outgoing:
+                total += sum(c.nbytes for c in pending.chunks)
+        return total
+
+    def _start(self, record: VTensor, pending: Pending) -> None:
+        record.pending = pending
+        self._in_flight[record.vid] = record
+
+    def _settle(self, record: VTensor) -> None:
+        record.pending = None
+        self._in_flight.pop(record.vid, None)
 
     # -- moves --------------------------------------------------------------------------------
     def evict(self, record: VTensor, nbytes: int) -> int:
@@ -192,7 +213,7 @@ class ChunkStore:
         for chunk in tail:
             chunk.move(ChunkState.EVICTING)
         assert record.storage is not None
-        record.pending = Pending(self.engine.evict(record.storage, tail), tail, outgoing=True)
+        self._start(record, Pending(self.engine.evict(record.storage, tail), tail, outgoing=True))
         return covered
 
     def restore(self, record: VTensor) -> None:
@@ -204,7 +225,7 @@ class ChunkStore:
         record.storage.resize_(record.nbytes)
         for chunk in chunks:
             chunk.move(ChunkState.RESTORING)
-        record.pending = Pending(self.engine.restore(record.storage, chunks), chunks, False)
+        self._start(record, Pending(self.engine.restore(record.storage, chunks), chunks, False))
 
     def reap(self, *, block: bool = False, block_restores: bool = True) -> None:
         """Complete finished transfers (all in-flight ones when ``block``).
@@ -242,7 +263,7 @@ class ChunkStore:
         finally:
             if not already_done:  # compute waited on this transfer
                 self.stats.stall_s += time.perf_counter() - begin
-        record.pending = None
+        self._settle(record)
         self.stats.transfer_s += pending.transfer.busy_s()
         if not pending.outgoing:
             for chunk in pending.chunks:
@@ -265,7 +286,7 @@ class ChunkStore:
     def _rollback(
         self, record: VTensor, pending: Pending, error: BaseException | None = None
     ) -> None:
-        record.pending = None
+        self._settle(record)
         if pending.outgoing:
             for chunk in pending.chunks:
                 chunk.move(ChunkState.DEVICE)
@@ -287,3 +308,7 @@ class ChunkStore:
                     logger.debug("transfer failed during close", exc_info=True)
             self._free(record)
         self._deferred.clear()
+
+
+def _vid(record: VTensor) -> int:
+    return record.vid
