@@ -178,7 +178,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run, print the table (and write JSON with ``--out``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--seq", type=int, default=128)

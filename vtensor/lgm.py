@@ -288,17 +288,32 @@ def _evict_farthest(lgm: LayeredGraph, resident: Bytes, budget_bytes: int) -> li
         if deficit <= 0:
             continue
         active = [t for t in active if last_live_step(t, lgm.n_steps) >= s]
-        by_use: dict[int, list[TraceTensor]] = {}
+        by_rank: dict[float, list[TraceTensor]] = {}
         for t in active:
             if evictable_at(t, s):
                 use = next_use(t, s)
-                by_use.setdefault(never if use is None else use, []).append(t)
-        for use in sorted(by_use, reverse=True):
-            deficit = _evict_group(lgm, s, deficit, by_use[use], windows, resident)
+                rank = (never if use is None else use - s) * _cost_weight(lgm, t, use)
+                by_rank.setdefault(rank, []).append(t)
+        for rank in sorted(by_rank, reverse=True):
+            deficit = _evict_group(lgm, s, deficit, by_rank[rank], windows, resident)
             if deficit <= 0:
                 break
         assert deficit <= 0, "min_budget() guarantees every deficit can be covered"
     return sorted(windows.values(), key=lambda w: (w.stop, w.vid))
+
+
+def _cost_weight(lgm: LayeredGraph, t: TraceTensor, use: int | None) -> float:
+    """How much farther a clean tensor's next use counts than a dirty one's.
+
+    NOTE [cost-weighted distance]: evicting a saved activation costs a write and a read;
+    evicting a persistent tensor that has not changed since its last write-back (a parameter
+    between its forward and its update) is a drop and costs only the read. Farthest next use
+    weighs distance alone; here the distance of such a clean victim is multiplied by the ratio
+    of the two costs, ``(1/write + 1/read) / (1/read)``, so at equal cost per step of distance
+    the cheaper bytes go first. Activation-only traces are planned exactly as before.
+    """
+    clean = t.persistent and use is not None and (t.dirty_step < 0 or use <= t.dirty_step)
+    return 1.0 + lgm.read_bytes_per_s / lgm.write_bytes_per_s if clean else 1.0
 
 
 def _evict_group(
