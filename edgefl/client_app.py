@@ -56,6 +56,8 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
             node.budget, model, train_set, batch_size, _peak_key(s, batch_size)
         )
         manager = open_manager(s.vtensor, budget_bytes, node.plan_cache_dir)
+        proximal_mu = _number(config, "proximal-mu", 0.0)
+        offload = _offload_params(s, model, budget_bytes, proximal_mu)
         try:
             outcome = train_local(
                 model,
@@ -66,8 +68,9 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
                 batch_size=batch_size,
                 seed=seed,
                 manager=manager,
-                proximal_mu=_number(config, "proximal-mu", 0.0),
+                proximal_mu=proximal_mu,
                 max_examples=int(_number(config, "max-examples", 0)),
+                offload_params=offload,
             )
         except ClientBudgetError as exc:
             return _budget_error(msg, node, exc)
@@ -134,6 +137,25 @@ def _model(settings: ClientSettings, info: DatasetInfo, msg: Message) -> nn.Modu
     model = build_model(settings.model.name, info, settings.model.options)
     model.load_state_dict(arrays[0].to_torch_state_dict())
     return model
+
+
+def _offload_params(
+    settings: ClientSettings, model: nn.Module, budget_bytes: int, proximal_mu: float
+) -> bool:
+    """Whether to offload the parameters too (``vtensor.offload_params``).
+
+    ``auto``: when the parameters, their gradients and SGD's momentum would take more than half
+    the budget, as for evaluation with demand layering; never with FedProx's proximal term
+    (it reads every parameter outside its layer's forward) or whole-tensor swapping.
+    """
+    mode = settings.vtensor.offload_params
+    if not settings.vtensor.enabled or mode == "off":
+        return False
+    if mode == "on":
+        return True
+    copies = 3 if settings.train.momentum else 2
+    crowded = copies * _parameter_bytes(model) > budget_bytes // 2
+    return crowded and proximal_mu == 0 and settings.vtensor.granularity == "chunk"
 
 
 def _parameter_bytes(model: nn.Module) -> int:

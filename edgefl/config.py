@@ -128,11 +128,22 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
             chunk_bytes=_bytes(raw["vtensor"]["chunk_bytes"], "vtensor.chunk_bytes"),
             storage_dir=raw["vtensor"].get("storage_dir"),
             granularity=str(raw["vtensor"]["granularity"]),
+            offload_params=_choice(
+                raw["vtensor"].get("offload_params", "auto"),
+                ("auto", "on", "off"),
+                "vtensor.offload_params",
+            ),
         ),
         fleet=fleet,
         privacy=privacy,
     )
     strategy = dict(raw["strategy"])
+    if client.vtensor.offload_params == "on" and float(strategy.get("proximal_mu", 0) or 0) > 0:
+        raise ConfigError(
+            "vtensor.offload_params=on with a proximal term (proximal_mu > 0): FedProx reads "
+            "every parameter outside its layer's forward, which parameter offloading cannot "
+            "serve; use vtensor.offload_params=auto or off"
+        )
     server = ServerSettings(
         num_rounds=_positive(raw["num_rounds"], "num_rounds"),
         num_supernodes=_positive(raw["num_supernodes"], "num_supernodes"),
@@ -191,6 +202,12 @@ def _bytes(value: Any, what: str) -> int:
         return vtensor.parse_bytes(value, what=what)
     except vtensor.VTensorError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def _choice(value: Any, choices: tuple[str, ...], what: str) -> str:
+    if str(value) not in choices:
+        raise ConfigError(f"{what}={value!r} is not one of {list(choices)}")
+    return str(value)
 
 
 def _positive(value: Any, what: str) -> int:

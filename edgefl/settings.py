@@ -51,6 +51,10 @@ class VTensorSettings:
     chunk_bytes: int = 1 << 20
     storage_dir: str | None = None
     granularity: str = "chunk"
+    # "auto": parameters, gradients and optimizer state are offloaded and planned with the
+    # activations (vtensor's one plan) when they would take more than half the budget; "on",
+    # "off": always, never.
+    offload_params: str = "auto"
 
 
 @dataclass(frozen=True)

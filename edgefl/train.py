@@ -87,16 +87,29 @@ def train_local(
     manager: vtensor.MemoryManager | None,
     proximal_mu: float = 0.0,
     max_examples: int = 0,
+    offload_params: bool = False,
 ) -> TrainOutcome:
     """Train ``model`` in place with SGD; every iteration runs under ``manager`` when given.
 
     ``max_examples`` > 0 ends the round after that many examples (a server's cap on a slow
     device's work; the last batch is cut to fit); 0 trains ``epochs`` full passes.
+    ``offload_params`` (with a manager) keeps the parameters, gradients and momentum in
+    vtensor's swap tier between uses as well, planned with the activations under the manager's
+    one budget (``vtensor.ParamOffload`` with ``mm.step(params=...)``); the weights are the same
+    bit for bit. The bytes it moves count in the outcome's.
 
     Raises:
         ClientBudgetError: vtensor could not meet the budget.
+        ValueError: ``offload_params`` with FedProx's proximal term, which reads every
+            parameter outside its layer's forward.
     """
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if offload_params and proximal_mu > 0:
+        raise ValueError(
+            "offload_params with proximal_mu > 0: FedProx's proximal term reads every parameter "
+            "outside its layer's forward, which parameter offloading cannot serve; set "
+            "vtensor.offload_params=off or use another strategy"
+        )
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     rng = np.random.default_rng(seed)
     losses: list[float] = []
@@ -106,25 +119,34 @@ def train_local(
     processed = 0
     model.train()
     started = time.perf_counter()
-    for x, y in _batches(data, batch_size, epochs, rng, max_examples):
-        processed += len(y)
-        optimizer.zero_grad(set_to_none=True)
-        with _managed(manager, model, optimizer, (x, y)):
-            loss = loss_fn(model(x), y)
-            if anchor:
-                loss = loss + proximal_mu / 2 * sum(
-                    (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor, strict=True)
-                )
-            loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        if manager is not None:
-            rep = manager.report()
-            peak = max(peak, rep.peak_device_bytes)
-            out, back = out + rep.bytes_out, back + rep.bytes_in
-            stall, transfer = stall + rep.stall_s, transfer + rep.transfer_s
-            if source is None or rep.plan_source == "fallback":
-                source = rep.plan_source  # the round's source: its first step's, or fallback
+    with _offloaded(manager, model, optimizer, offload_params) as offload:
+        for x, y in _batches(data, batch_size, epochs, rng, max_examples):
+            processed += len(y)
+            optimizer.zero_grad(set_to_none=True)
+            with _managed(manager, model, optimizer, (x, y), offload):
+                loss = loss_fn(model(x), y)
+                if anchor:
+                    loss = loss + proximal_mu / 2 * sum(
+                        (p - a).pow(2).sum()
+                        for p, a in zip(model.parameters(), anchor, strict=True)
+                    )
+                loss.backward()  # type: ignore[no-untyped-call]
+            if offload is not None:
+                offload.step()
+            else:
+                optimizer.step()
+            losses.append(float(loss.detach()))
+            if manager is not None:
+                rep = manager.report()
+                peak = max(peak, rep.peak_device_bytes)
+                out, back = out + rep.bytes_out, back + rep.bytes_in
+                stall, transfer = stall + rep.stall_s, transfer + rep.transfer_s
+                if source is None or rep.plan_source == "fallback":
+                    source = rep.plan_source  # the round's: its first step's, or fallback
+        if offload is not None:  # what the parameter side moved, and waited for
+            moved = offload.report()
+            out, back = out + moved.bytes_out, back + moved.bytes_in
+            stall += moved.stall_s
     return TrainOutcome(
         min(len(data), processed),
         processed,
@@ -141,18 +163,48 @@ def train_local(
 
 
 @contextlib.contextmanager
+def _offloaded(
+    manager: vtensor.MemoryManager | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    offload_params: bool,
+) -> Iterator[vtensor.ParamOffload | None]:
+    """A ParamOffload under the manager's budget for the round (closed after it), or None."""
+    if manager is None or not offload_params:
+        yield None
+        return
+    try:
+        offload = vtensor.ParamOffload(
+            model,
+            optimizer,
+            manager.budget_bytes,
+            chunk_bytes=manager.chunk_bytes,
+            storage_dir=manager.storage_dir,
+        )
+    except vtensor.InfeasibleBudgetError as exc:
+        raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
+    with offload:  # brings every parameter back into memory at the end of the round
+        yield offload
+
+
+@contextlib.contextmanager
 def _managed(
     manager: vtensor.MemoryManager | None,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: tuple[torch.Tensor, ...],
+    offload: vtensor.ParamOffload | None = None,
 ) -> Iterator[None]:
     if manager is None:
         yield
         return
     try:
-        with manager.step(model, optimizer, inputs):
-            yield
+        if offload is not None:  # one plan: the offloading holds the optimizer's state
+            with manager.step(model, inputs=inputs, params=offload):
+                yield
+        else:
+            with manager.step(model, optimizer, inputs):
+                yield
     except vtensor.InfeasibleBudgetError as exc:
         raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
 

@@ -182,3 +182,39 @@ def test_demand_layered_evaluation_equals_resident(tmp_path: Path) -> None:
     expected = evaluate(model, subset, 32)
     weights = vtensor.write_weights(model.state_dict(), tmp_path / "model.vtw")
     assert evaluate(model, subset, 32, weights=weights) == expected
+
+
+def test_client_offloads_parameters_when_they_crowd_the_budget(
+    smoke_settings: RunSettings, with_budget: Callable[..., RunSettings]
+) -> None:
+    """A model whose weights, gradients and momentum alone exceed the budget trains, with its
+    parameters planned together with the activations (vtensor's one plan), bit for bit as
+    plain training; with parameter offloading off the same budget is refused."""
+    options = {"width": 96, "hidden": 16, "convs_per_stage": 2}  # 2.8 MiB in 1.3 MiB layers
+    data = load_dataset("mnist")
+    model = build_model("cnn", data.info, options)
+    train = dataclasses.replace(smoke_settings.client.train, batch_size=2)
+    small = dataclasses.replace(
+        smoke_settings, client=dataclasses.replace(smoke_settings.client, train=train)
+    )
+    peak = measure_unmanaged_peak(model, data.train, train.batch_size)
+    training_state = 3 * sum(p.nbytes for p in model.parameters())  # SGD with momentum
+    budget = int(0.55 * peak.unmanaged_peak_bytes)
+    assert budget < training_state
+    tight = with_budget(small, budget, **options)
+    msg = _message(tight, MessageType.TRAIN, server_round=2)
+    reply = build_client_app(tight.client)(msg, _context(SIM_NODE))
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    metrics = reply.content["metrics"]
+    assert metrics["peak-device-bytes"] <= budget
+    assert metrics["bytes-swapped-out"] > 0 and metrics["bytes-swapped-in"] > 0
+    off = dataclasses.replace(tight.client, vtensor=VTensorSettings(enabled=False))
+    plain = build_client_app(off)(msg, _context(SIM_NODE)).content["arrays"]
+    for key, array in reply.content["arrays"].items():
+        assert np.array_equal(array.numpy(), plain[key].numpy()), key
+    never = dataclasses.replace(
+        tight.client,
+        vtensor=dataclasses.replace(tight.client.vtensor, offload_params="off"),
+    )
+    refused = build_client_app(never)(msg, _context(SIM_NODE))
+    assert refused.has_error() and refused.error.code == ERROR_CODE_BUDGET

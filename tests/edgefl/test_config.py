@@ -76,3 +76,15 @@ def test_server_side_clipping_under_secure_aggregation_is_refused() -> None:
         load_run_settings(
             ["privacy=central_fixed", "privacy.clipping_side=server", "secagg=secagg_plus"]
         )
+
+
+def test_parameter_offloading_mode_is_checked() -> None:
+    assert load_run_settings([]).client.vtensor.offload_params == "auto"
+    assert load_run_settings(["vtensor.offload_params=on"]).client.vtensor.offload_params == "on"
+    with pytest.raises(ConfigError, match="vtensor.offload_params='always'"):
+        load_run_settings(["vtensor.offload_params=always"])
+
+
+def test_parameter_offloading_with_a_proximal_term_is_refused() -> None:
+    with pytest.raises(ConfigError, match="proximal term"):
+        load_run_settings(["strategy=fedprox", "vtensor.offload_params=on"])
