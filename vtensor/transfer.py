@@ -5,7 +5,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,7 +13,7 @@ import torch
 
 from vtensor.chunk import Chunk
 from vtensor.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
-from vtensor.tiers import HostTier, StorageTier
+from vtensor.tiers import HostTier, StorageTier, buffer_at
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,79 @@ class TransferEngine(Protocol):
         ...
 
 
+class ReadAhead:
+    """Swap-file ranges that queued restores will read, asked of the kernel ahead of the reads.
+
+    NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is still busy
+    with earlier jobs or with decrypting the previous staging buffer, so the job finds them in
+    the page cache. Pages read ahead stay in the page cache until their job copies them out and
+    drops them, so the bytes asked for and not yet read are capped (``limit_bytes``). The
+    window slides: every staging buffer the I/O thread reads gives its bytes back and the
+    thread asks for the next ones, of the same restore or of the restores queued behind it, so
+    a restore larger than the cap and the restores after it are read ahead too. Only the I/O
+    thread asks (``posix_fadvise(WILLNEED)`` blocks while it queues the reads, ~0.6 ms per call
+    here), and it takes a range out of the queue before reading it, so no range is ever asked
+    for after its job has read and dropped it (which would leave its pages cached).
+    """
+
+    def __init__(self, tier: StorageTier, limit_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.tier = tier
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+        # [start, end) file ranges in the order restores will read them: not asked for yet,
+        # and asked for but not read yet. ``want`` appends from the compute thread.
+        self._wanted: collections.deque[list[int]] = collections.deque()
+        self._asked: list[list[int]] = []
+        self.ahead_bytes = 0  # bytes of ``_asked``
+
+    def want(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Queue the (slot, memory offset, bytes) runs of a restore just issued."""
+        with self._lock:
+            self._wanted.extend([slot, slot + nbytes] for slot, _, nbytes in runs)
+
+    def claim(self, start: int, nbytes: int) -> None:
+        """On the I/O thread, before reading ``[start, start + nbytes)``: it is no longer ahead."""
+        end = start + nbytes
+        with self._lock:
+            self._wanted = collections.deque(_cut(self._wanted, start, end))
+            kept = list(_cut(self._asked, start, end))
+            self.ahead_bytes = sum(b - a for a, b in kept)
+            self._asked = kept
+
+    def top_up(self) -> None:
+        """On the I/O thread: ask for the next wanted bytes, up to the cap."""
+        asked: list[tuple[int, int]] = []
+        with self._lock:
+            room = self.limit_bytes - self.ahead_bytes
+            while room > 0 and self._wanted:
+                head = self._wanted[0]
+                take = min(head[1] - head[0], room)
+                asked.append((head[0], take))
+                self._asked.append([head[0], head[0] + take])
+                head[0] += take
+                if head[0] == head[1]:
+                    self._wanted.popleft()
+                room -= take
+                self.ahead_bytes += take
+        for offset, nbytes in asked:
+            try:
+                self.tier.read_ahead(offset, nbytes)
+            except OSError:  # advisory: the restore reads the bytes itself, only later
+                logger.debug("read-ahead of %d bytes at %d failed", nbytes, offset, exc_info=True)
+
+
+def _cut(ranges: Iterable[list[int]], start: int, end: int) -> Iterator[list[int]]:
+    """``ranges`` less ``[start, end)``, in order."""
+    for a, b in ranges:
+        if b <= start or a >= end:
+            yield [a, b]
+            continue
+        if a < start:
+            yield [a, start]
+        if b > end:
+            yield [end, b]
+
+
 class FileTransferEngine:
     """Storage-tier transfers on one background thread (raw syscalls and AEAD release the GIL).
 
@@ -111,70 +184,33 @@ class FileTransferEngine:
         self.tier = tier
         self.sealer = Sealer(cipher) if encrypt else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
-        self._ahead_lock = threading.Lock()
-        self._ahead_bytes = 0  # read ahead by restores whose jobs have not finished
-        # (slot, bytes) to read ahead; appended by the compute thread, taken by the I/O thread.
-        self._ahead_requests: collections.deque[tuple[int, int]] = collections.deque()
+        self.read_ahead = ReadAhead(tier)
 
     def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
         def timed() -> float:
             begin = time.perf_counter()
-            self._issue_read_ahead()
+            self.read_ahead.top_up()
             job()
             return time.perf_counter() - begin
 
         return ThreadTransfer(self._pool.submit(timed), nbytes)
 
-    def _read_ahead(self, runs: list[tuple[int, int, int]]) -> int:
-        """Start the disk reading the first bytes of ``runs``; returns the bytes asked for.
-
-        NOTE [read-ahead]: the disk starts reading a restore when it is issued, while the I/O
-        thread is still busy with earlier jobs (sealing, writing, other restores), so the job
-        finds its first bytes in the page cache. Pages read ahead sit in the page cache until
-        their job copies them out and drops them, so the bytes read ahead and not yet consumed
-        are capped at ``READ_AHEAD_BYTES``.
-        """
-        asked: list[tuple[int, int]] = []
-        with self._ahead_lock:
-            room = READ_AHEAD_BYTES - self._ahead_bytes
-            for slot, _, nbytes in runs:
-                take = min(nbytes, room)
-                if take <= 0:
-                    break
-                asked.append((slot, take))
-                room -= take
-            total = sum(take for _, take in asked)
-            self._ahead_bytes += total
-        self._ahead_requests.extend(asked)
-        return total
-
-    def _issue_read_ahead(self) -> None:
-        """On the I/O thread, before each job: ask the kernel for the bytes restores requested.
-
-        ``posix_fadvise(WILLNEED)`` blocks while it queues the reads (~0.6 ms per call here), so
-        the compute thread only records the request. A restore's request is queued before its
-        job, so it is issued before that job reads (never after the job has dropped the pages,
-        which would leave them cached); requests made while a long job runs are issued at the
-        start of the next one, still ahead of the restores queued behind it.
-        """
-        while self._ahead_requests:
-            slot, take = self._ahead_requests.popleft()
-            try:
-                self.tier.read_ahead(slot, take)
-            except OSError:  # advisory: the restore reads the bytes itself, only later
-                logger.debug("read-ahead of %d bytes at %d failed", take, slot, exc_info=True)
-
     # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
     # vectored call and drop its pages from the page cache right after it, so the swap file
     # holds at most about one staging buffer of page cache on the I/O thread's account, instead
     # of a whole eviction run or restore (tens of MiB for a large activation).
+    # Between staging buffers the window of NOTE [read-ahead] slides on.
     def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
         self.tier.writev(offset, views)
         self.tier.release_cache(offset, sum(len(v) for v in views), dirty=True)
+        self.read_ahead.top_up()
 
     def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
+        nbytes = sum(len(v) for v in views)
+        self.read_ahead.claim(offset, nbytes)
         self.tier.readv(offset, views)
-        self.tier.release_cache(offset, sum(len(v) for v in views), dirty=False)
+        self.tier.release_cache(offset, nbytes, dirty=False)
+        self.read_ahead.top_up()
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
@@ -204,7 +240,7 @@ class FileTransferEngine:
         runs = _contiguous_runs(chunks)
         sealer = self.sealer
         pieces = _pieces(storage, chunks) if sealer is not None else []
-        ahead = self._read_ahead(runs)
+        self.read_ahead.want(runs)
 
         def job() -> None:
             try:
@@ -212,11 +248,10 @@ class FileTransferEngine:
                     sealer.open(pieces, self._read_dropped)
                     return
                 for slot, offset, nbytes in runs:
-                    self.tier.read(slot, base + offset, nbytes)
-                    self.tier.release_cache(slot, nbytes, dirty=False)
+                    self._read_dropped(slot, [buffer_at(base + offset, nbytes)])
             finally:
-                with self._ahead_lock:
-                    self._ahead_bytes -= ahead
+                for slot, _, nbytes in runs:  # a failed restore reads no further
+                    self.read_ahead.claim(slot, nbytes)
 
         return self._submit(job, sum(c.nbytes for c in chunks))
 

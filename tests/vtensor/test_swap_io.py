@@ -9,7 +9,7 @@ import torch
 
 from vtensor.chunk import split_into_chunks
 from vtensor.tiers import PAGE_BYTES, StorageTier
-from vtensor.transfer import READ_AHEAD_BYTES, FileTransferEngine
+from vtensor.transfer import READ_AHEAD_BYTES, FileTransferEngine, ReadAhead
 
 CHUNK_BYTES = 1 << 20
 TENSOR_BYTES = 8 << 20
@@ -42,7 +42,7 @@ def test_swap_file_leaves_page_cache_and_read_ahead_is_capped(
 
     def recording(offset: int, nbytes: int) -> None:
         asked.append(nbytes)
-        assert engine._ahead_bytes <= READ_AHEAD_BYTES
+        assert engine.read_ahead.ahead_bytes <= READ_AHEAD_BYTES
         read_ahead(offset, nbytes)
 
     monkeypatch.setattr(engine.tier, "read_ahead", recording)
@@ -67,8 +67,50 @@ def test_swap_file_leaves_page_cache_and_read_ahead_is_capped(
         for transfer in restores:
             transfer.wait()
         assert all(map(torch.equal, datas, expected))
-        assert asked and READ_AHEAD_BYTES < TENSORS * TENSOR_BYTES  # the cap was exercised
-        assert engine._ahead_bytes == 0
+        assert READ_AHEAD_BYTES < TENSORS * TENSOR_BYTES  # the cap was exercised
+        # The window slid past the cap: more than it was asked for over the restores.
+        assert sum(asked) > READ_AHEAD_BYTES
+        assert engine.read_ahead.ahead_bytes == 0
         assert _cached_pages(engine.tier.fd, size) == 0  # read pages dropped, no kernel read-ahead
     finally:
         engine.close()
+
+
+class _AskedRanges:
+    """A stand-in tier that logs the ranges read ahead."""
+
+    def __init__(self, log: list[tuple[str, int, int]]) -> None:
+        self.log = log
+
+    def read_ahead(self, offset: int, nbytes: int) -> None:
+        self.log.append(("ask", offset, offset + nbytes))
+
+
+def test_read_ahead_window_slides_and_never_asks_for_bytes_already_read() -> None:
+    log: list[tuple[str, int, int]] = []
+    window = ReadAhead(_AskedRanges(log), limit_bytes=4)  # type: ignore[arg-type]
+    window.want([(0, 0, 10)])  # one restore larger than the cap
+    window.want([(20, 0, 3)])  # and one queued behind it
+    window.top_up()
+    assert log == [("ask", 0, 4)] and window.ahead_bytes == 4
+    for start, nbytes in ((0, 3), (3, 3), (6, 4), (20, 3)):  # the jobs read in order
+        window.claim(start, nbytes)
+        log.append(("read", start, start + nbytes))
+        window.top_up()
+        assert window.ahead_bytes <= 4
+    assert window.ahead_bytes == 0
+    asked = [(a, b) for kind, a, b in log if kind == "ask"]
+    assert asked == [(0, 4), (4, 7), (7, 10), (20, 23)]  # each byte once, in read order
+    for i, (kind, a, b) in enumerate(log):
+        if kind == "ask":  # nothing asked for had been read already
+            assert not any(k == "read" and a < e and s < b for k, s, e in log[:i])
+
+
+def test_read_ahead_claim_drops_ranges_not_asked_for_yet() -> None:
+    log: list[tuple[str, int, int]] = []
+    window = ReadAhead(_AskedRanges(log), limit_bytes=2)  # type: ignore[arg-type]
+    window.want([(0, 0, 8)])
+    window.top_up()
+    window.claim(0, 8)  # the job read everything (or failed) before the window reached it
+    window.top_up()
+    assert log == [("ask", 0, 2)] and window.ahead_bytes == 0
