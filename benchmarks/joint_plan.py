@@ -87,16 +87,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peaks: dict[str, list[int]] = {v: [] for v in VARIANTS if v != "unmanaged"}
     moved: dict[str, list[tuple[int, int, float]]] = {v: [] for v in peaks}
     sessions: dict[str, tuple[vtensor.ParamOffload, vtensor.MemoryManager]] = {}
+    infeasible: dict[str, str] = {}  # variant -> the error that stopped it
     with tempfile.TemporaryDirectory(prefix="joint-plan-") as storage:
         for variant in peaks:
             model, opt = built[variant]
             po_budget = budget if variant == "joint" else share
-            po = vtensor.ParamOffload(model, opt, po_budget, chunk_bytes=chunk, storage_dir=storage)
+            try:
+                po = vtensor.ParamOffload(
+                    model, opt, po_budget, chunk_bytes=chunk, storage_dir=storage
+                )
+            except vtensor.InfeasibleBudgetError as err:
+                infeasible[variant] = str(err)
+                continue
             mm = vtensor.MemoryManager(budget, chunk_bytes=chunk, storage_dir=storage)
             sessions[variant] = (po, mm)
         for step in range(args.steps + 2):
             x, y = _batch(args, step)
-            for variant in VARIANTS:
+            for variant in [v for v in VARIANTS if v not in infeasible]:
                 model, opt = built[variant]
                 begin = time.perf_counter()
                 if variant == "unmanaged":
@@ -109,8 +116,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 po, mm = sessions[variant]
                 before = (po.meter.bytes_out + po.meter.bytes_in, po.meter.stall_s)
                 joint = po if variant == "joint" else None
-                with mm.step(model, inputs=(x,), params=joint):
-                    _loss(model, args, x, y).backward()  # type: ignore[no-untyped-call]
+                try:
+                    with mm.step(model, inputs=(x,), params=joint):
+                        _loss(model, args, x, y).backward()  # type: ignore[no-untyped-call]
+                except vtensor.InfeasibleBudgetError as err:
+                    infeasible[variant] = str(err)
+                    continue
                 po.step()
                 elapsed = time.perf_counter() - begin
                 if step >= 2:
@@ -120,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     param_moved = po.meter.bytes_out + po.meter.bytes_in - before[0]
                     stall = report.stall_s + po.meter.stall_s - before[1]
                     moved[variant].append((report.bytes_out + report.bytes_in, param_moved, stall))
-        plans = {v: sessions[v][1].report().plan_source for v in peaks}
+        plans = {v: sessions[v][1].report().plan_source for v in peaks if v not in infeasible}
         for po, mm in sessions.values():
             po.close()
             mm.close()
@@ -128,7 +139,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     identical = {
         v: all(torch.equal(built[v][0].state_dict()[k], t) for k, t in reference.items())
         for v in peaks
+        if v not in infeasible
     }
+    for v in infeasible:
+        for figures in (peaks, moved, times):
+            figures.pop(v, None)
     return {
         "param_bytes": params,
         "training_bytes": training,
@@ -146,6 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "median_stall_s": {v: statistics.median(m[2] for m in ms) for v, ms in moved.items()},
         "last_plan_source": plans,
+        "infeasible": infeasible,
         "bit_identical": identical,
     }
 
@@ -161,6 +177,9 @@ def table(result: dict[str, Any]) -> str:
         f"| unmanaged | {med['unmanaged']:.3f} | 1.00 | {b(result['training_bytes'] + result['activation_bytes'])} (all resident) | - | - | - | - |",  # noqa: E501
     ]
     for v in ("split", "joint"):
+        if v in result["infeasible"]:
+            rows.append(f"| {v} | infeasible: {result['infeasible'][v]} | | | | | | |")
+            continue
         rows.append(
             f"| {v} | {med[v]:.3f} | {med[v] / med['unmanaged']:.2f} | "
             f"{b(result['max_tracked_peak_bytes'][v])} | "

@@ -157,6 +157,7 @@ class ParamOffload:
         # True while a MemoryManager replays a joint plan (NOTE [one plan]): reads are then
         # the plan's, not the lookahead's.
         self.plan_driven = False
+        self.joint_step = False  # inside a MemoryManager step that shares the budget
         try:
             self._adopt_all()
             handles = install_offload_hooks(model, self.units, list(self._params.values()), self)
@@ -183,6 +184,10 @@ class ParamOffload:
     def begin_forward(self) -> None:  # noqa: D102
         self._check_open()
         self._forward_calls = 0
+        if not self.joint_step:
+            # A forward outside the manager's steps (evaluation, say): a joint plan's hold on
+            # what it kept resident ends; the next joint step reads what its plan needs.
+            self.pool.listener = None
         if self._recording and self._guard is None:
             self._guard = UseGuard(self._owners, self._running)
             self._guard.__enter__()  # type: ignore[no-untyped-call]

@@ -254,6 +254,7 @@ class MemoryManager:
             params.pool.listener = side
             params.pool.before_allocate = iteration.make_room
             params.plan_driven = isinstance(side, ParamPlanExecutor)
+            params.joint_step = True
         pack, unpack = make_saved_tensor_hooks(iteration)
         module_hooks = install_module_hooks(model, iteration)
         started = time.perf_counter()
@@ -273,6 +274,7 @@ class MemoryManager:
             if params is not None:
                 params.pool.before_allocate = None
                 params.plan_driven = False
+                params.joint_step = False
                 if not isinstance(side, ParamPlanExecutor):
                     # A replayed plan keeps holding what it has resident at the end (the next
                     # iteration starts from that); a recorder's job ends with the iteration.

@@ -197,16 +197,16 @@ def test_client_offloads_parameters_when_they_crowd_the_budget(
     small = dataclasses.replace(
         smoke_settings, client=dataclasses.replace(smoke_settings.client, train=train)
     )
-    peak = measure_unmanaged_peak(model, data.train, train.batch_size)
     training_state = 3 * sum(p.nbytes for p in model.parameters())  # SGD with momentum
-    budget = int(0.55 * peak.unmanaged_peak_bytes)
-    assert budget < training_state
+    # Exact bytes, so the same in every process; activations (about 6 MiB) share it too.
+    budget = int(0.95 * training_state)
     tight = with_budget(small, budget, **options)
     msg = _message(tight, MessageType.TRAIN, server_round=2)
     reply = build_client_app(tight.client)(msg, _context(SIM_NODE))
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     metrics = reply.content["metrics"]
-    assert metrics["peak-device-bytes"] <= budget
+    # The manager's tolerance: one chunk over the budget at a sample (heap noise included).
+    assert metrics["peak-device-bytes"] <= budget + tight.client.vtensor.chunk_bytes
     assert metrics["bytes-swapped-out"] > 0 and metrics["bytes-swapped-in"] > 0
     off = dataclasses.replace(tight.client, vtensor=VTensorSettings(enabled=False))
     plain = build_client_app(off)(msg, _context(SIM_NODE)).content["arrays"]

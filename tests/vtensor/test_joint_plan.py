@@ -377,3 +377,32 @@ def test_plan_signature_covers_the_micro_batch_and_the_clipping(tmp_storage_dir:
         model, optimizer, "64MiB", max_grad_norm=1.0, storage_dir=tmp_storage_dir
     ) as po:
         assert "clip=2.0" in po.plan_signature() and "micro-batch=only" in po.plan_signature()
+
+
+def test_a_forward_outside_the_steps_ends_the_plans_hold(tmp_storage_dir: Path) -> None:
+    """Evaluation between joint steps: what the plan kept resident is let go, training goes
+    on with the plan and stays bit-identical."""
+    budget = _budget("sgd_momentum")
+    model = _build()
+    optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
+    with (
+        vtensor.ParamOffload(
+            model, optimizer, budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir
+        ) as po,
+        vtensor.MemoryManager(budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir) as mm,
+    ):
+        for i in range(STEPS):
+            x, y = _batch(i)
+            with mm.step(model, inputs=(x,), params=po):
+                _loss(model, x, y).backward()  # type: ignore[no-untyped-call]
+            po.step()
+            if i == STEPS - 2:
+                held = po.meter.resident_bytes
+                with torch.no_grad():
+                    model(x)
+                assert po.pool.listener is None
+                assert po.meter.resident_bytes < held
+        assert mm.report().plan_source == "planned"
+    reference = _reference("sgd_momentum", STEPS, 1, None)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
