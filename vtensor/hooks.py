@@ -121,6 +121,9 @@ class Removable(Protocol):
         ...
 
 
+_SAMPLED_KEY = "vtensor.node_sampler"  # see NOTE [sampled nodes]
+
+
 class _NodeSampler:
     """Post-hooks on the backward nodes of the step's graph, so the tracker samples their peak.
 
@@ -136,9 +139,15 @@ class _NodeSampler:
 
     def __init__(self, target: HookTarget) -> None:
         self.target = target
-        # Strong references: ids of freed nodes are reused, and a reused id taken for "seen"
-        # would leave a subgraph unhooked. Dropped at ``remove``, which ends the step.
-        self._nodes: dict[int, Any] = {}
+        # NOTE [sampled nodes]: a hooked node is marked in its own metadata with this step's
+        # token, not kept in a set here. Ids of freed nodes are reused (a reused id taken for
+        # "seen" would leave a subgraph unhooked), and holding the nodes themselves until the
+        # step ends kept alive the saved tensors of graphs that backward never runs: the
+        # forward that non-reentrant checkpointing recomputes inside backward (its modules'
+        # outputs are hooked too) held every recomputed activation, and a checkpointed
+        # MobileNetV2 (batch 12, 128 px) peaked at 340.9 MiB tracked under a manager whose
+        # budget never bound, against 133.6 MiB with the marks.
+        self._token = object()
         self._handles: list[RemovableHandle] = []
 
     def add_graph_of(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -146,9 +155,12 @@ class _NodeSampler:
         stack: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
         while stack:
             node = stack.pop()
-            if node is None or id(node) in self._nodes:
+            if node is None:
                 continue
-            self._nodes[id(node)] = node
+            metadata = node.metadata
+            if metadata.get(_SAMPLED_KEY) is self._token:
+                continue
+            metadata[_SAMPLED_KEY] = self._token
             if node.name() == "torch::autograd::AccumulateGrad":
                 continue
             self._handles.append(node.register_hook(self._after))
@@ -161,7 +173,6 @@ class _NodeSampler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._nodes.clear()
 
 
 def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable]:
