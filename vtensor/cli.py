@@ -14,6 +14,7 @@ Exit status: 0 done (1 if the managed weights differ from the plain ones), 2 usa
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -30,6 +31,7 @@ from vtensor import demo
 from vtensor.budget import format_bytes, parse_bytes
 from vtensor.errors import BudgetFormatError, InfeasibleBudgetError
 from vtensor.lgm import plan_lgm
+from vtensor.params import ParamOffload
 from vtensor.plan import Plan
 from vtensor.report import IterationReport
 from vtensor.session import MemoryManager
@@ -107,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-bytes", type=_size("chunk_bytes"), default=parse_bytes("1MiB"), help="default 1MiB"
     )
     p.add_argument("--granularity", choices=("chunk", "tensor"), default="chunk")
+    p.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="also keep parameters, gradients and momentum in the swap tier (ParamOffload), "
+        "planned with the activations under the one budget",
+    )
     p.add_argument("--steps", type=int, default=3, help="managed iterations (default 3)")
     p.add_argument("--plot", help="write the timeline PNG here")
     p.add_argument("--plan-cache", help="plan cache directory (shared by runs)")
@@ -135,17 +143,24 @@ def _iteration(
     batch: Batch,
     classes: int,
     mm: MemoryManager | None,
+    offload: ParamOffload | None = None,
 ) -> float:
     opt.zero_grad(set_to_none=True)
     x, y = batch
     begin = time.perf_counter()
     if mm is None:
         training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
+    elif offload is not None:  # one plan: the offloading holds the optimizer's state
+        with mm.step(model, inputs=batch, params=offload):
+            training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
     else:
         with mm.step(model, opt, inputs=batch):
             training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
     elapsed = time.perf_counter() - begin
-    opt.step()
+    if offload is not None:
+        offload.step()
+    else:
+        opt.step()
     return elapsed
 
 
@@ -227,7 +242,9 @@ def measure(args: argparse.Namespace, build: Builder, progress: Progress) -> Out
             plan_cache_dir=args.plan_cache,
         )
         with mm:
-            managed, failure = _train_managed(build, batch, classes, args.steps, mm, progress)
+            managed, failure = _train_managed(
+                build, batch, classes, args.steps, mm, progress, args.offload_params
+            )
     if failure is not None and not mm.reports:
         floor, step = planner_minimum(probe.trace, mm.chunk_size)
         progress(f"planner's minimum on the unmanaged trace: {_bytes(floor)} at {step!r}")
@@ -250,24 +267,46 @@ def measure(args: argparse.Namespace, build: Builder, progress: Progress) -> Out
 
 
 def _train_managed(
-    build: Builder, batch: Batch, classes: int, steps: int, mm: MemoryManager, progress: Progress
+    build: Builder,
+    batch: Batch,
+    classes: int,
+    steps: int,
+    mm: MemoryManager,
+    progress: Progress,
+    offload_params: bool = False,
 ) -> tuple[nn.Module, InfeasibleBudgetError | None]:
     """Train under ``mm``; stops at the first iteration that breaks the budget and returns why."""
     model = build().to(batch[0].device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for i in range(steps):
-        progress(f"managed iteration {i + 1}/{steps} at {format_bytes(mm.budget_bytes)}")
+    with contextlib.ExitStack() as stack:
+        offload = None
         try:
-            _iteration(model, opt, batch, classes, mm)
+            if offload_params:
+                offload = stack.enter_context(
+                    ParamOffload(
+                        model,
+                        opt,
+                        mm.budget_bytes,
+                        chunk_bytes=mm.chunk_bytes,
+                        storage_dir=mm.storage_dir,
+                    )
+                )
+            for i in range(steps):
+                progress(f"managed iteration {i + 1}/{steps} at {format_bytes(mm.budget_bytes)}")
+                _iteration(model, opt, batch, classes, mm, offload)
+                _progress_line(mm, progress)
         except InfeasibleBudgetError as err:
             progress(f"  stopped: {err}")
             return model, err
-        rep = mm.report()
-        progress(
-            f"  {rep.plan_source}: peak {format_bytes(rep.peak_device_bytes)}, "
-            f"moved {format_bytes(rep.bytes_moved)}, stall {rep.stall_s:.3f} s"
-        )
     return model, None
+
+
+def _progress_line(mm: MemoryManager, progress: Progress) -> None:
+    rep = mm.report()
+    progress(
+        f"  {rep.plan_source}: peak {format_bytes(rep.peak_device_bytes)}, "
+        f"moved {format_bytes(rep.bytes_moved)}, stall {rep.stall_s:.3f} s"
+    )
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -296,6 +335,7 @@ def summary(o: Outcome) -> dict[str, Any]:
         "min_budget_planner_unmanaged_trace_bytes": unmanaged_floor,
         "min_budget_reactive_bytes": reactive[0] if reactive else None,
         "plan_bytes_moved": o.plan.bytes_moved if o.plan is not None else None,
+        "plan_param_tensors": _param_tensors(o.plan),
         "predicted_peak_bytes": last[-1].predicted_peak_bytes,
         "predicted_stall_s": last[-1].predicted_stall_s,
         "measured_peak_bytes": max(r.peak_device_bytes for r in last),
@@ -310,6 +350,11 @@ def summary(o: Outcome) -> dict[str, Any]:
         "iterations": [asdict(r) for r in o.managed],
         "unmanaged": asdict(o.unmanaged),
     }
+
+
+def _param_tensors(plan: Plan | None) -> int | None:
+    """Parameter-side tensors in a joint plan (``--offload-params``); None without a plan."""
+    return None if plan is None else sum(1 for name in plan.tensor_names if name)
 
 
 def print_summary(s: dict[str, Any], args: argparse.Namespace, loss: str) -> None:
@@ -329,6 +374,8 @@ def print_summary(s: dict[str, Any], args: argparse.Namespace, loss: str) -> Non
     print(f"smallest feasible budget (planner, unmanaged trace): {_bytes(unmanaged_floor)}")
     print(f"smallest feasible budget (reactive run): {_bytes(s['min_budget_reactive_bytes'])}")
     print(f"bytes to move per iteration (plan): {_bytes(s['plan_bytes_moved'])}")
+    if args.offload_params:
+        print(f"parameter-side tensors in the plan: {s['plan_param_tensors']}")
     print(f"predicted peak: {_bytes(s['predicted_peak_bytes'])}")
     stall = s["predicted_stall_s"]
     print(f"predicted stall: {'n/a' if stall is None else f'{stall:.4f} s'}")

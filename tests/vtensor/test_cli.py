@@ -77,6 +77,22 @@ def test_cli_plan_profiles_plans_replays_and_writes_plot_and_json(tiny_models: P
     assert [it["plan_source"] for it in figures["iterations"]] == ["profiled", "planned"]
 
 
+def test_cli_plan_offload_params_plans_parameters_with_activations(tiny_models: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tiny_models)])}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "vtensor", "plan", "tiny_models:make_model"]
+    command += ["--batch-shape", "512,256", "--fraction", "0.6", "--chunk-bytes", "64KiB"]
+    command += ["--steps", "3", "--offload-params"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    found = re.search(r"parameter-side tensors in the plan: (\d+)", out)
+    assert found and int(found.group(1)) > 0, out
+    # The first step creates the momentum, so the second is the one profiled and planned.
+    assert "plan source per iteration: profiled, profiled, planned" in out
+    assert "weights bit-identical to unmanaged training: True" in out
+
+
 @pytest.mark.parametrize(
     ("words", "expected"),
     [
