@@ -195,8 +195,10 @@ class MemoryManager:
             inputs: tensors made before the step (the batch) that count toward the budget on CPU.
             params: a ``ParamOffload`` of ``model`` with the same budget: its parameters,
                 gradients and optimizer state are planned together with the activations, in
-                one plan under one budget (NOTE [one plan] in ``vtensor/param_plan.py``). Its
-                ``step()`` may run inside or after the block.
+                one plan under one budget (NOTE [one plan] in ``vtensor/param_plan.py``). Call
+                its ``step()`` after the block: with clipping, the clip-and-update pass would
+                fall in one step of the trace that uses every parameter, and nothing could be
+                planned (the iteration stays reactive).
 
         Raises:
             InfeasibleBudgetError: the budget cannot be met; the error states the smallest
