@@ -27,6 +27,18 @@ class ReactivePolicy:
     writes; above ``budget - 2 * reserve`` it starts writes early without waiting, so that the
     copies overlap compute. Evictions cover the deficit rounded up to whole chunks (whole
     tensors at tensor granularity), taken from the tail of the victims.
+
+    NOTE [guard takes whole remainders]
+    While a plan is replayed, the policy only guards the headroom, and a victim goes whole
+    (all its resident chunks). The plan fills the budget, so the guard acts at hook point after
+    hook point, each time for about what the last op allocated (about one chunk), and it waits
+    for each write. Taken chunk by chunk, a victim was written out in up to 7 pieces, and every
+    piece shrank the storage to its remaining prefix, which ``resize_`` copies: MobileNetV2 at
+    60 % (batch 12) made 28 such evictions per step out of 48 and copied 79 MiB of prefixes
+    (a 6 -> 5 MiB shrink takes 2.3 ms here). Whole victims moved 2 % more bytes
+    (304.5 instead of 298.5 MiB per step; the same as whole-tensor granularity) and shortened
+    the step by 6 % (0.945 -> 0.889 s, paired runs; 9 % at 40 %). The plan's own moves stay
+    exact to the chunk, and profiling iterations evict exactly the deficit.
     """
 
     name = "reactive"
@@ -66,7 +78,9 @@ class ReactivePolicy:
             available = self.store.evictable_bytes(record)
             if available == 0:
                 continue
-            want = available if self.store.chunk_bytes is None else deficit - scheduled
+            # NOTE [guard takes whole remainders]
+            whole = self.store.chunk_bytes is None or not self.early_eviction
+            want = available if whole else deficit - scheduled
             scheduled += self.store.evict(record, min(want, available))
         return scheduled
 
