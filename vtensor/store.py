@@ -91,6 +91,9 @@ class ChunkStore:
         # instead of found by scanning every record.
         self._in_flight: dict[int, VTensor] = {}
         self.stats = StoreStats()
+        # Bumped whenever the store resizes or drops a storage, so a caller can tell that a
+        # reading of the tracked bytes taken since (with no op run in between) is still current.
+        self.memory_epoch = 0
 
     # -- adoption and death -------------------------------------------------------------------
     def adopt(self, storage: torch.UntypedStorage, step: int) -> VTensor:
@@ -134,6 +137,7 @@ class ChunkStore:
         if record.storage is not None:
             self._by_storage.pop(record.storage._cdata, None)
         record.storage = None
+        self.memory_epoch += 1
         self.records.pop(record.vid, None)
 
     def collect(self) -> None:
@@ -223,6 +227,7 @@ class ChunkStore:
             return
         assert record.storage is not None
         record.storage.resize_(record.nbytes)
+        self.memory_epoch += 1
         for chunk in chunks:
             chunk.move(ChunkState.RESTORING)
         self._start(record, Pending(self.engine.restore(record.storage, chunks), chunks, False))
@@ -281,6 +286,7 @@ class ChunkStore:
         for chunk in pending.chunks:
             chunk.move(self._offloaded)
         record.storage.resize_(pending.chunks[0].offset_bytes)
+        self.memory_epoch += 1
         self.stats.bytes_out += pending.transfer.nbytes
 
     def _rollback(

@@ -81,6 +81,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.handles: list[SavedHandle] = []
         self.expected: dict[int, torch.Tensor] = {}
         self.gen = torch.Generator().manual_seed(0)
+        self.seen = (self.store.memory_epoch, frozenset(self.store.records), 0)
 
     def teardown(self):
         self.handles.clear()
@@ -129,6 +130,15 @@ class StoreMachine(RuleBasedStateMachine):
         if not self.store.in_flight():
             largest = max((r.nbytes for r in self.store.records.values()), default=0)
             assert self.store.device_bytes() <= self.capacity + largest
+
+    @invariant()
+    def memory_changes_only_with_the_epoch(self):
+        # The store's own moves (shrinks, growths, frees) bump ``memory_epoch``; with the same
+        # epoch and the same records, the device bytes cannot have changed.
+        now = (self.store.memory_epoch, frozenset(self.store.records), self.store.device_bytes())
+        if now[:2] == self.seen[:2]:
+            assert now[2] == self.seen[2]
+        self.seen = now
 
     @invariant()
     def resident_prefix_matches_storage_size(self):
