@@ -24,6 +24,9 @@ never holds more than the budget, whatever the plan says.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch import nn
+
+from vtensor.executor import PlanExecutor
 from vtensor.offloaded import OffloadedTensor
 from vtensor.param_pool import OffloadPool
 from vtensor.plan import Plan
@@ -234,3 +237,24 @@ class ParamPlanExecutor:
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """Nothing: a replayed iteration is not traced."""
         return []
+
+
+def param_side(
+    pool: OffloadPool, executor: PlanExecutor | None, *, record: bool
+) -> ParamRecorder | ParamPlanExecutor | None:
+    """The parameter side of a joint iteration.
+
+    It replays the plan the activations replay, records a profiled iteration, or (reactive)
+    leaves the pool's own policy be.
+    """
+    if executor is not None:
+        return ParamPlanExecutor(executor.plan, pool, lambda: executor.active)
+    return ParamRecorder(pool) if record else None
+
+
+def held_outside(pool: OffloadPool, model: nn.Module) -> int:
+    """Bytes the pool holds in memory that are not the model's parameters (optimizer state)."""
+    model_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    return sum(
+        e.nbytes for e in pool.tensors if e.in_memory and e.storage._cdata not in model_storages
+    )

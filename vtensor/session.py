@@ -21,7 +21,13 @@ from vtensor.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.iteration import Iteration, ParamSide
-from vtensor.param_plan import INCOMPLETE_KEY, ParamPlanExecutor, ParamRecorder
+from vtensor.param_plan import (
+    INCOMPLETE_KEY,
+    ParamPlanExecutor,
+    ParamRecorder,
+    held_outside,
+    param_side,
+)
 from vtensor.plan import Plan
 from vtensor.planning import IterationPlan, PlanBook, plan_reserve_bytes
 from vtensor.policy import ReactivePolicy
@@ -212,7 +218,7 @@ class MemoryManager:
         protected = _storages_of(model, optimizer)
         baseline = _baseline_bytes(model, optimizer, inputs, device)
         if params is not None:
-            baseline += _held_outside_model(params, model)
+            baseline += held_outside(params.pool, model)
         if baseline > self.budget_bytes:
             raise InfeasibleBudgetError(
                 self.budget_bytes,
@@ -233,7 +239,9 @@ class MemoryManager:
         rss_start = self._start_independent(device)
         signature = params.plan_signature() if params is not None else ""
         chosen = self._plans.for_iteration(model, inputs, device, store, signature)
-        side = _param_side(params, chosen)
+        side = None
+        if params is not None:
+            side = param_side(params.pool, chosen.executor, record=chosen.record_trace)
         if chosen.executor is not None:
             policy.reserve_bytes = max(
                 policy.reserve_bytes, plan_reserve_bytes(chosen.executor.plan)
@@ -425,28 +433,6 @@ class MemoryManager:
     def trace(self) -> Trace | None:
         """The trace of the last profiled iteration."""
         return self._trace
-
-
-def _param_side(params: "ParamOffload | None", chosen: IterationPlan) -> ParamSide | None:
-    """The parameter side of a joint iteration: record it, replay it, or leave it be."""
-    if params is None:
-        return None
-    executor = chosen.executor
-    if executor is not None:
-        return ParamPlanExecutor(executor.plan, params.pool, lambda: executor.active)
-    if chosen.record_trace:
-        return ParamRecorder(params.pool)
-    return None
-
-
-def _held_outside_model(params: "ParamOffload", model: nn.Module) -> int:
-    """Bytes the offload pool holds in memory that are not the model's parameters (state)."""
-    model_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-    return sum(
-        e.nbytes
-        for e in params.pool.tensors
-        if e.in_memory and e.storage._cdata not in model_storages
-    )
 
 
 def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:
