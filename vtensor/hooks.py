@@ -155,14 +155,14 @@ class _NodeSampler:
         stack: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
         while stack:
             node = stack.pop()
-            if node is None:
+            # AccumulateGrad nodes are leaves with nothing to hook; they live as long as their
+            # parameter (to the end of the process for a cached model), so they are not marked.
+            if node is None or node.name() == "torch::autograd::AccumulateGrad":
                 continue
             metadata = node.metadata
             if metadata.get(_SAMPLED_KEY) is self._token:
                 continue
             metadata[_SAMPLED_KEY] = self._token
-            if node.name() == "torch::autograd::AccumulateGrad":
-                continue
             self._handles.append(node.register_hook(self._after))
             stack.extend(next_node for next_node, _ in node.next_functions)  # None: a leaf
 
