@@ -8,11 +8,14 @@ budget trains bit-identically with the plan replayed, and that a fresh process u
 joint plan.
 """
 
+import contextlib
 import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -217,6 +220,37 @@ def _budget(make_opt: str, fraction: float = 0.9) -> int:
     return int(fraction * (2 * params + state))
 
 
+@contextlib.contextmanager
+def _joint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    budget: int,
+    storage: Path,
+    **offload: Any,
+) -> Iterator[tuple[vtensor.ParamOffload, vtensor.MemoryManager]]:
+    """A ParamOffload and a MemoryManager with one budget (``mm.step(..., params=po)``)."""
+    with (
+        vtensor.ParamOffload(
+            model, optimizer, budget, chunk_bytes=CHUNK_BYTES, storage_dir=storage, **offload
+        ) as po,
+        vtensor.MemoryManager(budget, chunk_bytes=CHUNK_BYTES, storage_dir=storage) as mm,
+    ):
+        yield po, mm
+
+
+def _backward(
+    mm: vtensor.MemoryManager,
+    po: vtensor.ParamOffload,
+    model: nn.Module,
+    batch: int,
+    parts: int = 1,
+) -> None:
+    """One managed forward and backward on batch ``batch`` (loss divided by ``parts``)."""
+    x, y = _batch(batch)
+    with mm.step(model, inputs=(x,), params=po):
+        (_loss(model, x, y) / parts).backward()  # type: ignore[no-untyped-call]
+
+
 @pytest.mark.parametrize("make_opt", sorted(OPTIMIZERS))
 def test_joint_plan_trains_bit_identically_under_one_budget(
     tmp_storage_dir: Path, make_opt: str
@@ -224,16 +258,9 @@ def test_joint_plan_trains_bit_identically_under_one_budget(
     budget = _budget(make_opt)
     model = _build()
     optimizer = OPTIMIZERS[make_opt](model.parameters())
-    with (
-        vtensor.ParamOffload(
-            model, optimizer, budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir
-        ) as po,
-        vtensor.MemoryManager(budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir) as mm,
-    ):
+    with _joint(model, optimizer, budget, tmp_storage_dir) as (po, mm):
         for i in range(STEPS):
-            x, y = _batch(i)
-            with mm.step(model, inputs=(x,), params=po):
-                _loss(model, x, y).backward()  # type: ignore[no-untyped-call]
+            _backward(mm, po, model, i)
             po.step()
             report = mm.report()
             assert report.peak_device_bytes <= budget + CHUNK_BYTES, report
@@ -260,25 +287,13 @@ def test_joint_plan_with_accumulation_and_clipping_is_bit_identical(
     model = _build()
     optimizer = OPTIMIZERS["adamw"](model.parameters())
     steps, accumulation, clip = 3, 2, 0.05
-    with (
-        vtensor.ParamOffload(
-            model,
-            optimizer,
-            budget,
-            accumulation_steps=accumulation,
-            max_grad_norm=clip,
-            chunk_bytes=CHUNK_BYTES,
-            storage_dir=tmp_storage_dir,
-        ) as po,
-        vtensor.MemoryManager(budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir) as mm,
-    ):
+    offload = {"accumulation_steps": accumulation, "max_grad_norm": clip}
+    with _joint(model, optimizer, budget, tmp_storage_dir, **offload) as (po, mm):
         signatures = set()
         for i in range(steps):
             for k in range(accumulation):
-                x, y = _batch(i * accumulation + k)
                 signatures.add(po.plan_signature())
-                with mm.step(model, inputs=(x,), params=po):
-                    (_loss(model, x, y) / accumulation).backward()  # type: ignore[no-untyped-call]
+                _backward(mm, po, model, i * accumulation + k, accumulation)
                 assert mm.report().peak_device_bytes <= budget + CHUNK_BYTES
             po.step()
         assert len(signatures) == 2, "first and last micro-batches are planned apart"
@@ -385,21 +400,14 @@ def test_a_forward_outside_the_steps_ends_the_plans_hold(tmp_storage_dir: Path) 
     budget = _budget("sgd_momentum")
     model = _build()
     optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
-    with (
-        vtensor.ParamOffload(
-            model, optimizer, budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir
-        ) as po,
-        vtensor.MemoryManager(budget, chunk_bytes=CHUNK_BYTES, storage_dir=tmp_storage_dir) as mm,
-    ):
+    with _joint(model, optimizer, budget, tmp_storage_dir) as (po, mm):
         for i in range(STEPS):
-            x, y = _batch(i)
-            with mm.step(model, inputs=(x,), params=po):
-                _loss(model, x, y).backward()  # type: ignore[no-untyped-call]
+            _backward(mm, po, model, i)
             po.step()
             if i == STEPS - 2:
                 held = po.meter.resident_bytes
                 with torch.no_grad():
-                    model(x)
+                    model(_batch(i)[0])
                 assert po.pool.listener is None
                 assert po.meter.resident_bytes < held
         assert mm.report().plan_source == "planned"
