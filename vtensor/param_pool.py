@@ -113,6 +113,7 @@ class OffloadPool:
         ``extra_bytes`` is memory the use will allocate on top (gradients backward produces).
         """
         self.make_room(self.missing_bytes(entries) + extra_bytes, what)
+        # Counted again: making room may have dropped some of ``entries`` themselves.
         self._announce(self.missing_bytes(entries))
         for entry in entries:
             if self.listener is not None:
