@@ -26,7 +26,7 @@ Usage::
     python benchmarks/activation_swap.py --models mobilenet gpt --out results.json
 
 The script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` when that variable is unset,
-so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/rss.py``).
+so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/measure/rss.py``).
 """
 
 import argparse
@@ -58,12 +58,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Workload, workloads  # noqa: E402
 
 import vtensor  # noqa: E402
-from vtensor.accounting import LiveStorageTracker  # noqa: E402
-from vtensor.fingerprint import plan_key  # noqa: E402
-from vtensor.lgm import PLANNER_VERSION, build_lgm, min_budget, plan_lgm  # noqa: E402
-from vtensor.plan import simulate  # noqa: E402
-from vtensor.plan_cache import PlanCache  # noqa: E402
-from vtensor.trace import Phase, Trace, TraceStep, TraceTensor  # noqa: E402
+from vtensor.measure.accounting import LiveStorageTracker  # noqa: E402
+from vtensor.planner.cache import PlanCache  # noqa: E402
+from vtensor.planner.keys import plan_key  # noqa: E402
+from vtensor.planner.lgm import PLANNER_VERSION, build_lgm, min_budget, plan_lgm  # noqa: E402
+from vtensor.planner.plan import simulate  # noqa: E402
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor  # noqa: E402
 
 MIB = 1 << 20
 HUGE_BUDGET = 1 << 40

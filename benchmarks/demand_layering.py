@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import workloads
 
 import vtensor
-from vtensor.rss import RssMeter
-from vtensor.weightfile import evict_page_cache
+from vtensor.layering.weightfile import evict_page_cache
+from vtensor.measure.rss import RssMeter
 
 try:
     import accelerate  # type: ignore[import-untyped]

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Workload, workloads
 
 import vtensor
-from vtensor.sealing import TAG_BYTES, Cipher, Piece, Sealer
-from vtensor.tiers import buffer_at
+from vtensor.io.sealing import TAG_BYTES, Cipher, Piece, Sealer
+from vtensor.io.tiers import buffer_at
 
 MIB = 1 << 20
 WORKING_SET = 64 * MIB

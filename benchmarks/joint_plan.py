@@ -9,7 +9,7 @@ in one process, step by step on the same batches:
   the total) and its lookahead prefetch, inside a ``MemoryManager`` whose budget is the whole
   (on CPU its tracker sees every byte), each planning on its own;
 - ``joint``: the same two under one budget with ``mm.step(..., params=po)``: one LGM plan for
-  the activations and the parameter-side tensors (NOTE [one plan] in ``vtensor/param_plan.py``).
+  the activations and the parameter-side tensors (NOTE [one plan] in ``vtensor/offload/joint.py``).
 
 Per variant: median step time over the timed steps (after two warm-up steps: the first creates
 AdamW's state, the second is the joint variant's profiled one), the tracked peak
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from param_offload import GPT
 
 import vtensor
-from vtensor.budget import format_bytes
+from vtensor.sizes import format_bytes
 
 VARIANTS = ("unmanaged", "split", "joint")
 

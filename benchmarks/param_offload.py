@@ -7,7 +7,7 @@ script prints a markdown table: median step time of each (after one warm-up step
 of parameter, gradient and state bytes in memory, the step's RSS rise above its start, bytes
 moved per step, stall, and whether the weights after all steps are bit-identical.
 
-RSS is honest only with ``MALLOC_MMAP_THRESHOLD_=65536`` (NOTE [honest RSS] in vtensor/rss.py);
+RSS is honest only with ``MALLOC_MMAP_THRESHOLD_=65536`` (NOTE [honest RSS], vtensor/measure/rss.py);
 the script re-executes itself with it. Both models live in the process, so the absolute RSS
 holds the plain model too: the table gives each step's rise above the RSS at its start.
 """
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import vtensor
-from vtensor.budget import format_bytes
-from vtensor.rss import RssMeter
+from vtensor.measure.rss import RssMeter
+from vtensor.sizes import format_bytes
 
 
 class Block(nn.Module):

@@ -1,7 +1,14 @@
 """vtensor: train PyTorch models under a hard memory budget by swapping chunks of activations."""
 
-from vtensor.budget import format_bytes, parse_bytes
-from vtensor.chunk import DEFAULT_CHUNK_BYTES, ChunkState
+from vtensor.activations.report import (
+    Granularity,
+    IterationReport,
+    PeakSource,
+    PlanSource,
+    Policy,
+    StepStats,
+)
+from vtensor.activations.session import MemoryManager
 from vtensor.errors import (
     BudgetFormatError,
     IllegalMoveError,
@@ -11,14 +18,9 @@ from vtensor.errors import (
     SwapAuthenticationError,
     VTensorError,
 )
-from vtensor.layering import DemandLayering, LayeringError, LayeringReport
-from vtensor.param_report import ParamOffloadReport
-from vtensor.param_units import ParamOffloadError
-from vtensor.params import ParamOffload
-from vtensor.report import IterationReport, StepStats
-from vtensor.session import Granularity, MemoryManager
-from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
-from vtensor.weightfile import (
+from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, ChunkState
+from vtensor.layering.demand import DemandLayering, LayeringError, LayeringReport
+from vtensor.layering.weightfile import (
     WeightFile,
     WeightFileChecksumError,
     WeightFileError,
@@ -29,6 +31,11 @@ from vtensor.weightfile import (
     evict_page_cache,
     write_weights,
 )
+from vtensor.offload.param_offload import ParamOffload
+from vtensor.offload.report import ParamOffloadReport
+from vtensor.offload.units import ParamOffloadError
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
+from vtensor.sizes import format_bytes, parse_bytes
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -46,7 +53,10 @@ __all__ = [
     "ParamOffload",
     "ParamOffloadError",
     "ParamOffloadReport",
+    "PeakSource",
     "Phase",
+    "PlanSource",
+    "Policy",
     "StepStats",
     "StorageTierError",
     "SwapAuthenticationError",

@@ -2,6 +2,6 @@
 
 import sys
 
-from vtensor.cli import main
+from vtensor.tools.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Tests of vtensor.accounting: every tracker measured against tensors of known size."""
+"""Tests of vtensor.measure.accounting: every tracker measured against tensors of known size."""
 
 import ctypes
 import json
@@ -13,20 +13,20 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import vtensor.accounting
-from vtensor.accounting import (
+import vtensor.measure.accounting
+from vtensor.errors import VTensorError
+from vtensor.measure.accounting import (
     CudaTracker,
     DeviceTracker,
     LiveStorageTracker,
     MallocTracker,
     make_device_tracker,
 )
-from vtensor.errors import VTensorError
-from vtensor.rss import RssMeter, RssMode, rss_is_honest
+from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
 
 MB = 1_000_000
 MALLOC_TOLERANCE_BYTES = 64 * 1024
-REPO_ROOT = Path(vtensor.accounting.__file__).resolve().parents[1]
+REPO_ROOT = Path(vtensor.measure.accounting.__file__).resolve().parents[1]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -367,7 +367,7 @@ def test_live_storage_tracker_keeps_saved_tensors_hooks_working() -> None:
 
 _RSS_PROBE = """
 import json, sys, torch
-from vtensor.rss import RssMeter, RssMode, rss_is_honest
+from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
 result = {"honest": rss_is_honest()}
 for mode in (None, RssMode.SAMPLING):
     with RssMeter(mode) as meter:

@@ -7,12 +7,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import vtensor
-from vtensor.chunk import LEGAL_MOVES, Chunk, ChunkState, split_into_chunks
-from vtensor.hooks import SavedHandle
-from vtensor.policy import ReactivePolicy
-from vtensor.store import ChunkStore
-from vtensor.tiers import ExtentAllocator, StorageTier
-from vtensor.transfer import FileTransferEngine
+from vtensor.activations.hooks import SavedHandle
+from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.store import ChunkStore
+from vtensor.io.chunk import LEGAL_MOVES, Chunk, ChunkState, split_into_chunks
+from vtensor.io.tiers import ExtentAllocator, StorageTier
+from vtensor.io.transfer import FileTransferEngine
 
 
 def test_chunk_every_illegal_move_raises_and_legal_ones_pass():

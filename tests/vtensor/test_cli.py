@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from vtensor import cli
-from vtensor.lgm import plan_lgm
-from vtensor.report import IterationReport, StepStats
-from vtensor.timeline import phase_spans, plot_timeline
-from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
+from vtensor.activations.report import IterationReport, StepStats
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
+from vtensor.tools import cli
+from vtensor.tools.timeline import phase_spans, plot_timeline
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.chunk import ChunkState, split_into_chunks
-from vtensor.tiers import HostTier
-from vtensor.transfer import CudaTransferEngine
+from vtensor.io.chunk import ChunkState, split_into_chunks
+from vtensor.io.tiers import HostTier
+from vtensor.io.transfer import CudaTransferEngine
 
 pytestmark = [
     pytest.mark.gpu,

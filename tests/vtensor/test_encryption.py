@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.chunk import Chunk, split_into_chunks
 from vtensor.errors import SwapAuthenticationError
-from vtensor.tiers import StorageTier
-from vtensor.transfer import FileTransferEngine
+from vtensor.io.chunk import Chunk, split_into_chunks
+from vtensor.io.tiers import StorageTier
+from vtensor.io.transfer import FileTransferEngine
 
 # Four distinct float32 values: 16 bytes that any plaintext activation below repeats.
 PATTERN = torch.tensor([3.1415927, -2.7182817, 1.4142135, 0.5772157])

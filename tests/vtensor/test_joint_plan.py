@@ -1,6 +1,6 @@
 """One plan for activations, parameters, gradients and optimizer state under one budget.
 
-NOTE [one plan] in ``vtensor/param_plan.py``: ``mm.step(model, inputs, params=po)`` records the
+NOTE [one plan] in ``vtensor/offload/joint.py``: ``mm.step(model, inputs, params=po)`` records the
 parameter side in the trace, plans it with the activations and replays both. The planner
 tests check the memory model of persistent, whole tensors on random traces; the training tests
 check that a transformer whose parameters + gradients + AdamW state + activations exceed the
@@ -26,9 +26,11 @@ from torch import Tensor, nn
 
 import vtensor
 from vtensor.errors import VTensorError
-from vtensor.lgm import build_lgm, min_budget, plan_lgm
-from vtensor.plan import Plan, TensorMove, check_plan, predict_stalls, simulate, writing_moves
-from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.lgm import build_lgm, min_budget
+from vtensor.planner.memory_model import check_plan, predict_stalls, simulate, writing_moves
+from vtensor.planner.plan import Plan, TensorMove
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 CHUNK_BYTES = 64 * 1024
 VOCAB, SEQ, BATCH, DIM, DEPTH = 256, 32, 8, 128, 3

@@ -13,9 +13,9 @@ from model_zoo import ZOO
 from torch import nn
 
 from vtensor.errors import VTensorError
-from vtensor.layer_placement import enclosing_calls, place_calls, ring_positions
-from vtensor.layering import DemandLayering, LayeringError
-from vtensor.weightfile import (
+from vtensor.layering.demand import DemandLayering, LayeringError
+from vtensor.layering.placement import enclosing_calls, place_calls, ring_positions
+from vtensor.layering.weightfile import (
     WeightFile,
     WeightFileChecksumError,
     WeightFileFormatError,

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 import vtensor
-from vtensor.lgm import build_lgm, min_budget, plan_lgm
-from vtensor.plan import Plan, TensorMove, check_plan, predict_stalls, simulate
-from vtensor.trace import Phase, Trace, TraceStep, TraceTensor
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.lgm import build_lgm, min_budget
+from vtensor.planner.memory_model import check_plan, predict_stalls, simulate
+from vtensor.planner.plan import Plan, TensorMove
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 MB = 1_000_000
 # Greedy bytes moved <= exact lower bound x GAP_FACTOR on each small trace; the mean ratio

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.accounting import LiveStorageTracker
-from vtensor.hooks import _NodeSampler
+from vtensor.activations.hooks import _NodeSampler
+from vtensor.measure.accounting import LiveStorageTracker
 
 MIB = 2**20
 

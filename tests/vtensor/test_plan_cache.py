@@ -1,4 +1,4 @@
-"""Tests of vtensor.fingerprint and vtensor.plan_cache, on real files under tmp_path."""
+"""Tests of vtensor.planner.keys and vtensor.planner.cache, on real files under tmp_path."""
 
 import hashlib
 import json
@@ -14,18 +14,18 @@ import torch
 from torch import nn
 
 from vtensor.errors import VTensorError
-from vtensor.fingerprint import (
+from vtensor.planner.cache import CACHE_SCHEMA_VERSION, PlanCache
+from vtensor.planner.keys import (
     PlanKey,
     architecture_fingerprint,
     input_signature,
     parameter_dtype,
     plan_key,
 )
-from vtensor.plan import PLAN_SCHEMA_VERSION, Plan, TensorMove
-from vtensor.plan_cache import CACHE_SCHEMA_VERSION, PlanCache
+from vtensor.planner.plan import PLAN_SCHEMA_VERSION, Plan, TensorMove
 
 HERE = Path(__file__).resolve().parent
-CACHE_LOGGER = "vtensor.plan_cache"
+CACHE_LOGGER = "vtensor.planner.cache"
 
 
 def make_plan(n_moves: int = 20, seed: int = 0) -> Plan:
@@ -353,7 +353,7 @@ _WORKER = """
 import logging, sys
 sys.path.insert(0, sys.argv[1])
 from test_plan_cache import make_key, make_plan
-from vtensor.plan_cache import PlanCache
+from vtensor.planner.cache import PlanCache
 
 directory, worker, rounds = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 logging.basicConfig(level=logging.WARNING)
@@ -397,7 +397,7 @@ _READER = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from test_plan_cache import make_key
-from vtensor.plan_cache import PlanCache
+from vtensor.planner.cache import PlanCache
 
 plan = PlanCache(sys.argv[2]).get(make_key(3))
 print(plan.digest() if plan is not None else "miss")

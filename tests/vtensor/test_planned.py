@@ -159,8 +159,8 @@ def test_replay_with_slow_writes_keeps_budget_and_resident_prefix(tmp_path, monk
 
     Also checks the O(1) ``evictable_bytes`` against its definition (the DEVICE chunks).
     """
-    from vtensor import store as store_module
-    from vtensor import tiers
+    from vtensor.activations import store as store_module
+    from vtensor.io import tiers
 
     write = tiers.StorageTier.writev
 
@@ -196,8 +196,8 @@ def test_replay_counting_workspaces_waits_for_early_evictions_at_their_step(
     """With count_workspaces the plan gives a step's evicted bytes to its workspace, which no
     sample sees: an eviction started a step early must be complete when its step begins
     (NOTE [eviction timing]); without it, slow writes are still running then."""
-    from vtensor import tiers
-    from vtensor.executor import PlanExecutor
+    from vtensor.activations.executor import PlanExecutor
+    from vtensor.io import tiers
 
     write = tiers.StorageTier.writev
 

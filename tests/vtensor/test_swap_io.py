@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vtensor.chunk import split_into_chunks
-from vtensor.tiers import PAGE_BYTES, StorageTier
-from vtensor.transfer import READ_AHEAD_BYTES, FileTransferEngine, ReadAhead
+from vtensor.io.chunk import split_into_chunks
+from vtensor.io.tiers import PAGE_BYTES, StorageTier
+from vtensor.io.transfer import READ_AHEAD_BYTES, FileTransferEngine, ReadAhead
 
 CHUNK_BYTES = 1 << 20
 TENSOR_BYTES = 8 << 20

@@ -1,0 +1,1 @@
+"""The MemoryManager: saved activations swapped in chunks under a budget, planned and replayed."""

@@ -1,0 +1,66 @@
+"""The smallest budget an iteration could have run at, judged at each hook point."""
+
+from vtensor.activations.recorder import IterationBooks
+from vtensor.activations.store import ChunkStore, VTensor
+
+MIN_BUDGET_MARGIN_BYTES = 64 * 1024
+
+
+class BudgetFloor:
+    """Keeps ``books.min_budget_bytes`` (NOTE [minimum budget]) and whether the budget broke."""
+
+    def __init__(self, store: ChunkStore, books: IterationBooks, budget_bytes: int) -> None:
+        self.store = store
+        self.books = books
+        self.budget_bytes = budget_bytes
+        self._prev_evictable = 0
+
+    def note_broken(self, live: int, step_name: str) -> None:
+        """The budget broke before the policy could act: ``live`` bytes were needed."""
+        if live > self.books.min_budget_bytes:
+            self.books.min_budget_bytes = live + MIN_BUDGET_MARGIN_BYTES
+            self.books.min_budget_step = step_name
+
+    def note(
+        self,
+        need: int,
+        pinned: VTensor | None,
+        step_name: str,
+        step_index: int,
+        *,
+        strict: bool = True,
+    ) -> None:
+        """Judge a hook point that needs ``need`` bytes with ``pinned`` in use.
+
+        ``strict``: a need above the budget breaks it (else only the floor is kept).
+        """
+        evictable_now = 0
+        for record in self.store.records.values():
+            if record is pinned:
+                continue
+            nbytes = self.store.evictable_bytes(record)
+            pending = record.pending
+            if pending is not None and pending.outgoing:
+                # Still resident while its write runs (a replayed plan does not wait for it).
+                nbytes = sum(c.nbytes for c in pending.chunks)
+            evictable_now += nbytes
+            # Evicted (or being evicted) counts too: it was evictable when the policy chose it.
+            if record.vid not in self.books.evictable_step and (
+                nbytes or pending is not None or record.offloaded_chunks()
+            ):
+                self.books.evictable_step[record.vid] = step_index
+        # Bytes that only became evictable at this point (inputs the op just finished with)
+        # could not have been evicted before the op allocated: only what was evictable at the
+        # previous point could have made room.
+        evictable = min(evictable_now, self._prev_evictable)
+        self._prev_evictable = evictable_now
+        # NOTE [minimum budget]: the floor is what could not be evicted at this point. The margin
+        # covers the noise of the heap counter (small non-tensor allocations) and the run-to-run
+        # differences in what happens to be resident at a point, so that retrying at the stated
+        # minimum works.
+        floor = need - evictable + MIN_BUDGET_MARGIN_BYTES + need // 100
+        if floor > self.books.min_budget_bytes:
+            self.books.min_budget_bytes = floor
+            self.books.min_budget_step = step_name
+        if strict and need > self.budget_bytes:
+            self.books.violated = True

@@ -1,0 +1,203 @@
+"""Torch glue: saved-tensor pack/unpack hooks and module boundary hooks. They only route events."""
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.errors import InPlaceModificationError
+from vtensor.outputs import tensors_in
+
+
+class HookTarget(Protocol):
+    """What the hooks report to (the session)."""
+
+    store: ChunkStore
+    step_index: int
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` may be virtualized."""
+        ...
+
+    def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
+        """A saved tensor was adopted into ``record``."""
+        ...
+
+    def before_unpack(self, record: VTensor) -> None:
+        """Backward is about to use ``record``: make room for it."""
+        ...
+
+    def after_unpack(self, record: VTensor) -> None:
+        """Backward has the bytes of ``record``."""
+        ...
+
+    def begin_step(self, name: str) -> None:
+        """A module boundary was crossed."""
+        ...
+
+    def after_node(self) -> None:
+        """A backward node has computed its gradients; its inputs and outputs are still alive."""
+        ...
+
+
+class SavedHandle:
+    """What autograd holds instead of a saved tensor: the record and a detached alias.
+
+    The alias shares the saved tensor's version counter, so an in-place change after saving is
+    seen at unpack (the hooks switch off autograd's own check); it also rebuilds the exact view
+    (size, strides, offset) over the storage. Its death releases the record.
+    """
+
+    __slots__ = ("alias", "record", "store", "version")
+
+    def __init__(self, store: ChunkStore, record: VTensor, tensor: torch.Tensor) -> None:
+        self.store = store
+        self.record = record
+        self.alias: torch.Tensor | None = tensor.detach()
+        self.version = tensor._version
+        record.handles += 1
+
+    def __del__(self) -> None:
+        self.alias = None
+        self.store.drop_handle(self.record)
+
+
+def make_saved_tensor_hooks(
+    target: HookTarget,
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if not target.accepts(tensor):
+            return tensor
+        record = target.store.adopt(tensor.untyped_storage(), step=target.step_index)
+        if not record.fully_resident():
+            target.store.ensure_resident(record)
+        handle = SavedHandle(target.store, record, tensor)
+        target.on_pack(record, tensor)
+        return handle
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        handle: SavedHandle = packed
+        target.before_unpack(handle.record)
+        target.store.ensure_resident(handle.record)
+        alias = handle.alias
+        assert alias is not None
+        if alias._version != handle.version:
+            raise InPlaceModificationError(
+                f"a tensor of shape {tuple(alias.shape)} and dtype {alias.dtype} saved for "
+                f"backward was modified in place after it was saved (version {handle.version} "
+                f"at save, {alias._version} now). Autograd would compute a wrong gradient: "
+                "use the out-of-place op, or .clone() the tensor before modifying it."
+            )
+        target.after_unpack(handle.record)
+        # A fresh alias per unpack: while backward holds it, the storage's use count exceeds the
+        # store's own references, which pins the record against eviction until it is consumed.
+        return alias.detach()
+
+    return pack, unpack
+
+
+class Removable(Protocol):
+    """A hook registration that can be undone."""
+
+    def remove(self) -> None:
+        """Undo the registration."""
+        ...
+
+
+_SAMPLED_KEY = "vtensor.node_sampler"  # see NOTE [sampled nodes]
+
+
+class _NodeSampler:
+    """Post-hooks on the backward nodes of the step's graph, so the tracker samples their peak.
+
+    NOTE [node peaks]: between two hook points of the manager (an unpack, a module boundary),
+    a backward node holds its incoming gradients, its saved tensors and the gradients it has
+    just computed at once; the next unpack only comes after the engine has released the first
+    two, so sampling at hook points alone missed the largest working set of the iteration
+    (ResNet-18's stem: 48 MiB of gradient + 48 MiB saved + 48 MiB computed, measured). A node
+    post-hook runs after the node's computation and before that release. AccumulateGrad nodes
+    get none: a post-hook would keep the incoming gradient referenced, which makes AccumulateGrad
+    copy it instead of stealing it (more memory for the same bits).
+    """
+
+    def __init__(self, target: HookTarget) -> None:
+        self.target = target
+        # NOTE [sampled nodes]: a hooked node is marked in its own metadata with this step's
+        # token, not kept in a set here. Ids of freed nodes are reused (a reused id taken for
+        # "seen" would leave a subgraph unhooked), and holding the nodes themselves until the
+        # step ends kept alive the saved tensors of graphs that backward never runs: the
+        # forward that non-reentrant checkpointing recomputes inside backward (its modules'
+        # outputs are hooked too) held every recomputed activation, and a checkpointed
+        # MobileNetV2 (batch 12, 128 px) peaked at 340.9 MiB tracked under a manager whose
+        # budget never bound, against 133.6 MiB with the marks.
+        self._token = object()
+        self._handles: list[RemovableHandle] = []
+
+    def add_graph_of(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Hook every node of the graph behind ``tensors`` not hooked yet."""
+        stack: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            # AccumulateGrad nodes are leaves with nothing to hook; they live as long as their
+            # parameter (to the end of the process for a cached model), so they are not marked.
+            if node is None or node.name() == "torch::autograd::AccumulateGrad":
+                continue
+            metadata = node.metadata
+            if metadata.get(_SAMPLED_KEY) is self._token:
+                continue
+            metadata[_SAMPLED_KEY] = self._token
+            self._handles.append(node.register_hook(self._after))
+            stack.extend(next_node for next_node, _ in node.next_functions)  # None: a leaf
+
+    def _after(self, _grad_inputs: Any, _grad_outputs: Any) -> None:
+        self.target.after_node()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable]:
+    """Mark forward and backward step boundaries of every module of ``model``.
+
+    Forward boundaries come from forward pre-hooks. Backward boundaries come from pre-hooks on
+    the autograd nodes of module outputs, which leave the graph unchanged (full backward hooks
+    would wrap outputs and break modules that modify their input in place, such as
+    ``ReLU(inplace=True)``). Every backward node of the graph behind a module output also gets
+    a post-hook that samples the tracked bytes (NOTE [node peaks]).
+    """
+    handles: list[Removable] = []
+    seen_nodes: set[int] = set()
+    sampler = _NodeSampler(target)
+    for qualname, module in model.named_modules():
+        name = qualname or "model"
+
+        def pre(_module: nn.Module, _args: Any, name: str = name) -> None:
+            target.begin_step(f"forward:{name}")
+
+        def post(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
+            tensors = tensors_in(output)
+            sampler.add_graph_of(tensors)
+            for tensor in tensors:
+                node = tensor.grad_fn
+                if node is None or id(node) in seen_nodes:
+                    continue
+                seen_nodes.add(id(node))
+
+                def on_backward(_grads: Any, name: str = name) -> None:
+                    target.begin_step(f"backward:{name}")
+
+                node.register_prehook(on_backward)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    handles.append(sampler)
+    return handles

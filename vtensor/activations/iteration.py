@@ -1,0 +1,346 @@
+"""One managed training iteration: routes hook events to the store and policy, keeps the books."""
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
+from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.recorder import IterationBooks, OpenStep
+from vtensor.activations.store import ChunkStore, StoreStats, VTensor
+from vtensor.measure.accounting import DeviceTracker
+from vtensor.measure.rss import RssMeter
+from vtensor.planner.trace import Trace, TraceTensor
+
+logger = logging.getLogger(__name__)
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class PlannedRead(Protocol):
+    """A tensor of the parameter side that a joint plan reads at a step."""
+
+    nbytes: int
+
+
+class ParamSide(Protocol):
+    """The parameter offloading that shares the iteration's budget (``offload/joint.py``)."""
+
+    def on_step(self, index: int) -> Sequence[PlannedRead]:
+        """Step ``index`` begins; returns the reads the plan starts now, in order."""
+        ...
+
+    def read(self, entry: Any) -> None:
+        """Start one read that :meth:`on_step` returned (room was made for it)."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Bytes of its movable tensors in memory now."""
+        ...
+
+    def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
+        """Its tensors as trace tensors (profiling), numbered from ``first_vid``."""
+        ...
+
+
+class Iteration:
+    """The hook target of one ``MemoryManager.step`` (``vtensor.activations.hooks.HookTarget``)."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        policy: ReactivePolicy,
+        tracker: DeviceTracker,
+        device: torch.device,
+        protected_storages: set[int],
+        baseline_bytes: int,
+        min_tensor_bytes: int,
+        record_trace: bool = False,
+        executor: PlanExecutor | None = None,
+        rss: RssMeter | None = None,
+        count_workspaces: bool = False,
+        params: ParamSide | None = None,
+    ) -> None:
+        self.store = store
+        self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
+        self.policy = policy
+        self.tracker = tracker
+        self.device = device
+        self.protected = protected_storages
+        self.baseline_bytes = baseline_bytes
+        self.min_tensor_bytes = min_tensor_bytes
+        self.record_trace = record_trace
+        self.executor = executor
+        # NOTE [transient bytes]: ops allocate workspaces (convolution im2col buffers, say) that
+        # live only inside one call, where no hook can sample them. While profiling, the
+        # process's RSS high-water mark is read at every step boundary: what a step grew in RSS
+        # beyond what it grew in tracked bytes is its transient, which the trace records and,
+        # with ``count_workspaces``, the plan and the policy
+        # then budget for. It also keeps the iteration's RSS peak (``rss_peak_bytes``). With
+        # ``count_workspaces`` every iteration measures them, so the reactive policy (which
+        # never profiles) learns them too.
+        self.rss = rss if record_trace or count_workspaces else None
+        self.count_workspaces = count_workspaces
+        self.rss_peak_bytes = 0
+        # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
+        self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
+        # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
+        # count the growth since entry on top of the tensors known to exist at entry.
+        self._absolute = device.type == "cuda"
+        self._entry_counter = tracker.current_bytes()
+        self.books = IterationBooks()
+        self.floor = BudgetFloor(store, self.books, policy.budget_bytes)
+        self.step_index = -1
+        self._open: OpenStep | None = None
+        self._last_param = 0
+        self._last_live = 0
+        self._note_live(self.live_bytes())
+        self._backward_done_queued = False
+        self.begin_step("other:start")
+
+    # -- measurement --------------------------------------------------------------------------
+    def _note_live(self, live: int) -> None:
+        self._last_live = live
+        self._last_param = self.params.resident_bytes() if self.params is not None else 0
+
+    def _growth(self, live: int) -> int:
+        """Growth since the last hook point that nobody announced: the guard's headroom.
+
+        Reads of the parameter offloading sharing the budget are announced (``make_room``) and,
+        under a joint plan, planned; they are not headroom the guard must keep.
+        """
+        param = self.params.resident_bytes() if self.params is not None else 0
+        return live - self._last_live - max(0, param - self._last_param)
+
+    def _step_name(self) -> str:
+        return self._open.name if self._open else "start"
+
+    def live_bytes(self) -> int:
+        """Tracked device bytes now."""
+        now = self.tracker.current_bytes()
+        if self._absolute:
+            return now
+        # Frees of memory allocated before the step (a previous loss, say) lower the counter
+        # below its entry value; never report less than nothing.
+        return max(0, self.baseline_bytes + now - self._entry_counter)
+
+    def _sample(self, live: int) -> None:
+        if live > self.policy.budget_bytes + self.overshoot_bytes:
+            # The budget broke before the policy could act (an op allocated more than the
+            # headroom): the iteration is infeasible at this budget as run.
+            self.books.violated = True
+            self.floor.note_broken(live, self._step_name())
+        self.books.peak_bytes = max(self.books.peak_bytes, live)
+        if self._open is not None:
+            self._open.peak = max(self._open.peak, live)
+            if self.record_trace:
+                unmanaged = live - self.store.device_bytes()
+                if self.params is not None:
+                    unmanaged -= self.params.resident_bytes()  # the plan places them
+                self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
+
+    # -- hook target --------------------------------------------------------------------------
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Plain dense tensors on the managed device, not parameters or buffers, not tiny."""
+        if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
+            return False
+        if tensor.device.type != self.device.type or tensor.is_quantized or tensor.is_nested:
+            return False
+        storage = tensor.untyped_storage()
+        if storage._cdata in self.protected:
+            return False
+        if storage.nbytes() < self.min_tensor_bytes or not storage.resizable():
+            self.books.unmanaged_saved_bytes += tensor.nbytes
+            return False
+        return True
+
+    def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
+        """Account a newly saved tensor and keep the budget."""
+        if record.vid not in self.books.tensors:
+            self.books.tensors[record.vid] = record
+            if self.executor is not None:
+                self.executor.on_record(record)
+        self.books.dtypes.setdefault(record.vid, set()).add(str(tensor.dtype).replace("torch.", ""))
+        self.enforce()
+
+    def before_unpack(self, record: VTensor) -> None:
+        """Make room for the bytes of ``record`` that must come back."""
+        incoming = sum(c.nbytes for c in record.offloaded_chunks())
+        resident = record.storage.nbytes() if record.storage is not None else 0
+        if incoming and resident:
+            # NOTE [growing a partial vTensor]: growing a storage reallocates it, so the resident
+            # prefix and the full size coexist while the prefix is copied. Make room for the
+            # whole size; if that is impossible, send the prefix out as well, which trades a
+            # write and a read of the prefix for the transient.
+            self.enforce(incoming_bytes=record.nbytes, pinned=record, judge=False)
+            too_big = self.live_bytes() + record.nbytes > self.policy.budget_bytes
+            if too_big and self.store.evictable(record):
+                self.store.evict(record, resident)
+                self.store.reap(block=True)
+                incoming = sum(c.nbytes for c in record.offloaded_chunks())
+        self.enforce(incoming_bytes=incoming, pinned=record)
+
+    def after_unpack(self, record: VTensor) -> None:
+        """Note the use and prefetch what backward needs next."""
+        if self.step_index not in record.uses:
+            record.uses.append(self.step_index)
+        live = self.live_bytes()
+        self._sample(live)
+        if (self.executor is None or not self.executor.active) and self.policy.prefetch(
+            live, record
+        ):
+            live = self.live_bytes()
+            self._sample(live)
+        self._note_live(live)
+
+    def begin_step(self, name: str) -> None:
+        """Close the open step and open the next one."""
+        if self._open is not None and self._open.name == name:
+            return
+        if name.startswith("backward:") and not self._backward_done_queued:
+            # Mark the end of backward (optimizer work that follows is its own step).
+            self._backward_done_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self._close_step()
+        self.step_index += 1
+        epoch = self.store.memory_epoch
+        live = self.live_bytes()
+        self._open = OpenStep(
+            self.step_index, name, time.perf_counter(), live, live, _copy(self.store.stats)
+        )
+        if self.rss is not None:
+            self.rss.reset_peak()
+            self._open.rss_start = self.rss.current_rss_bytes()
+        if self.executor is not None:
+            self.executor.on_step(self.step_index, name)
+            self.policy.follow_plan(self.executor.active)
+        if self.params is not None:
+            # The plan's reads at this step: make room for each under the budget, then start it.
+            for entry in self.params.on_step(self.step_index):
+                self.make_room(entry.nbytes)
+                self.params.read(entry)
+        # NOTE [reused readings]: a heap-counter read walks every free chunk of every malloc
+        # arena (12-41 us measured); while no storage was resized or freed since the reading
+        # above (``store.memory_epoch``), it still holds. Reads of a parameter offloading are
+        # not counted by the epoch, so a joint iteration always reads again.
+        same = self.store.memory_epoch == epoch and self.params is None
+        self.enforce(live_hint=live if same else None)
+
+    def after_node(self) -> None:
+        """Sample a backward node's working set (NOTE [node peaks] in ``activations/hooks.py``).
+
+        No eviction here: the node's bytes are already allocated. What grew since the last
+        hook point is headroom the policy must keep (``reserve``), and a working set above the
+        budget breaks it like any other sample; its floor is judged against what was evictable
+        at the previous hook point, which is what could have made room.
+        """
+        live = self.live_bytes()
+        self._sample(live)
+        self.policy.keep_reserve(self._growth(live))
+        # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
+        # policy had no chance to act since the last hook point.
+        self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
+        self._note_live(live)
+
+    def _backward_done(self) -> None:
+        self._backward_done_queued = False
+        self.begin_step("other:after-backward")
+
+    # -- the budget ---------------------------------------------------------------------------
+    def make_room(self, nbytes: int) -> None:
+        """Evict activations so that ``nbytes`` about to be allocated elsewhere fit the budget.
+
+        The parameter offloading that shares the budget calls this before each read.
+        """
+        self.enforce(incoming_bytes=nbytes, judge=False)
+
+    def enforce(
+        self,
+        incoming_bytes: int = 0,
+        pinned: VTensor | None = None,
+        *,
+        judge: bool = True,
+        live_hint: int | None = None,
+    ) -> None:
+        """Keep tracked device bytes (plus ``incoming_bytes`` about to arrive) under the budget.
+
+        ``pinned`` is the vTensor about to be used: it is neither evicted nor counted as
+        evictable. ``judge=False`` makes room without recording feasibility (a first attempt).
+        ``live_hint`` is a reading of the tracked bytes taken since the store last moved
+        memory; it is used instead of a new reading while nothing moves (NOTE [reused readings]).
+        """
+        # NOTE [deterministic reaping]: while profiling or reacting, every eviction started
+        # before this point completes here (it has had at least one op of compute to overlap
+        # with), so the memory it frees, and the decisions that follow (the trace, the plan),
+        # depend on the sequence of hook events rather than on disk speed. While a plan is
+        # replayed, the decisions are the plan's: evictions still in flight are left to run
+        # (their bytes count as live until they complete) and are waited for only when the
+        # headroom below needs them, so the writes overlap the following ops instead of
+        # stalling at the next hook. Restores are never waited for here: their bytes are
+        # allocated when they start, and backward waits on them only when it uses them.
+        replaying = self.executor is not None and self.executor.active
+        epoch = self.store.memory_epoch
+        self.store.reap(block=not replaying, block_restores=False)
+        if live_hint is None or self.store.memory_epoch != epoch:
+            live = self.live_bytes()
+        else:
+            live = live_hint  # NOTE [reused readings]
+        self._sample(live)
+        self.policy.keep_reserve(self._growth(live))
+        epoch = self.store.memory_epoch
+        self.policy.enforce(live + incoming_bytes, pinned)
+        if self.store.memory_epoch != epoch or self.params is not None:
+            live = self.live_bytes()  # else nothing was freed or grown since the read above
+        if live + incoming_bytes > self.policy.high_watermark():
+            # Still no headroom for the next op: evict down to the watermark and wait for it.
+            self.store.reap(block=True)
+            self.policy.evict_down_to(
+                self.live_bytes() + incoming_bytes, self.policy.high_watermark(), pinned
+            )
+            self.store.reap(block=True)
+            live = self.live_bytes()
+        if judge:
+            self.floor.note(live + incoming_bytes, pinned, self._step_name(), self.step_index)
+        self._note_live(live)
+
+    # -- closing ------------------------------------------------------------------------------
+    def _close_step(self) -> None:
+        step = self._open
+        if step is None:
+            return
+        transient = 0
+        if self.rss is not None:
+            # How far the step's peak rose above its end level, in RSS beyond what the samples
+            # saw: allocations still held at the end (one-time kernel caches, outputs) are not
+            # transient and are excluded.
+            # Both rises are measured from the higher of the step's start and end levels, so
+            # memory freed during the step (garbage of earlier code) is not mistaken for one.
+            high_water = self.rss.peak_rss_bytes()
+            self.rss_peak_bytes = max(self.rss_peak_bytes, high_water)
+            rss_rise = high_water - max(step.rss_start, self.rss.current_rss_bytes())
+            sampled_rise = step.peak - max(step.live_start, self.live_bytes())
+            transient = max(0, rss_rise - max(sampled_rise, 0))
+            if self.count_workspaces:
+                self.policy.keep_transient(transient)
+        self.books.close(step, self.store.stats, transient, counted=self.count_workspaces)
+        self._open = None
+
+    def finish(self) -> None:
+        """Close the last step."""
+        self._close_step()
+
+    def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
+        """The iteration as a ``Trace``."""
+        n_activations, n_steps = len(self.books.tensors), len(self.books.trace_steps)
+        extra = [] if self.params is None else self.params.trace_tensors(n_activations, n_steps)
+        return self.books.trace(
+            extra, self.baseline_bytes, budget_bytes, chunk_bytes, self.device.type
+        )
+
+
+def _copy(stats: StoreStats) -> StoreStats:
+    return StoreStats(stats.bytes_out, stats.bytes_in, stats.transfer_s, stats.stall_s)

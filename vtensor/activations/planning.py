@@ -1,0 +1,171 @@
+"""Where an iteration's swap plan comes from: this process's plans, the plan cache, or profiling."""
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from os import PathLike
+
+import torch
+from torch import nn
+
+from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.report import PlanSource
+from vtensor.activations.store import ChunkStore
+from vtensor.errors import InfeasibleBudgetError, VTensorError
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.cache import PlanCache
+from vtensor.planner.keys import (
+    PlanKey,
+    architecture_fingerprint,
+    input_signature,
+    parameter_dtype,
+)
+from vtensor.planner.lgm import PLANNER_VERSION
+from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Trace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class IterationPlan:
+    """What one iteration runs with."""
+
+    signature: str
+    source: PlanSource
+    executor: PlanExecutor | None
+    record_trace: bool
+    key: PlanKey | None
+    planning_s: float = 0.0
+    cache_load_s: float = 0.0
+
+
+class PlanBook:
+    """Keeps a plan per input signature; profiles, plans and caches as needed.
+
+    Args:
+        budget_bytes: the budget plans are made for.
+        chunk_bytes: chunk size (None: tensor granularity).
+        cache_dir: plan cache directory shared by processes (None: no cache).
+        planned: False to run the reactive policy only.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        chunk_bytes: int | None,
+        cache_dir: str | PathLike[str] | None,
+        planned: bool = True,
+        count_workspaces: bool = False,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self.cache = PlanCache(cache_dir) if cache_dir is not None else None
+        self.planned = planned
+        # Plans that budget op workspaces differ from plans that do not: keep them apart.
+        self.planner_version = PLANNER_VERSION + ("+workspaces" if count_workspaces else "")
+        self.count_workspaces = count_workspaces
+        self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
+
+    def _key(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        params: str,
+    ) -> PlanKey:
+        return PlanKey(
+            architecture=architecture_fingerprint(model),
+            input_signature=input_signature(*inputs),
+            dtype=parameter_dtype(model),
+            budget_bytes=self.budget_bytes,
+            chunk_bytes=self.chunk_bytes,
+            device_kind=device.type,
+            planner_version=self.planner_version,
+            torch_version=torch.__version__,
+            params=params,
+        )
+
+    def for_iteration(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        store: ChunkStore,
+        params: str = "",
+    ) -> IterationPlan:
+        """Choose the plan (or profiling) for the coming iteration.
+
+        ``params`` is the parameter offloading's ``plan_signature()`` for a joint plan.
+        """
+        if not self.planned:
+            return IterationPlan("", PlanSource.REACTIVE, None, False, None)
+        key = self._key(model, inputs, device, params)
+        signature = key.digest()
+        if signature in self._plans:
+            plan = self._plans[signature]
+            if plan is None:
+                return IterationPlan(signature, PlanSource.REACTIVE, None, False, key)
+            return IterationPlan(
+                signature, PlanSource.PLANNED, self._executor(plan, store), False, key
+            )
+        if self.cache is not None:
+            cached = self.cache.get(key)
+            if cached is not None:
+                self._plans[signature] = cached
+                return IterationPlan(
+                    signature,
+                    PlanSource.CACHED,
+                    self._executor(cached, store),
+                    False,
+                    key,
+                    cache_load_s=self.cache.last_load_s,
+                )
+        return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
+
+    def plan_for(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        params: str = "",
+    ) -> Plan | None:
+        """The plan held in this process for these settings (None: none yet, or no plan)."""
+        return self._plans.get(self._key(model, inputs, device, params).digest())
+
+    def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
+        return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
+
+    def after_iteration(
+        self, chosen: IterationPlan, trace: Trace | None, reserve_bytes: int
+    ) -> PlanSource:
+        """Learn from a finished iteration; returns the source to report for it.
+
+        ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
+        so that a process replaying a cached plan guards the budget from its first step.
+        """
+        if chosen.executor is not None and not chosen.executor.active:
+            self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
+            return PlanSource.FALLBACK
+        if trace is not None and trace.incomplete:
+            # Not a steady-state iteration (it created optimizer state): profile the next one.
+            return chosen.source
+        if chosen.source is PlanSource.PROFILED and trace is not None:
+            begin = time.perf_counter()
+            try:
+                plan: Plan | None = plan_lgm(trace, self.budget_bytes, chunk_bytes=self.chunk_bytes)
+                if plan is not None:
+                    plan = dataclasses.replace(plan, reserve_bytes=reserve_bytes)
+            except InfeasibleBudgetError as err:
+                logger.warning("no swap plan at this budget, staying reactive: %s", err)
+                plan = None
+            chosen.planning_s = time.perf_counter() - begin
+            self._plans[chosen.signature] = plan
+            if plan is not None and self.cache is not None and chosen.key is not None:
+                try:
+                    self.cache.put(chosen.key, plan)
+                except VTensorError as err:
+                    logger.warning("plan not cached: %s", err)
+        return chosen.source

@@ -1,0 +1,107 @@
+"""The books of one managed iteration: per-step statistics and trace steps, then its Trace."""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vtensor.activations.report import StepStats
+from vtensor.activations.store import StoreStats, VTensor
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
+
+
+@dataclass
+class OpenStep:
+    """The step running now: where it began and what it has seen so far."""
+
+    index: int
+    name: str
+    started: float
+    live_start: int
+    peak: int
+    stats_at_start: StoreStats
+    unmanaged_peak: int = 0
+    rss_start: int = 0
+
+
+@dataclass
+class IterationBooks:
+    """What an iteration measured, for its report and trace."""
+
+    steps: list[StepStats] = field(default_factory=list)
+    trace_steps: list[TraceStep] = field(default_factory=list)
+    tensors: dict[int, VTensor] = field(default_factory=dict)
+    dtypes: dict[int, set[str]] = field(default_factory=dict)
+    evictable_step: dict[int, int] = field(default_factory=dict)
+    unmanaged_saved_bytes: int = 0
+    peak_bytes: int = 0
+    min_budget_bytes: int = 0
+    min_budget_step: str = ""
+    violated: bool = False
+
+    def close(self, step: OpenStep, stats: StoreStats, transient: int, *, counted: bool) -> None:
+        """Book ``step`` as it ends: its statistics and its trace step.
+
+        ``transient`` is its op workspace beyond the sampled peak; ``counted``: the manager
+        budgets workspaces, so the trace's unmanaged peak includes it.
+        """
+        now = time.perf_counter()
+        before = step.stats_at_start
+        phase = Phase(step.name.split(":", 1)[0])
+        self.steps.append(
+            StepStats(
+                step.index,
+                step.name,
+                phase,
+                now - step.started,
+                step.peak,
+                stats.bytes_out - before.bytes_out,
+                stats.bytes_in - before.bytes_in,
+                stats.transfer_s - before.transfer_s,
+                stats.stall_s - before.stall_s,
+            )
+        )
+        self.trace_steps.append(
+            TraceStep(
+                step.index,
+                step.name,
+                phase,
+                now - step.started,
+                step.live_start,
+                step.peak,
+                max(step.unmanaged_peak, 0) + (transient if counted else 0),
+                transient,
+            )
+        )
+
+    def trace(
+        self,
+        extra: Sequence[TraceTensor],
+        baseline_bytes: int,
+        budget_bytes: int,
+        chunk_bytes: int | None,
+        device: str,
+    ) -> Trace:
+        """The iteration as a ``Trace``; ``extra`` are the parameter side's tensors."""
+        ordered = sorted(self.tensors.values(), key=lambda r: r.vid)
+        tensors = tuple(
+            TraceTensor(
+                vid=position,  # position in order of first save: stable across iterations
+                nbytes=r.nbytes,
+                dtypes=tuple(sorted(self.dtypes[r.vid])),
+                saved_step=r.saved_step,
+                # First step at whose start it could go: it became evictable during this one.
+                evictable_step=self.evictable_step.get(r.vid, -2) + 1,
+                use_steps=tuple(u for u in r.uses),
+            )
+            for position, r in enumerate(ordered)
+        )
+        tensors += tuple(extra)
+        return Trace(
+            steps=tuple(self.trace_steps),
+            tensors=tensors,
+            unmanaged_saved_bytes=self.unmanaged_saved_bytes,
+            baseline_bytes=baseline_bytes,
+            budget_bytes=budget_bytes,
+            chunk_bytes=chunk_bytes,
+            device=device,
+        )

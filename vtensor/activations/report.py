@@ -1,0 +1,127 @@
+"""Typed statistics of a managed iteration, per step and in total."""
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from vtensor.planner.trace import Phase
+
+
+class Policy(StrEnum):
+    """Which policy decides what leaves memory and when."""
+
+    PLANNED = "planned"  # profile one iteration, plan it with the LGM, replay the plan
+    REACTIVE = "reactive"  # no planning: evict the farthest use, prefetch the nearest
+
+
+class Granularity(StrEnum):
+    """Unit of swapping."""
+
+    CHUNK = "chunk"  # fixed-size chunks: move exactly what the budget demands
+    TENSOR = "tensor"  # whole saved tensors: the prior-work baseline
+
+
+class PlanSource(StrEnum):
+    """Where the swap decisions of an iteration came from."""
+
+    PROFILED = "profiled"  # no plan yet: reactive policy, and the iteration is recorded
+    PLANNED = "planned"  # a plan made in this process from an earlier iteration
+    CACHED = "cached"  # a plan loaded from the plan cache: no profiling in this process
+    FALLBACK = "fallback"  # the run diverged from its plan: reactive for the rest
+    REACTIVE = "reactive"  # reactive only (policy="reactive", or the planner found no plan)
+
+
+class PeakSource(StrEnum):
+    """How the independent peak of a report was measured."""
+
+    CUDA_MAX_ALLOCATED = "cuda-max-allocated"  # torch.cuda.max_memory_allocated
+    RSS_VMHWM = "rss-vmhwm"  # the process's peak RSS (VmHWM) over the iteration
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What happened during one step.
+
+    Attributes:
+        index: position in execution order.
+        name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
+        phase: forward, backward or other.
+        duration_s: wall time of the step.
+        peak_device_bytes: largest tracked device bytes sampled during the step.
+        bytes_out: bytes whose eviction completed during the step.
+        bytes_in: bytes whose restore completed during the step.
+        transfer_s: time the transfers completed in this step spent copying.
+        stall_s: time compute waited on transfers during the step.
+    """
+
+    index: int
+    name: str
+    phase: Phase
+    duration_s: float
+    peak_device_bytes: int
+    bytes_out: int
+    bytes_in: int
+    transfer_s: float
+    stall_s: float
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    """Statistics of one iteration run under ``MemoryManager.step``.
+
+    Attributes:
+        iteration: 0 for the first managed iteration.
+        policy: the swap policy that decided the iteration: "planned" (a plan was replayed to
+            the end) or "reactive".
+        granularity: "chunk" or "tensor".
+        plan_source: where the swap decisions came from: "profiled" (no plan yet: reactive,
+            and this iteration was recorded and planned), "planned" (a plan made in this
+            process), "cached" (a plan loaded from the plan cache, no profiling), "fallback"
+            (the run diverged from its plan), "reactive" (no planning).
+        device: "cpu" or "cuda".
+        budget_bytes: the budget.
+        chunk_bytes: chunk size (None at tensor granularity).
+        peak_device_bytes: tracked peak (allocator statistics: glibc mallinfo2 on CPU,
+            ``torch.cuda.memory_allocated`` on CUDA), sampled at every hook point.
+        peak_independent_bytes: independent peak: on CPU, baseline + growth of the process's
+            peak RSS (VmHWM) over the iteration; on CUDA, ``torch.cuda.max_memory_allocated``.
+            None when it could not be measured.
+        independent_kind: how the independent figure was measured.
+        min_budget_bytes: the smallest budget that would have worked for this iteration.
+        bytes_out: bytes moved to the slower tier.
+        bytes_in: bytes moved back.
+        transfer_s: time spent copying.
+        stall_s: time compute waited on transfers.
+        wall_s: wall time of the iteration.
+        steps: per-step statistics.
+        predicted_peak_bytes: the plan's predicted peak (None without a plan).
+        predicted_stall_s: the plan's predicted stall (None without a plan).
+        planning_s: time spent planning after this iteration.
+        cache_load_s: time spent loading the plan from the cache before it.
+    """
+
+    iteration: int
+    policy: Policy
+    granularity: Granularity
+    plan_source: PlanSource
+    device: str
+    budget_bytes: int
+    chunk_bytes: int | None
+    peak_device_bytes: int
+    peak_independent_bytes: int | None
+    independent_kind: PeakSource
+    min_budget_bytes: int
+    bytes_out: int
+    bytes_in: int
+    transfer_s: float
+    stall_s: float
+    wall_s: float
+    steps: tuple[StepStats, ...]
+    predicted_peak_bytes: int | None = None
+    predicted_stall_s: float | None = None
+    planning_s: float = 0.0
+    cache_load_s: float = 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes moved in both directions."""
+        return self.bytes_out + self.bytes_in

@@ -1,0 +1,482 @@
+"""The public memory manager: one context manager per training iteration under a budget."""
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from os import PathLike
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_hooks
+from vtensor.activations.iteration import Iteration
+from vtensor.activations.planning import IterationPlan, PlanBook
+from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.report import (
+    Granularity,
+    IterationReport,
+    PeakSource,
+    Policy,
+)
+from vtensor.activations.store import ChunkStore
+from vtensor.errors import InfeasibleBudgetError, VTensorError
+from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
+from vtensor.io.tiers import HostTier, StorageTier
+from vtensor.io.transfer import CudaTransferEngine, FileTransferEngine, TransferEngine
+from vtensor.measure.accounting import make_device_tracker
+from vtensor.measure.rss import RssMeter
+from vtensor.offload.joint import JointStep, held_outside
+from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Trace
+from vtensor.sizes import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from vtensor.offload.param_offload import ParamOffload
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryManager:
+    """Trains any ``nn.Module`` under a hard memory budget by swapping chunks of saved activations.
+
+    Usage::
+
+        mm = vtensor.MemoryManager(budget="256MiB")
+        with mm.step(model):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        optimizer.step()
+        print(mm.report())
+
+    Args:
+        budget: device-tier bytes, as an int or a string such as ``"256MiB"`` or ``"1.5GB"``.
+        chunk_bytes: chunk size (default 1 MiB, see NOTE [default chunk size]).
+        storage_dir: directory of the swap file (CPU); default: the system temporary directory.
+        granularity: ``"chunk"`` or ``"tensor"`` (whole tensors, the prior-work baseline).
+        device: the managed device; default: the device of the model's first parameter.
+        min_tensor_bytes: saved tensors smaller than this stay resident (not worth a transfer).
+        prefetch_depth: how many saved tensors backward prefetches ahead.
+        drop_page_cache: flush and drop swap-file pages from the page cache after each transfer,
+            so swapped-out bytes really leave RAM.
+        encrypt_storage: seal every chunk written to the swap file with AES-256-GCM under a
+            random key that exists only in this process's memory (docs/encryption.md). Turn it
+            off only to measure its cost. The pinned host tier (CUDA) is RAM and is not
+            encrypted.
+        host_capacity_bytes: bound of the pinned host tier (CUDA).
+        plan_cache_dir: directory of the plan cache, shared by processes (None: plans live only
+            in this manager).
+        count_workspaces: also budget the memory that ops allocate internally (convolution
+            workspaces, short-lived tensors between hook points), measured per step from the
+            process's RSS while profiling (CPU). The budget then holds for the process's RSS,
+            at the price of smaller usable budgets; off, it holds for the tracked tensor bytes.
+        policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
+            ``"reactive"`` (no planning).
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str,
+        *,
+        chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+        storage_dir: str | PathLike[str] | None = None,
+        granularity: str | Granularity = Granularity.CHUNK,
+        device: str | torch.device | None = None,
+        min_tensor_bytes: int = 4096,
+        prefetch_depth: int = 2,
+        drop_page_cache: bool = True,
+        encrypt_storage: bool = True,
+        host_capacity_bytes: int | None = None,
+        plan_cache_dir: str | PathLike[str] | None = None,
+        policy: str | Policy = Policy.PLANNED,
+        count_workspaces: bool = False,
+    ) -> None:
+        self.budget_bytes = parse_bytes(budget)
+        self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
+        try:
+            self.granularity = Granularity(granularity)
+        except ValueError:
+            raise VTensorError(
+                f"granularity={granularity!r} is not one of {[g.value for g in Granularity]}"
+            ) from None
+        self.storage_dir = storage_dir
+        self.device = torch.device(device) if device is not None else None
+        self.min_tensor_bytes = min_tensor_bytes
+        self.prefetch_depth = prefetch_depth
+        self.drop_page_cache = drop_page_cache
+        self.encrypt_storage = encrypt_storage
+        self.host_capacity_bytes = host_capacity_bytes
+        self.count_workspaces = count_workspaces
+        try:
+            self.policy = Policy(policy)
+        except ValueError:
+            raise VTensorError(
+                f"policy={policy!r} is not one of {[p.value for p in Policy]}"
+            ) from None
+        self._plans = PlanBook(
+            self.budget_bytes,
+            self.chunk_size,
+            plan_cache_dir,
+            planned=self.policy is Policy.PLANNED,
+            count_workspaces=count_workspaces,
+        )
+        self._store: ChunkStore | None = None
+        self._policy: ReactivePolicy | None = None
+        self._rss: RssMeter | None = None
+        self._reports: list[IterationReport] = []
+        self._trace: Trace | None = None
+        self._active = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> "MemoryManager":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for transfers, free every chunk and delete the swap file."""
+        if self._store is not None:
+            self._store.close()
+            self._store.engine.close()
+            self._store = None
+        if self._rss is not None:
+            self._rss.close()
+            self._rss = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing more can be done
+            self.close()
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Bytes per chunk, or None at tensor granularity."""
+        return None if self.granularity is Granularity.TENSOR else self.chunk_bytes
+
+    def _ensure_started(self, device: torch.device) -> tuple[ChunkStore, ReactivePolicy]:
+        if self._store is not None and self._policy is not None:
+            return self._store, self._policy
+        engine: TransferEngine
+        if device.type == "cuda":
+            engine = CudaTransferEngine(device, HostTier(self.host_capacity_bytes))
+        elif device.type == "cpu":
+            engine = FileTransferEngine(
+                StorageTier(self.storage_dir, self.drop_page_cache), encrypt=self.encrypt_storage
+            )
+        else:
+            raise VTensorError(f"device {device} is not supported; use a cpu or cuda device")
+        self._store = ChunkStore(engine, self.chunk_size)
+        self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
+        return self._store, self._policy
+
+    # -- one iteration ------------------------------------------------------------------------
+    @contextmanager
+    def step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        inputs: Sequence[torch.Tensor] = (),
+        params: "ParamOffload | None" = None,
+    ) -> Iterator[None]:
+        """Manage one training iteration (forward and backward) of ``model`` under the budget.
+
+        Args:
+            model: the module being trained; its parameters and buffers are never swapped here.
+            optimizer: its state counts toward the budget when given.
+            inputs: tensors made before the step (the batch) that count toward the budget on CPU.
+            params: a ``ParamOffload`` of ``model`` with the same budget: its parameters,
+                gradients and optimizer state are planned together with the activations, in
+                one plan under one budget (NOTE [one plan] in ``vtensor/offload/joint.py``). Call
+                its ``step()`` after the block: with clipping, the clip-and-update pass would
+                fall in one step of the trace that uses every parameter, and nothing could be
+                planned (the iteration stays reactive).
+
+        Raises:
+            InfeasibleBudgetError: the budget cannot be met; the error states the smallest
+                budget that would have worked (raised when the block exits, after backward).
+        """
+        if self._active:
+            raise VTensorError("MemoryManager.step is already active; steps cannot nest")
+        device = self.device or _device_of(model)
+        self._check_params(model, optimizer, params, device)
+        store, policy = self._ensure_started(device)
+        baseline = self._baseline(model, optimizer, inputs, device, params)
+        if self._rss is None and device.type == "cpu":
+            self._rss = RssMeter()
+        with contextlib.ExitStack() as stack:
+            if device.type == "cpu":
+                stack.enter_context(_collector_held())  # NOTE [quiet heap]
+            rss_start = self._start_independent(device)
+            signature = params.plan_signature() if params is not None else ""
+            chosen = self._plans.for_iteration(model, inputs, device, store, signature)
+            executor = chosen.executor
+            if executor is not None:
+                policy.keep_reserve(executor.plan.reserve_bytes)
+            joint = None
+            if params is not None:
+                joint = JointStep(
+                    params,
+                    executor.plan if executor is not None else None,
+                    lambda: executor is not None and executor.active,
+                    record=chosen.record_trace,
+                )
+            iteration = Iteration(
+                store,
+                policy,
+                make_device_tracker(device),
+                device,
+                _storages_of(model, optimizer),
+                baseline,
+                self.min_tensor_bytes,
+                record_trace=chosen.record_trace,
+                executor=executor,
+                rss=self._rss,
+                count_workspaces=self.count_workspaces,
+                params=joint.side if joint is not None else None,
+            )
+            # Exits run in reverse: the hooks come off, the pool disconnects, then the
+            # iteration closes its last step and the store takes in what completed.
+            stack.callback(store.reap)
+            stack.callback(iteration.finish)
+            if joint is not None:
+                stack.enter_context(joint.connected_to(iteration))
+            for hook in install_module_hooks(model, iteration):
+                stack.callback(hook.remove)
+            started = time.perf_counter()
+            stats_before = _snapshot(store)
+            self._active = True
+            stack.callback(self._deactivate)
+            with torch.autograd.graph.saved_tensors_hooks(*make_saved_tensor_hooks(iteration)):
+                yield
+        books = iteration.books
+        if books.violated:
+            raise InfeasibleBudgetError(
+                self.budget_bytes, books.min_budget_bytes, books.min_budget_step
+            )
+        self._record(iteration, chosen, device, started, stats_before, rss_start, joint)
+
+    def _deactivate(self) -> None:
+        self._active = False
+
+    def _baseline(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+        params: "ParamOffload | None",
+    ) -> int:
+        """Device bytes before any activation is saved; raises if they alone break the budget."""
+        baseline = _baseline_bytes(model, optimizer, inputs, device)
+        if params is not None:
+            baseline += held_outside(params.pool, model)
+        if baseline > self.budget_bytes:
+            raise InfeasibleBudgetError(
+                self.budget_bytes,
+                baseline,
+                "start",
+                f"parameters, gradients, optimizer state and inputs alone take "
+                f"{format_bytes(baseline)} before any activation is saved",
+            )
+        return baseline
+
+    def _check_params(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        params: "ParamOffload | None",
+        device: torch.device,
+    ) -> None:
+        if params is None:
+            return
+        if params.model is not model:
+            raise VTensorError("step(params=...) needs the ParamOffload of the model being stepped")
+        if optimizer is not None:
+            raise VTensorError(
+                "step(optimizer=..., params=...): the optimizer's state is offloaded by the "
+                "ParamOffload; leave optimizer out of step()"
+            )
+        if params.budget_bytes != self.budget_bytes:
+            raise VTensorError(
+                f"one plan needs one budget: ParamOffload(budget={params.budget_bytes}) and "
+                f"MemoryManager(budget={self.budget_bytes}); give both the same budget"
+            )
+        if device.type != "cpu" or self.granularity is not Granularity.CHUNK:
+            raise VTensorError(
+                "step(params=...) plans parameter offloading on the CPU at chunk granularity "
+                f"(device {device.type}, granularity {self.granularity.value})"
+            )
+
+    def _start_independent(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return 0
+        assert self._rss is not None
+        self._rss.reset_peak()
+        return self._rss.current_rss_bytes()
+
+    def _independent_peak(
+        self, device: torch.device, baseline: int, rss_start: int, seen_peak: int
+    ) -> int:
+        if device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(device))
+        assert self._rss is not None
+        # A profiling iteration resets the high-water mark per step and keeps the maximum.
+        peak = max(self._rss.peak_rss_bytes(), seen_peak)
+        return baseline + max(0, peak - rss_start)
+
+    def _record(
+        self,
+        iteration: Iteration,
+        chosen: IterationPlan,
+        device: torch.device,
+        started: float,
+        before: tuple[int, int, float, float],
+        rss_start: int,
+        joint: JointStep | None = None,
+    ) -> None:
+        assert self._store is not None and self._policy is not None
+        stats = self._store.stats
+        books = iteration.books
+        trace = None
+        if chosen.record_trace:
+            trace = iteration.trace(self.budget_bytes, self.chunk_size)
+            if joint is not None and joint.created_state:
+                trace = dataclasses.replace(trace, incomplete=True)
+            self._trace = trace
+        source = self._plans.after_iteration(chosen, trace, self._policy.reserve_bytes)
+        executor = chosen.executor
+        plan = executor.plan if executor is not None else None
+        report = IterationReport(
+            iteration=len(self._reports),
+            policy=Policy.PLANNED if executor is not None and executor.active else Policy.REACTIVE,
+            granularity=self.granularity,
+            plan_source=source,
+            device=device.type,
+            budget_bytes=self.budget_bytes,
+            chunk_bytes=self.chunk_size,
+            peak_device_bytes=books.peak_bytes,
+            peak_independent_bytes=self._independent_peak(
+                device, iteration.baseline_bytes, rss_start, iteration.rss_peak_bytes
+            ),
+            independent_kind=(
+                PeakSource.CUDA_MAX_ALLOCATED if device.type == "cuda" else PeakSource.RSS_VMHWM
+            ),
+            min_budget_bytes=books.min_budget_bytes,
+            bytes_out=stats.bytes_out - before[0],
+            bytes_in=stats.bytes_in - before[1],
+            transfer_s=stats.transfer_s - before[2],
+            stall_s=stats.stall_s - before[3],
+            wall_s=time.perf_counter() - started,
+            steps=tuple(books.steps),
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan is not None else None,
+            predicted_stall_s=plan.predicted_stall_s if plan is not None else None,
+            planning_s=chosen.planning_s,
+            cache_load_s=chosen.cache_load_s,
+        )
+        self._reports.append(report)
+        logger.debug(
+            "iteration %d: peak %s of %s, out %s, in %s",
+            report.iteration,
+            format_bytes(report.peak_device_bytes),
+            format_bytes(self.budget_bytes),
+            format_bytes(report.bytes_out),
+            format_bytes(report.bytes_in),
+        )
+
+    # -- results ------------------------------------------------------------------------------
+    def report(self) -> IterationReport:
+        """Statistics of the last completed iteration."""
+        if not self._reports:
+            raise VTensorError("no iteration has completed under this MemoryManager yet")
+        return self._reports[-1]
+
+    @property
+    def reports(self) -> tuple[IterationReport, ...]:
+        """Statistics of every completed iteration, in order."""
+        return tuple(self._reports)
+
+    def plan_for(
+        self,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor] = (),
+        params: "ParamOffload | None" = None,
+    ) -> Plan | None:
+        """The swap plan this manager replays for ``model`` at ``inputs`` (None if none yet).
+
+        ``params`` as for :meth:`step`: the joint plan of that offloading's next backward pass.
+        """
+        device = self.device or _device_of(model)
+        signature = params.plan_signature() if params is not None else ""
+        return self._plans.plan_for(model, inputs, device, signature)
+
+    @property
+    def trace(self) -> Trace | None:
+        """The trace of the last profiled iteration."""
+        return self._trace
+
+
+@contextmanager
+def _collector_held() -> Iterator[None]:
+    """Hold the cycle collector for the block (NOTE [quiet heap])."""
+    # NOTE [quiet heap]: on CPU the tracker reads the process-wide heap counter, so garbage of
+    # earlier code freed by the cycle collector mid-step would look like the step freeing
+    # memory. Hold the collector until the step ends (a full collection here would cost
+    # ~0.15 s per step in a process that has imported torch).
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:
+    s = store.stats
+    return s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    for buffer in model.buffers():
+        return buffer.device
+    return torch.device("cpu")
+
+
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _storages_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
+    return {t.untyped_storage()._cdata for t in _state_tensors(model, optimizer)}
+
+
+def _baseline_bytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    inputs: Sequence[torch.Tensor],
+    device: torch.device,
+) -> int:
+    seen: dict[int, int] = {}
+    for tensor in [*_state_tensors(model, optimizer), *inputs]:
+        if tensor.device.type == device.type:
+            storage = tensor.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())

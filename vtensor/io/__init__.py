@@ -1,0 +1,1 @@
+"""Bytes leaving memory, shared by every feature: chunks, slower tiers, sealing, async transfers."""

@@ -1,0 +1,224 @@
+"""Slower tiers that hold evicted chunks: a swap file on storage, and pinned host memory on CUDA."""
+
+import bisect
+import ctypes
+import errno
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vtensor.errors import StorageTierError
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+
+
+def _round_up(nbytes: int, multiple: int) -> int:
+    return -(-nbytes // multiple) * multiple
+
+
+def buffer_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of raw memory, for I/O straight into and out of tensor storage."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The part of ``views`` left after the first ``nbytes`` (after a short vectored transfer)."""
+    while views and nbytes >= len(views[0]):
+        nbytes -= len(views[0])
+        views = views[1:]
+    if views and nbytes:
+        views = [views[0][nbytes:], *views[1:]]
+    return views
+
+
+def _anonymous_file(directory: Path) -> int:
+    """A read-write descriptor of a file in ``directory`` that has no name at any moment.
+
+    ``O_TMPFILE`` creates the inode without a directory entry, so not even a crash between
+    creating and unlinking can leave a named file behind; filesystems without it get
+    ``mkstemp`` and an immediate unlink.
+    """
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, path = tempfile.mkstemp(prefix="vtensor-", suffix=".swap", dir=directory)
+    os.unlink(path)
+    return fd
+
+
+class ExtentAllocator:
+    """First-fit allocator of page-aligned byte extents in a growing file; frees coalesce."""
+
+    def __init__(self) -> None:
+        self._free: list[tuple[int, int]] = []  # sorted (offset, length)
+        self.end_bytes = 0  # file size high-water mark
+        self.used_bytes = 0
+
+    def alloc(self, nbytes: int) -> int:
+        """Return the offset of a free extent of at least ``nbytes`` (page-rounded)."""
+        size = _round_up(nbytes, PAGE_BYTES)
+        for i, (offset, length) in enumerate(self._free):
+            if length >= size:
+                if length == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, length - size)
+                self.used_bytes += size
+                return offset
+        offset = self.end_bytes
+        self.end_bytes += size
+        self.used_bytes += size
+        return offset
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return an extent given by :meth:`alloc`."""
+        size = _round_up(nbytes, PAGE_BYTES)
+        self.used_bytes -= size
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, size))
+        # Coalesce with the right neighbour, then with the left one.
+        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+            self._free[i] = (offset, size + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+
+class StorageTier:
+    """One swap file per session, read and written with raw ``pwrite``/``preadv``.
+
+    NOTE [anonymous swap file]
+    The file is created without a name in ``directory`` (``O_TMPFILE``; elsewhere ``mkstemp``
+    and an immediate unlink): it lives only as long as this process holds its descriptor, so it
+    is gone after a normal exit, an exception, Ctrl-C and even SIGKILL, and no other process can
+    open it by name. What it holds is sealed by default (``io/sealing.py``). After every write the
+    pages are flushed (``fdatasync``) and dropped from the page cache (``POSIX_FADV_DONTNEED``):
+    without that, "swapped out" bytes would only move from the process into the page cache and
+    the machine's RAM would not shrink (measured in docs/vtensor.md).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None, drop_page_cache: bool = True):
+        root = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = _anonymous_file(root)
+        except OSError as exc:
+            raise StorageTierError(
+                exc.errno or errno.EIO,
+                f"cannot create a swap file in storage_dir={str(root)!r} ({exc.strerror}); "
+                "pass a writable directory as storage_dir",
+            ) from exc
+        self.directory = root
+        self.drop_page_cache = drop_page_cache
+        self._fd: int | None = fd
+        self.extents = ExtentAllocator()
+        if drop_page_cache:
+            # NOTE [no kernel read-ahead]: the kernel's own read-ahead (8 MiB on this project's
+            # VM) would pull the neighbouring extents, other chunks still swapped out, into the
+            # page cache on every read, where they stay until read and dropped themselves: tens
+            # of MiB outside the budget. Restores ask for exactly their own ranges instead
+            # (``read_ahead``).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    @property
+    def fd(self) -> int:
+        """The open descriptor of the (unlinked) swap file."""
+        if self._fd is None:
+            raise StorageTierError(errno.EBADF, "the storage tier is closed")
+        return self._fd
+
+    def write(self, offset: int, address: int, nbytes: int) -> None:
+        """Write ``nbytes`` from memory at ``address`` to the file at ``offset`` (any thread)."""
+        self.writev(offset, [buffer_at(address, nbytes)])
+
+    def read(self, offset: int, address: int, nbytes: int) -> None:
+        """Read ``nbytes`` at ``offset`` into memory at ``address`` (any thread)."""
+        self.readv(offset, [buffer_at(address, nbytes)])
+
+    def writev(self, offset: int, views: list[memoryview]) -> None:
+        """Write ``views`` back to back to the file at ``offset``: one ``pwritev`` if it can."""
+        nbytes = sum(len(v) for v in views)
+        done = 0
+        try:
+            while views:
+                wrote = os.pwritev(self.fd, views, offset + done)
+                done += wrote
+                views = _skip(views, wrote)
+        except OSError as exc:
+            raise StorageTierError(
+                exc.errno or errno.EIO,
+                f"writing {nbytes} bytes to the swap file in {str(self.directory)!r} failed "
+                f"({exc.strerror}); free space there or pass another storage_dir",
+            ) from exc
+
+    def readv(self, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views`` back to back from the file at ``offset``: one ``preadv`` if it can."""
+        nbytes = sum(len(v) for v in views)
+        done = 0
+        while views:
+            got = os.preadv(self.fd, views, offset + done)
+            if got == 0:
+                raise StorageTierError(
+                    errno.EIO, f"swap file ended at {offset + done}, expected {nbytes} bytes"
+                )
+            done += got
+            views = _skip(views, got)
+
+    def read_ahead(self, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start reading a range into the page cache (returns at once)."""
+        if self.drop_page_cache:
+            os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+    def release_cache(self, offset: int, nbytes: int, *, dirty: bool) -> None:
+        """Drop a range from the page cache so the RAM it used is really free."""
+        if not self.drop_page_cache:
+            return
+        if dirty:
+            os.fdatasync(self.fd)
+        os.posix_fadvise(self.fd, offset, _round_up(nbytes, PAGE_BYTES), os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close (and so delete) the swap file."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class HostTier:
+    """A bounded pool of pinned host buffers (CUDA only), reused by size to avoid cudaHostAlloc."""
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._pool: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 buffer of ``nbytes``."""
+        if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
+            raise StorageTierError(
+                errno.ENOMEM,
+                f"pinned host tier full ({self.used_bytes} of {self.capacity_bytes} bytes used, "
+                f"{nbytes} more requested); raise host_capacity_bytes",
+            )
+        self.used_bytes += nbytes
+        free = self._pool.get(nbytes)
+        if free:
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Return a buffer whose transfers have completed."""
+        self.used_bytes -= buffer.numel()
+        self._pool.setdefault(buffer.numel(), []).append(buffer)
+
+    def close(self) -> None:
+        """Release every pooled buffer."""
+        self._pool.clear()

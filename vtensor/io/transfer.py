@@ -1,0 +1,370 @@
+"""Asynchronous transfer engines: a background thread for file I/O, a side stream for CUDA."""
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from vtensor.io.chunk import Chunk
+from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
+from vtensor.io.tiers import HostTier, StorageTier, buffer_at
+
+logger = logging.getLogger(__name__)
+
+READ_AHEAD_BYTES = 16 << 20  # most swap-file bytes read ahead of their restores at a time
+
+
+class Transfer(Protocol):
+    """A copy in flight. ``wait`` makes its result visible to the compute that follows."""
+
+    nbytes: int
+
+    def done(self) -> bool:
+        """True once the copy has finished (successfully or not)."""
+        ...
+
+    def wait(self) -> None:
+        """Block (or make the compute stream wait) until the copy is complete; re-raise failures."""
+        ...
+
+    def busy_s(self) -> float:
+        """Seconds the transfer itself took (valid once done)."""
+        ...
+
+
+@dataclass
+class ThreadTransfer:
+    """A file transfer running on the engine's I/O thread."""
+
+    future: concurrent.futures.Future[float]
+    nbytes: int
+
+    def done(self) -> bool:  # noqa: D102
+        return self.future.done()
+
+    def wait(self) -> None:  # noqa: D102
+        self.future.result()
+
+    def busy_s(self) -> float:  # noqa: D102
+        return self.future.result() if self.future.done() else 0.0
+
+
+@dataclass
+class CudaTransfer:
+    """A copy on the side stream, fenced by events; holds its operands until complete."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    nbytes: int
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+
+    def done(self) -> bool:  # noqa: D102
+        finished = bool(self.end.query())  # type: ignore[no-untyped-call]
+        if finished:
+            self.keepalive.clear()
+        return finished
+
+    def wait(self) -> None:  # noqa: D102
+        # Wait-on-use without blocking the host: the compute stream waits for the side stream.
+        torch.cuda.current_stream().wait_event(self.end)
+
+    def busy_s(self) -> float:  # noqa: D102
+        return float(self.start.elapsed_time(self.end)) / 1000.0 if self.done() else 0.0
+
+
+class TransferEngine(Protocol):
+    """Moves chunk bytes between a storage's memory and a slower tier."""
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
+        """Start copying ``chunks`` of ``storage`` out; assigns each chunk a slot."""
+        ...
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
+        """Start copying ``chunks`` back into ``storage`` (already at full size)."""
+        ...
+
+    def release(self, chunks: Sequence[Chunk]) -> None:
+        """Free the slots of chunks whose transfers have completed."""
+        ...
+
+    def close(self) -> None:
+        """Wait for outstanding work and release the tier."""
+        ...
+
+
+class ReadAhead:
+    """Swap-file ranges that queued restores will read, asked of the kernel ahead of the reads.
+
+    NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is still busy
+    with earlier jobs or with decrypting the previous staging buffer, so the job finds them in
+    the page cache. Pages read ahead stay in the page cache until their job copies them out and
+    drops them, so the bytes asked for and not yet read are capped (``limit_bytes``). The
+    window slides: every staging buffer the I/O thread reads gives its bytes back and the
+    thread asks for the next ones, of the same restore or of the restores queued behind it, so
+    a restore larger than the cap and the restores after it are read ahead too. Only the I/O
+    thread asks (``posix_fadvise(WILLNEED)`` blocks while it queues the reads, ~0.6 ms per call
+    here), and it takes a range out of the queue before reading it, so no range is ever asked
+    for after its job has read and dropped it (which would leave its pages cached).
+    """
+
+    def __init__(self, tier: StorageTier, limit_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.tier = tier
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+        # [start, end) file ranges in the order restores will read them: not asked for yet,
+        # and asked for but not read yet. ``want`` appends from the compute thread.
+        self._wanted: collections.deque[list[int]] = collections.deque()
+        self._asked: list[list[int]] = []
+        self.ahead_bytes = 0  # bytes of ``_asked``
+
+    def want(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Queue the (slot, memory offset, bytes) runs of a restore just issued."""
+        with self._lock:
+            self._wanted.extend([slot, slot + nbytes] for slot, _, nbytes in runs)
+
+    def claim(self, start: int, nbytes: int) -> None:
+        """On the I/O thread, before reading ``[start, start + nbytes)``: it is no longer ahead."""
+        end = start + nbytes
+        with self._lock:
+            self._wanted = collections.deque(_cut(self._wanted, start, end))
+            kept = list(_cut(self._asked, start, end))
+            self.ahead_bytes = sum(b - a for a, b in kept)
+            self._asked = kept
+
+    def top_up(self) -> None:
+        """On the I/O thread: ask for the next wanted bytes, up to the cap."""
+        asked: list[tuple[int, int]] = []
+        with self._lock:
+            room = self.limit_bytes - self.ahead_bytes
+            while room > 0 and self._wanted:
+                head = self._wanted[0]
+                take = min(head[1] - head[0], room)
+                asked.append((head[0], take))
+                self._asked.append([head[0], head[0] + take])
+                head[0] += take
+                if head[0] == head[1]:
+                    self._wanted.popleft()
+                room -= take
+                self.ahead_bytes += take
+        for offset, nbytes in asked:
+            try:
+                self.tier.read_ahead(offset, nbytes)
+            except OSError:  # advisory: the restore reads the bytes itself, only later
+                logger.debug("read-ahead of %d bytes at %d failed", nbytes, offset, exc_info=True)
+
+
+def _cut(ranges: Iterable[list[int]], start: int, end: int) -> Iterator[list[int]]:
+    """``ranges`` less ``[start, end)``, in order."""
+    for a, b in ranges:
+        if b <= start or a >= end:
+            yield [a, b]
+            continue
+        if a < start:
+            yield [a, start]
+        if b > end:
+            yield [end, b]
+
+
+class FileTransferEngine:
+    """Storage-tier transfers on one background thread (raw syscalls and AEAD release the GIL).
+
+    With ``encrypt`` (the default) every chunk is sealed before it reaches the file and
+    authenticated when it comes back (NOTE [sealed swap] in ``vtensor/io/sealing.py``).
+    """
+
+    def __init__(
+        self, tier: StorageTier, *, encrypt: bool = True, cipher: Cipher | str = DEFAULT_CIPHER
+    ) -> None:
+        self.tier = tier
+        self.sealer = Sealer(cipher) if encrypt else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
+        self.read_ahead = ReadAhead(tier)
+
+    def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
+        def timed() -> float:
+            begin = time.perf_counter()
+            self.read_ahead.top_up()
+            job()
+            return time.perf_counter() - begin
+
+        return ThreadTransfer(self._pool.submit(timed), nbytes)
+
+    # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
+    # vectored call and drop its pages from the page cache right after it, so the swap file
+    # holds at most about one staging buffer of page cache on the I/O thread's account, instead
+    # of a whole eviction run or restore (tens of MiB for a large activation).
+    # Between staging buffers the window of NOTE [read-ahead] slides on.
+    def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
+        self.tier.writev(offset, views)
+        self.tier.release_cache(offset, sum(len(v) for v in views), dirty=True)
+        self.read_ahead.top_up()
+
+    def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
+        nbytes = sum(len(v) for v in views)
+        self.read_ahead.claim(offset, nbytes)
+        self.tier.readv(offset, views)
+        self.tier.release_cache(offset, nbytes, dirty=False)
+        self.read_ahead.top_up()
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
+        # one contiguous extent so the whole run is one write (sealed: one per staging buffer)
+        # and one cache drop.
+        total = sum(c.nbytes for c in chunks)
+        start = self.tier.extents.alloc(total)
+        slot = start
+        for chunk in chunks:
+            chunk.slot = slot
+            slot += chunk.nbytes
+        address = storage.data_ptr() + chunks[0].offset_bytes
+        sealer = self.sealer
+        pieces = _pieces(storage, chunks) if sealer is not None else []
+
+        def job() -> None:
+            if sealer is None:
+                self.tier.write(start, address, total)
+                self.tier.release_cache(start, total, dirty=True)
+            else:
+                sealer.seal(pieces, self._write_dropped)
+
+        return self._submit(job, total)
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        base = storage.data_ptr()
+        runs = _contiguous_runs(chunks)
+        sealer = self.sealer
+        pieces = _pieces(storage, chunks) if sealer is not None else []
+        self.read_ahead.want(runs)
+
+        def job() -> None:
+            try:
+                if sealer is not None:
+                    sealer.open(pieces, self._read_dropped)
+                    return
+                for slot, offset, nbytes in runs:
+                    self._read_dropped(slot, [buffer_at(base + offset, nbytes)])
+            finally:
+                for slot, _, nbytes in runs:  # a failed restore reads no further
+                    self.read_ahead.claim(slot, nbytes)
+
+        return self._submit(job, sum(c.nbytes for c in chunks))
+
+    def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
+        held = [c for c in chunks if c.slot is not None]
+        for slot, _, nbytes in _contiguous_runs(held):
+            self.tier.extents.free(slot, nbytes)
+        for chunk in held:
+            if self.sealer is not None:
+                assert chunk.slot is not None
+                self.sealer.forget(chunk.slot, chunk.nbytes)
+            chunk.slot = None
+
+    def close(self) -> None:  # noqa: D102
+        self._pool.shutdown(wait=True)
+        self.tier.close()
+        if self.sealer is not None:
+            self.sealer.close()
+
+
+def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piece]:
+    """The chunks as sealing sees them: file slot, memory address, identity."""
+    base = storage.data_ptr()
+    pieces = []
+    for chunk in chunks:
+        assert chunk.slot is not None, "chunk has no slot"
+        # The storage's address identifies the vTensor: the store keys its records by it too.
+        pieces.append(
+            Piece(chunk.slot, base + chunk.offset_bytes, chunk.nbytes, storage._cdata, chunk.index)
+        )
+    return pieces
+
+
+def _contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
+    """(slot, memory offset, bytes) runs of chunks adjacent both in the file and in memory."""
+    runs: list[list[int]] = []
+    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
+        assert chunk.slot is not None, "chunk has no slot"
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == chunk.slot and last[1] + last[2] == chunk.offset_bytes:
+            last[2] += chunk.nbytes
+        else:
+            runs.append([chunk.slot, chunk.offset_bytes, chunk.nbytes])
+    return [(slot, offset, nbytes) for slot, offset, nbytes in runs]
+
+
+class CudaTransferEngine:
+    """Host-tier transfers on a side CUDA stream into a pool of pinned buffers.
+
+    NOTE [cuda transfers]
+    Copies are ordered after the compute stream's pending work (``wait_stream``), fenced by an
+    event, and the operands are held by the transfer until its event has completed, instead of
+    ``record_stream``, whose deferred frees make allocation non-deterministic. A restore waits on
+    the compute stream (``wait_event``), so an unpack never sees partial data and the host never
+    blocks.
+    """
+
+    def __init__(self, device: torch.device, tier: HostTier) -> None:
+        self.device = device
+        self.tier = tier
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._next_slot = 0
+        self._retiring: list[tuple[CudaTransfer, list[torch.Tensor]]] = []
+
+    def _bytes_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+
+    def _copy(
+        self, storage: torch.UntypedStorage, chunks: Sequence[Chunk], out: bool
+    ) -> CudaTransfer:
+        flat = self._bytes_of(storage)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        keep = [flat]
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            for chunk in chunks:
+                window = flat[chunk.offset_bytes : chunk.offset_bytes + chunk.nbytes]
+                if out:
+                    buffer = self.tier.take(chunk.nbytes)
+                    chunk.slot = self._next_slot
+                    self._next_slot += 1
+                    self._buffers[chunk.slot] = buffer
+                    buffer.copy_(window, non_blocking=True)
+                else:
+                    assert chunk.slot is not None, "restoring a chunk that has no slot"
+                    buffer = self._buffers[chunk.slot]
+                    window.copy_(buffer, non_blocking=True)
+                keep.append(buffer)
+            end.record(self.stream)
+        return CudaTransfer(start, end, sum(c.nbytes for c in chunks), keep)
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        return self._copy(storage, chunks, out=True)
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        return self._copy(storage, chunks, out=False)
+
+    def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
+        held = [chunk for chunk in chunks if chunk.slot is not None]
+        if not held:
+            return
+        # The copies that used these pinned buffers were issued on the side stream; they may be
+        # reused once it has passed them.
+        self.stream.synchronize()
+        for chunk in held:
+            assert chunk.slot is not None
+            self.tier.give_back(self._buffers.pop(chunk.slot))
+            chunk.slot = None
+
+    def close(self) -> None:  # noqa: D102
+        self.stream.synchronize()
+        self._buffers.clear()
+        self.tier.close()

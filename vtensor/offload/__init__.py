@@ -1,0 +1,1 @@
+"""ParamOffload: parameters, gradients and optimizer state in the storage tier between uses."""

@@ -1,0 +1,95 @@
+"""Torch glue of parameter offloading: module, autograd-node and gradient hooks. They only route."""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from vtensor.offload.records import ParamRecord
+from vtensor.offload.units import Unit
+from vtensor.outputs import tensors_in
+
+
+class OffloadTarget(Protocol):
+    """What the hooks report to (the ``ParamOffload`` session)."""
+
+    def begin_forward(self) -> None:
+        """The model's forward starts."""
+        ...
+
+    def end_forward(self) -> None:
+        """The model's forward ended (or raised)."""
+        ...
+
+    def begin_call(self, unit: Unit) -> None:
+        """A unit's forward starts."""
+        ...
+
+    def end_call(self, unit: Unit, output: Any) -> None:
+        """A unit's forward ended; ``output`` is None when it raised."""
+        ...
+
+    def take_gradient(self, record: ParamRecord) -> None:
+        """Autograd accumulated the gradient of ``record`` (in ``record.param.grad``)."""
+        ...
+
+
+def install_offload_hooks(
+    model: nn.Module, units: list[Unit], records: list[ParamRecord], target: OffloadTarget
+) -> list[RemovableHandle]:
+    """Route forward boundaries of ``model`` and its units, and gradient arrivals, to ``target``.
+
+    Post-hooks are ``always_call``, so a forward that raises still ends its calls; the root's
+    hooks run first before its forward and last after it, around any unit hooks of the root.
+    """
+    handles: list[RemovableHandle] = []
+    for unit in units:
+
+        def pre(_module: nn.Module, _args: Any, unit: Unit = unit) -> None:
+            target.begin_call(unit)
+
+        def post(_module: nn.Module, _args: Any, output: Any, unit: Unit = unit) -> None:
+            target.end_call(unit, output)
+
+        handles.append(unit.module.register_forward_pre_hook(pre))
+        handles.append(unit.module.register_forward_hook(post, always_call=True))
+    handles.append(
+        model.register_forward_pre_hook(lambda _m, _a: target.begin_forward(), prepend=True)
+    )
+    handles.append(
+        model.register_forward_hook(lambda _m, _a, _o: target.end_forward(), always_call=True)
+    )
+    for record in records:
+        if record.param.requires_grad:
+
+            def arrived(_param: torch.Tensor, record: ParamRecord = record) -> None:
+                target.take_gradient(record)
+
+            handles.append(
+                record.param.register_post_accumulate_grad_hook(arrived)  # type: ignore[no-untyped-call]
+            )
+    return handles
+
+
+def on_backward_start(output: Any, callback: Callable[[], None]) -> None:
+    """Call ``callback`` before autograd runs any node of the module that made ``output``.
+
+    The prehook goes on the nodes of the output tensors and of their bases: a view's own node
+    leaves the graph when the view is changed in place later (``ReLU(inplace=True)`` after a 3-D
+    ``Linear``, whose output is a view of a matmul's), its base's node stays.
+    """
+
+    def hook(_grads: Any) -> None:
+        callback()
+
+    nodes = {}
+    for tensor in tensors_in(output):
+        base: torch.Tensor | None = tensor
+        while base is not None:
+            if base.grad_fn is not None:
+                nodes[id(base.grad_fn)] = base.grad_fn
+            base = base._base
+    for node in nodes.values():
+        node.register_prehook(hook)

@@ -1,0 +1,109 @@
+"""One plan for activations and parameter offloading: record the parameter side, replay it.
+
+NOTE [one plan]
+``mm.step(model, inputs=..., params=po)`` runs a ``MemoryManager`` iteration and a
+``ParamOffload`` session under the manager's one budget. While an iteration is profiled, a
+:class:`ParamRecorder` listens to the offload pool and records, per parameter-side tensor
+(parameter, optimizer state, gradient, by name), the steps of the manager's trace at which a use
+held it in memory, when it was created and whether it outlives the iteration; these become
+``TraceTensor``s next to the saved activations (``kind`` not ``"activation"``, moved ``whole``),
+and the trace's unmanaged bytes no longer include them. The LGM planner then decides for all of
+them together which bytes are away at which step; it needs no other change, because it only
+sees sizes, lifetimes and uses. A :class:`ParamPlanExecutor` replays the parameter side of the
+plan: it keeps in memory between uses what the plan has resident (the pool's default is to let
+every tensor go after its use), lets go of a tensor at its planned eviction step (a drop when
+its tier copy is current, else a write) and starts its read at the planned prefetch step.
+Activations are replayed by ``PlanExecutor`` as before. A :class:`JointStep` connects the two
+for one iteration: the iteration makes room (evicting activations) before each read the plan
+starts at a step, and the pool announces every read of its own (a use, a prefetch) so that
+the iteration makes room for it first.
+
+A plan of the parameter side only guides: the pool still pins what a use needs and reads it on
+demand, so a parameter the plan did not foresee costs a wait, never a wrong value; and the pool
+never holds more than the budget, whatever the plan says.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
+
+from torch import nn
+
+from vtensor.offload.joint_record import ParamRecorder
+from vtensor.offload.joint_replay import ParamPlanExecutor
+from vtensor.offload.pool import OffloadPool
+from vtensor.planner.plan import Plan
+
+if TYPE_CHECKING:
+    from vtensor.offload.param_offload import ParamOffload
+
+
+class RoomMaker(Protocol):
+    """The activation manager's side of the shared budget."""
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict activations so that ``nbytes`` about to be allocated fit the budget."""
+        ...
+
+
+class JointStep:
+    """One ``MemoryManager`` iteration and a ``ParamOffload`` under one budget (NOTE [one plan]).
+
+    Made by the activation manager for each joint iteration; ``side`` is what the iteration
+    drives (a recorder while profiling, a plan executor while replaying, None when reactive).
+    :meth:`connected_to` connects the offload pool to the iteration for the block and
+    disconnects it afterwards: the pool announces every read, so the iteration can make room.
+
+    Args:
+        params: the parameter offloading sharing the budget.
+        plan: the joint plan the activations replay (None: none).
+        replaying: whether the activation replay still follows ``plan``.
+        record: the iteration is profiled.
+    """
+
+    def __init__(
+        self,
+        params: "ParamOffload",
+        plan: Plan | None,
+        replaying: Callable[[], bool],
+        *,
+        record: bool,
+    ) -> None:
+        self.params = params
+        self.side: ParamRecorder | ParamPlanExecutor | None = None
+        if plan is not None:
+            self.side = ParamPlanExecutor(plan, params.pool, replaying)
+        elif record:
+            self.side = ParamRecorder(params.pool)
+
+    @property
+    def replays(self) -> bool:
+        """True when the parameter side follows a plan."""
+        return isinstance(self.side, ParamPlanExecutor)
+
+    @property
+    def created_state(self) -> bool:
+        """A profiled iteration whose first update created optimizer state (not steady)."""
+        return isinstance(self.side, ParamRecorder) and self.side.created_state
+
+    @contextlib.contextmanager
+    def connected_to(self, room: RoomMaker) -> Iterator[None]:
+        """Connect the pool to ``room`` for the block; disconnect afterwards, even on error."""
+        pool = self.params.pool
+        pool.connect(self.side, room.make_room)
+        self.params.begin_joint(plan_driven=self.replays)
+        try:
+            yield
+        finally:
+            self.params.end_joint()
+            # A replayed plan keeps holding what it has resident at the end (the next iteration
+            # starts from that); a recorder's job ends with the iteration.
+            pool.disconnect(keep_listener=self.replays)
+
+
+def held_outside(pool: OffloadPool, model: nn.Module) -> int:
+    """Bytes the pool holds in memory that are not the model's parameters (optimizer state)."""
+    model_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    return sum(
+        e.nbytes for e in pool.tensors if e.in_memory and e.storage._cdata not in model_storages
+    )

@@ -1,0 +1,255 @@
+"""The offloaded tensors of one session under one budget: pins, prefetches, room, write-backs.
+
+Mechanism only: callers say which tensors a use needs and which it may want soon; the pool
+moves bytes so that the tensors in memory never exceed the budget (NOTE [write-back residency]
+in ``vtensor/offload/offloaded.py``).
+"""
+
+import itertools
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.io.transfer import TransferEngine
+from vtensor.offload.offloaded import OffloadedTensor, Residency, ResidentMeter
+from vtensor.planner.trace import TensorKind
+from vtensor.sizes import format_bytes
+
+
+class PoolListener(Protocol):
+    """What a joint plan's recorder or executor learns from the pool (``offload/joint.py``)."""
+
+    def adopted(self, entry: "OffloadedTensor") -> None:
+        """``entry`` is managed from now on."""
+        ...
+
+    def used(self, entry: "OffloadedTensor") -> None:
+        """A use pinned ``entry``."""
+        ...
+
+    def released(self, entry: "OffloadedTensor") -> None:
+        """A use of ``entry`` ended."""
+        ...
+
+    def forgotten(self, entry: "OffloadedTensor") -> None:
+        """``entry`` is no longer managed."""
+        ...
+
+    def holds(self, entry: "OffloadedTensor") -> bool:
+        """True to keep the unpinned ``entry`` in memory (a plan has it resident now)."""
+        ...
+
+
+class OffloadPool:
+    """Owns the session's offloaded tensors and the meter of their resident bytes.
+
+    A *fixed* tensor (too small to be worth a transfer, or in a ``resident`` module) never
+    leaves memory; it is counted like the others.
+
+    Under a joint plan (NOTE [one plan] in ``offload/joint.py``), while :meth:`connect`-ed, a
+    listener sees every adoption, use and release and may hold tensors in memory between uses,
+    and ``before_allocate(nbytes)`` is called before the pool allocates ``nbytes`` (a read), so
+    the activation manager that shares the budget can make room for them first.
+    """
+
+    def __init__(
+        self, engine: TransferEngine, meter: ResidentMeter, budget_bytes: int, chunk_bytes: int
+    ) -> None:
+        self.engine = engine
+        self.meter = meter
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self.tensors: list[OffloadedTensor] = []
+        self._fixed: set[int] = set()
+        self._alive: set[int] = set()
+        # Bytes that will be allocated without asking (gradients backward is about to produce):
+        # kept free by every room-making and prefetch decision until they arrive.
+        self.reserved_bytes = 0
+        self._wanted_order = itertools.count()
+        self._wanted_at: dict[int, int] = {}
+        self.fixed_bytes = 0  # bytes of fixed tensors: always in memory
+        self._listener: PoolListener | None = None
+        self._before_allocate: Callable[[int], None] | None = None
+
+    def adopt(
+        self, tensor: torch.Tensor, name: str, kind: TensorKind, *, fixed: bool
+    ) -> OffloadedTensor:
+        """Start managing ``tensor`` of ``kind`` (resident now, counted from now on)."""
+        entry = OffloadedTensor(tensor, name, self.engine, self.meter, self.chunk_bytes, kind)
+        self.tensors.append(entry)
+        self._alive.add(id(entry))
+        if fixed:
+            self._fixed.add(id(entry))
+            self.fixed_bytes += entry.nbytes
+            entry.pins = 1
+        if self._listener is not None:
+            self._listener.adopted(entry)
+        return entry
+
+    def forget(self, entry: OffloadedTensor) -> None:
+        """Stop managing ``entry`` (a gradient after its update, a replaced state tensor)."""
+        if self._listener is not None:
+            self._listener.forgotten(entry)
+        if id(entry) in self._fixed:
+            self.fixed_bytes -= entry.nbytes
+        entry.discard()
+        self.tensors.remove(entry)
+        self._alive.discard(id(entry))
+        self._fixed.discard(id(entry))
+        self._wanted_at.pop(id(entry), None)
+
+    def is_fixed(self, entry: OffloadedTensor) -> bool:
+        """True for tensors that never leave memory."""
+        return id(entry) in self._fixed
+
+    @staticmethod
+    def missing_bytes(entries: list[OffloadedTensor]) -> int:
+        """Bytes of ``entries`` that would have to be allocated to bring them in."""
+        return sum(e.nbytes for e in {id(e): e for e in entries}.values() if not e.in_memory)
+
+    # -- uses ---------------------------------------------------------------------------------
+    def acquire(self, entries: list[OffloadedTensor], what: str, extra_bytes: int = 0) -> None:
+        """Pin ``entries`` in memory for a use, waiting only on reads still in flight.
+
+        ``extra_bytes`` is memory the use will allocate on top (gradients backward produces).
+        """
+        self.make_room(self.missing_bytes(entries) + extra_bytes, what)
+        # Counted again: making room may have dropped some of ``entries`` themselves.
+        self._announce(self.missing_bytes(entries))
+        for entry in entries:
+            if self._listener is not None:
+                self._listener.used(entry)
+            entry.pins += 1
+            entry.wanted = False
+            self._wanted_at.pop(id(entry), None)
+            entry.fetch()
+        for entry in entries:
+            if entry.state is Residency.READING:
+                entry.complete()
+
+    def release(self, entry: OffloadedTensor) -> None:
+        """End one use of ``entry``; with its last one it starts leaving memory."""
+        if self.is_fixed(entry) or id(entry) not in self._alive:
+            return  # never leaves, or forgotten during the use (a gradient after its update)
+        assert entry.pins > 0, f"{entry.name!r} released more often than acquired"
+        entry.pins -= 1
+        if self._listener is not None:
+            self._listener.released(entry)
+        self._settle(entry)
+
+    def let_go(self, entry: OffloadedTensor) -> None:
+        """Let an unpinned tensor (just adopted, or just changed) start leaving memory."""
+        self._settle(entry)
+
+    def prefetch(self, entries: list[OffloadedTensor], reserve_bytes: int) -> bool:
+        """Start reading ``entries`` if they fit beside ``reserve_bytes``; False if they do not."""
+        self.reap()
+        missing = self.missing_bytes(entries)
+        held = self.meter.resident_bytes + self.reserved_bytes
+        if held + missing + reserve_bytes > self.budget_bytes:
+            return False
+        self._announce(missing)
+        for entry in entries:
+            if not entry.pins and not self.is_fixed(entry):
+                entry.wanted = True
+                self._wanted_at[id(entry)] = next(self._wanted_order)
+            entry.fetch()
+        return True
+
+    def _announce(self, nbytes: int) -> None:
+        if nbytes and self._before_allocate is not None:
+            self._before_allocate(nbytes)
+
+    @property
+    def listener(self) -> "PoolListener | None":
+        """What a joint step connected (None outside one, or once its hold ended)."""
+        return self._listener
+
+    def must_read(self, entry: OffloadedTensor) -> bool:
+        """True if ``entry`` is managed and not in memory: holding it needs a read."""
+        return not entry.in_memory and id(entry) in self._alive
+
+    def read_held(self, entry: OffloadedTensor) -> None:
+        """Start reading ``entry`` for a plan that has it resident from now on.
+
+        The caller made room for it under the shared budget (NOTE [one plan]).
+        """
+        if self.must_read(entry):
+            entry.fetch()
+
+    # -- a joint step (NOTE [one plan]) -------------------------------------------------------
+    def connect(
+        self, listener: "PoolListener | None", before_allocate: Callable[[int], None]
+    ) -> None:
+        """For one joint iteration: ``listener`` sees every move; reads are announced first."""
+        self._listener = listener
+        self._before_allocate = before_allocate
+
+    def disconnect(self, *, keep_listener: bool) -> None:
+        """End a joint iteration; a replayed plan's listener may keep holding its tensors."""
+        self._before_allocate = None
+        if not keep_listener:
+            self._listener = None
+
+    def end_hold(self) -> None:
+        """Stop a joint plan's hold on what it kept resident (a forward outside its steps)."""
+        self._listener = None
+
+    def _settle(self, entry: OffloadedTensor) -> None:
+        """Move an unpinned, unwanted tensor toward the tier: drop if clean, else write."""
+        if entry.pins or entry.wanted or self.is_fixed(entry) or not entry.done():
+            return
+        if self._listener is not None and self._listener.holds(entry):
+            return
+        entry.complete()
+        if entry.state is not Residency.RESIDENT:
+            return
+        if entry.clean:
+            entry.drop()
+        else:
+            entry.start_write()
+
+    def reap(self, *, block: bool = False) -> None:
+        """Finish transfers that are done (all when ``block``) and release what they freed."""
+        for entry in self.tensors:
+            if entry.state in (Residency.WRITING, Residency.READING) and (block or entry.done()):
+                entry.complete()
+            self._settle(entry)
+
+    def make_room(self, nbytes: int, what: str) -> None:
+        """Free memory until ``nbytes`` more fit in the budget, or raise.
+
+        Finished writes go first, then prefetched tensors, the latest prefetched first.
+        """
+        self.reap()
+        nbytes += self.reserved_bytes
+        if self.meter.resident_bytes + nbytes <= self.budget_bytes:
+            return
+        for entry in self._victims():
+            entry.complete()
+            entry.wanted = False
+            if not entry.clean:
+                entry.start_write()
+                entry.complete()
+            entry.drop()
+            if self.meter.resident_bytes + nbytes <= self.budget_bytes:
+                return
+        need = self.meter.resident_bytes + nbytes
+        raise InfeasibleBudgetError(
+            self.budget_bytes,
+            need,
+            what,
+            f"{format_bytes(self.meter.resident_bytes)} of parameters, gradients and optimizer "
+            f"state are in use and {format_bytes(nbytes)} more are needed",
+        )
+
+    def _victims(self) -> list[OffloadedTensor]:
+        movable = [e for e in self.tensors if e.in_memory and not e.pins and not self.is_fixed(e)]
+        return sorted(movable, key=lambda e: (e.wanted, -self._wanted_at.get(id(e), 0)))
+
+    def close(self) -> None:
+        """Bring every tensor back into memory and wait for all transfers."""
+        for entry in self.tensors:
+            entry.ensure_resident()

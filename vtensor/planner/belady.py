@@ -1,0 +1,289 @@
+"""plan_lgm: a pure planner from a Trace to a swap Plan, in named passes over the trace's LGM.
+
+The algorithm is written down in docs/lgm.md; NOTE [memory model] in memory_model.py states what
+occupies memory when.
+"""
+
+import bisect
+import logging
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.planner.lgm import (
+    DEFAULT_READ_BYTES_PER_S,
+    DEFAULT_WRITE_BYTES_PER_S,
+    FROM_TRACE,
+    Bytes,
+    LayeredGraph,
+    TraceDefault,
+    build_lgm,
+    empty_plan,
+    evictable_at,
+    min_budget,
+)
+from vtensor.planner.memory_model import (
+    chunk_of,
+    last_live_step,
+    next_use,
+    predict_stalls,
+    tail_chunk_bytes,
+)
+from vtensor.planner.plan import Plan, TensorMove
+from vtensor.planner.trace import Trace, TraceTensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Window:
+    """Working record of one move: ``nbytes`` of ``vid`` away during ``[first, stop)``."""
+
+    vid: int
+    first: int
+    stop: int
+    n_chunks: int = 0
+    nbytes: int = 0
+
+
+def plan_lgm(
+    trace: Trace,
+    budget_bytes: int,
+    *,
+    chunk_bytes: int | Literal[TraceDefault.TRACE] | None = FROM_TRACE,
+    write_bytes_per_s: float = DEFAULT_WRITE_BYTES_PER_S,
+    read_bytes_per_s: float = DEFAULT_READ_BYTES_PER_S,
+) -> Plan:
+    """Plan which chunks leave and return at which step so that ``trace`` fits ``budget_bytes``.
+
+    Pure and deterministic. Farthest-next-use (Belady) eviction of exactly the deficit at each
+    over-budget layer, then each prefetch as early as memory allows (docs/lgm.md).
+
+    Args:
+        trace: the profiled iteration.
+        budget_bytes: device bytes never to exceed.
+        chunk_bytes: unit of eviction; None for whole tensors; default: the trace's.
+        write_bytes_per_s: swap-out bandwidth of the slower tier.
+        read_bytes_per_s: swap-in bandwidth of the slower tier.
+
+    Returns:
+        The plan, with its predicted peak and stall.
+
+    Raises:
+        InfeasibleBudgetError: even with every evictable byte away some step exceeds the budget.
+        ValueError: the trace is inconsistent or a parameter is not positive.
+    """
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes={budget_bytes} must not be negative")
+    chunk = trace.chunk_bytes if chunk_bytes is FROM_TRACE else chunk_bytes
+    lgm = build_lgm(trace, chunk, write_bytes_per_s, read_bytes_per_s)
+    floor, step = min_budget(lgm)
+    if budget_bytes < floor:
+        name = trace.steps[step].name
+        raise InfeasibleBudgetError(budget_bytes, floor, name, "planning on the trace")
+    resident = lgm.full_resident()
+    windows = _evict_farthest(lgm, resident, budget_bytes)
+    windows = _trim_overshoot(lgm, windows, resident, budget_bytes)
+    windows = _close_cycles(lgm, windows, resident)
+    _schedule_prefetches(lgm, windows, resident, budget_bytes)
+    moves = sorted(
+        (TensorMove(w.vid, w.nbytes, w.first, w.stop) for w in windows),
+        key=lambda m: (m.evict_step, m.vid),
+    )
+    plan = replace(
+        empty_plan(trace, budget_bytes, chunk),
+        moves=tuple(moves),
+        predicted_peak_bytes=int(resident.max(initial=0)),
+    )
+    stall_s = sum(predict_stalls(plan, trace, write_bytes_per_s, read_bytes_per_s))
+    plan = replace(plan, predicted_stall_s=stall_s)
+    logger.info(
+        "LGM plan: %d moves, %d bytes moved, peak %d of %d, predicted stall %.4f s",
+        len(moves), plan.bytes_moved, plan.predicted_peak_bytes, budget_bytes, stall_s,
+    )  # fmt: skip
+    return plan
+
+
+def _evict_farthest(lgm: LayeredGraph, resident: Bytes, budget_bytes: int) -> list[_Window]:
+    """Walk the layers; at each over budget, evict exactly the deficit, farthest next use first.
+
+    Each victim's bytes stay away for the whole gap between its uses that holds the layer
+    (they are brought back at its next use; ``_schedule_prefetches`` moves that earlier).
+    ``resident`` is updated in place.
+    """
+    starting: dict[int, list[TraceTensor]] = {}
+    for t in lgm.trace.tensors:
+        starting.setdefault(t.saved_step, []).append(t)
+    active: list[TraceTensor] = []
+    windows: dict[tuple[int, int], _Window] = {}
+    never = lgm.n_steps  # sorts after every real use
+    for s in range(lgm.n_steps):
+        active += starting.get(s, [])
+        deficit = int(resident[s]) - budget_bytes
+        if deficit <= 0:
+            continue
+        active = [t for t in active if last_live_step(t, lgm.n_steps) >= s]
+        by_rank: dict[float, list[TraceTensor]] = {}
+        for t in active:
+            if evictable_at(t, s):
+                use = next_use(t, s)
+                rank = (never if use is None else use - s) * _cost_weight(lgm, t, use)
+                by_rank.setdefault(rank, []).append(t)
+        for rank in sorted(by_rank, reverse=True):
+            deficit = _evict_group(lgm, s, deficit, by_rank[rank], windows, resident)
+            if deficit <= 0:
+                break
+        assert deficit <= 0, "min_budget() guarantees every deficit can be covered"
+    return sorted(windows.values(), key=lambda w: (w.stop, w.vid))
+
+
+def _cost_weight(lgm: LayeredGraph, t: TraceTensor, use: int | None) -> float:
+    """How much farther a clean tensor's next use counts than a dirty one's.
+
+    NOTE [cost-weighted distance]: evicting a saved activation costs a write and a read;
+    evicting a persistent tensor that has not changed since its last write-back (a parameter
+    between its forward and its update) is a drop and costs only the read. Farthest next use
+    weighs distance alone; here the distance of such a clean victim is multiplied by the ratio
+    of the two costs, ``(1/write + 1/read) / (1/read)``, so at equal cost per step of distance
+    the cheaper bytes go first. Activation-only traces are planned exactly as before.
+    """
+    clean = t.persistent and use is not None and (t.dirty_step < 0 or use <= t.dirty_step)
+    return 1.0 + lgm.read_bytes_per_s / lgm.write_bytes_per_s if clean else 1.0
+
+
+def _evict_group(
+    lgm: LayeredGraph,
+    step: int,
+    deficit: int,
+    group: list[TraceTensor],
+    windows: dict[tuple[int, int], _Window],
+    resident: Bytes,
+) -> int:
+    """Cover ``deficit`` from vTensors with the same next use; return what is left of it.
+
+    The smallest that covers it alone goes, else the largest and repeat: at tensor
+    granularity this keeps the overshoot small.
+    """
+    stops = {t.vid: _gap(t, step, lgm.n_steps)[1] for t in group}
+    away = {
+        t.vid: windows[(t.vid, stops[t.vid])].nbytes
+        for t in group
+        if (t.vid, stops[t.vid]) in windows
+    }
+    sizes = sorted((t.nbytes - away.get(t.vid, 0), t.vid, t) for t in group)
+    sizes = [entry for entry in sizes if entry[0] > 0]
+    while deficit > 0 and sizes:
+        i = bisect.bisect_left(sizes, deficit, key=lambda entry: entry[0])
+        _, _, t = sizes.pop(i if i < len(sizes) else -1)
+        deficit -= _evict_more(lgm, t, step, deficit, windows, resident)
+    return deficit
+
+
+def _gap(t: TraceTensor, step: int, n_steps: int) -> tuple[int, int]:
+    """The longest ``[first, stop)`` around ``step`` during which ``t`` may be away."""
+    uses = sorted(set(t.use_steps))
+    i = bisect.bisect_right(uses, step)
+    previous = uses[i - 1] if i else -1
+    first = max(t.saved_step, t.evictable_step, previous + 1)
+    return first, uses[i] if i < len(uses) else n_steps
+
+
+def _evict_more(
+    lgm: LayeredGraph,
+    t: TraceTensor,
+    step: int,
+    deficit: int,
+    windows: dict[tuple[int, int], _Window],
+    resident: Bytes,
+) -> int:
+    """Evict the fewest more tail chunks of ``t`` covering ``deficit``; return bytes freed."""
+    first, stop = _gap(t, step, lgm.n_steps)
+    w = windows.setdefault((t.vid, stop), _Window(t.vid, first, stop))
+    total = lgm.n_chunks(t)
+    if w.n_chunks == total:
+        return 0
+    k = max(w.n_chunks + 1, _chunks_for(lgm, t, w.nbytes + deficit))
+    freed = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), k) - w.nbytes
+    w.n_chunks, w.nbytes = k, w.nbytes + freed
+    resident[first:stop] -= freed
+    return freed
+
+
+def _chunks_for(lgm: LayeredGraph, t: TraceTensor, nbytes: int) -> int:
+    """The fewest tail chunks of ``t`` that hold at least ``nbytes``."""
+    if nbytes <= 0:
+        return 0
+    chunk = chunk_of(t, lgm.chunk_bytes)
+    if chunk is None or nbytes >= t.nbytes:
+        return lgm.n_chunks(t)
+    return lgm.n_chunks(t) - (t.nbytes - nbytes) // chunk
+
+
+def _trim_overshoot(
+    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, budget_bytes: int
+) -> list[_Window]:
+    """Bring back whole chunks that no layer of their window needs away any more.
+
+    Evictions at later layers can make earlier ones partly redundant, and whole tensors
+    overshoot their deficit. Largest first; windows left empty are dropped.
+    """
+    for w in sorted(windows, key=lambda w: (-w.nbytes, w.vid, w.first)):
+        slack = budget_bytes - int(resident[w.first : w.stop].max())
+        t = lgm.trace.tensors[w.vid]
+        k = _chunks_for(lgm, t, w.nbytes - slack)
+        if k < w.n_chunks:
+            kept = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), k)
+            resident[w.first : w.stop] += w.nbytes - kept
+            w.n_chunks, w.nbytes = k, kept
+    return [w for w in windows if w.n_chunks]
+
+
+def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) -> list[_Window]:
+    """Make each persistent tensor's residency at the end of the iteration match its start.
+
+    Iterations repeat, so a parameter the plan has away after its last use is still away when
+    the next iteration starts: it gets the window before its first use as well. Conversely,
+    one away before its first use must have left after its last use of the iteration before.
+    Both only take bytes away, so the budget still holds.
+    """
+    n = lgm.n_steps
+    by_vid: dict[int, list[_Window]] = {}
+    for w in windows:
+        by_vid.setdefault(w.vid, []).append(w)
+    added: list[_Window] = []
+    for vid, group in sorted(by_vid.items()):
+        t = lgm.trace.tensors[vid]
+        if not t.persistent or t.saved_step != 0 or not t.use_steps:
+            continue
+        first_use, last_use = min(t.use_steps), max(t.use_steps)
+        starts = any(w.first == 0 for w in group)
+        ends = any(w.stop == n for w in group)
+        if ends and not starts and first_use > 0:
+            added.append(_Window(vid, 0, first_use))
+        if starts and not ends and last_use + 1 < n:
+            added.append(_Window(vid, last_use + 1, n))
+    for w in added:
+        t = lgm.trace.tensors[w.vid]
+        w.n_chunks, w.nbytes = lgm.n_chunks(t), t.nbytes
+        resident[w.first : w.stop] -= t.nbytes
+    return sorted([*windows, *added], key=lambda w: (w.stop, w.vid))
+
+
+def _schedule_prefetches(
+    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, budget_bytes: int
+) -> None:
+    """Issue each restore as early as memory allows, scanning back from its use.
+
+    Earliest use first, so that the restores nearest in time get the memory first. Windows
+    whose vTensor is never used again are not restored.
+    """
+    for w in windows:
+        if w.stop >= lgm.n_steps:
+            continue
+        fits = resident[w.first + 1 : w.stop] + w.nbytes <= budget_bytes
+        blocked = np.flatnonzero(~fits)
+        start = w.first + 1 + (int(blocked[-1]) + 1 if blocked.size else 0)
+        resident[start : w.stop] += w.nbytes
+        w.stop = start

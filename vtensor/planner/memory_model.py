@@ -1,0 +1,201 @@
+"""The planner's memory model: resident bytes per step under a plan, its checks, its stalls.
+
+NOTE [memory model] below; docs/lgm.md states the model in full.
+"""
+
+import bisect
+
+import numpy as np
+
+from vtensor.planner.plan import Plan, TensorMove
+from vtensor.planner.trace import Trace, TraceTensor
+
+# NOTE [memory model]: tensor t occupies ``nbytes`` from ``saved_step`` through its last use
+# step (through the last step if it has no use, or if it is persistent: parameters and
+# optimizer state live across iterations); a move takes ``evict_bytes`` off it during
+# ``[evict_step, prefetch_step)``. Resident bytes at a step are the step's unmanaged peak plus
+# the resident parts of the live tensors. docs/lgm.md states the model in full.
+
+
+def last_live_step(tensor: TraceTensor, n_steps: int) -> int:
+    """The last step at which ``tensor`` occupies memory: its last use, else the last step."""
+    if tensor.persistent or not tensor.use_steps:
+        return n_steps - 1
+    return max(tensor.use_steps)
+
+
+def chunk_of(tensor: TraceTensor, chunk_bytes: int | None) -> int | None:
+    """The unit in which ``tensor`` moves: the plan's chunk, or None (whole) for whole tensors."""
+    return None if tensor.whole else chunk_bytes
+
+
+def tail_chunk_bytes(nbytes: int, chunk_bytes: int | None, n_chunks: int) -> int:
+    """Bytes in the last ``n_chunks`` chunks of a ``nbytes`` tensor (the last chunk is short)."""
+    if n_chunks <= 0:
+        return 0
+    if chunk_bytes is None:
+        return nbytes
+    total_chunks = -(-nbytes // chunk_bytes)
+    return nbytes - min(nbytes, max(0, total_chunks - n_chunks) * chunk_bytes)
+
+
+def next_use(t: TraceTensor, step: int) -> int | None:
+    """The first use of ``t`` at or after ``step``; None if none."""
+    uses = sorted(t.use_steps)
+    i = bisect.bisect_left(uses, step)
+    return uses[i] if i < len(uses) else None
+
+
+def simulate(plan: Plan, trace: Trace) -> list[int]:
+    """Resident device bytes at each step of ``trace`` when ``plan`` is replayed.
+
+    Follows NOTE [memory model]: an eviction frees its bytes from its issue step on, a prefetch
+    makes them resident from its issue step on.
+    """
+    n = len(trace.steps)
+    delta = np.zeros(n + 1, dtype=np.int64)
+    for t in trace.tensors:
+        delta[t.saved_step] += t.nbytes
+        delta[last_live_step(t, n) + 1] -= t.nbytes
+    for m in plan.moves:
+        if 0 <= m.vid < len(trace.tensors) and 0 <= m.evict_step < m.prefetch_step <= n:
+            stop = min(m.prefetch_step, last_live_step(trace.tensors[m.vid], n) + 1)
+            if m.evict_step < stop:
+                delta[m.evict_step] -= m.evict_bytes
+                delta[stop] += m.evict_bytes
+    unmanaged = np.array([s.unmanaged_peak_bytes for s in trace.steps], dtype=np.int64)
+    return [int(b) for b in unmanaged + np.cumsum(delta[:n])]
+
+
+def check_plan(plan: Plan, trace: Trace, budget_bytes: int) -> list[str]:
+    """Every way ``plan`` breaks the rules on ``trace`` under ``budget_bytes``; empty if none.
+
+    Checks that the plan is for this trace, that every move is legal (whole tail chunks, issued
+    at or after the vTensor became evictable, no use while its bytes are away, windows of one
+    vTensor disjoint) and that the resident bytes never exceed the budget.
+    """
+    names = tuple(s.name for s in trace.steps)
+    sizes = tuple(t.nbytes for t in trace.tensors)
+    if plan.step_names != names or plan.tensor_bytes != sizes:
+        return ["plan is for another trace (step names or vTensor sizes differ)"]
+    problems = [p for m in plan.moves for p in _check_move(m, plan.chunk_bytes, trace)]
+    problems += _check_disjoint(plan.moves)
+    problems += _check_cycle(plan.moves, trace)
+    for step, resident in zip(trace.steps, simulate(plan, trace), strict=True):
+        if resident > budget_bytes:
+            problems.append(f"step {step.index} {step.name!r}: {resident} bytes > {budget_bytes}")
+    return problems
+
+
+def _check_move(m: TensorMove, chunk_bytes: int | None, trace: Trace) -> list[str]:
+    n = len(trace.steps)
+    if not 0 <= m.vid < len(trace.tensors):
+        return [f"move of unknown vTensor {m.vid}"]
+    t = trace.tensors[m.vid]
+    kept = t.nbytes - m.evict_bytes
+    bad: list[str] = []
+    chunk = chunk_of(t, chunk_bytes)
+    whole = kept == 0 if chunk is None else kept >= 0 and kept % chunk == 0
+    if m.evict_bytes <= 0 or not whole:
+        bad.append(f"vTensor {m.vid}: {m.evict_bytes} bytes is not a whole number of tail chunks")
+    if t.evictable_step < 0 or m.evict_step < max(t.saved_step, t.evictable_step):
+        bad.append(f"vTensor {m.vid}: evicted at step {m.evict_step}, before it was evictable")
+    if not m.evict_step < m.prefetch_step <= n or m.evict_step > last_live_step(t, n):
+        bad.append(f"vTensor {m.vid}: window [{m.evict_step}, {m.prefetch_step}) is not legal")
+    used = [u for u in t.use_steps if m.evict_step <= u < m.prefetch_step]
+    if used:
+        bad.append(f"vTensor {m.vid}: used at step {used[0]} while evicted")
+    return bad
+
+
+def _check_cycle(moves: tuple[TensorMove, ...], trace: Trace) -> list[str]:
+    """A persistent tensor away at the end of an iteration must be away at the start of one."""
+    n = len(trace.steps)
+    at_end = {m.vid for m in moves if m.prefetch_step == n}
+    at_start = {m.vid for m in moves if m.evict_step == 0}
+    return [
+        f"vTensor {vid}: persistent, away at the end of the iteration but not at its start"
+        for vid in sorted(at_end - at_start)
+        if 0 <= vid < len(trace.tensors)
+        and trace.tensors[vid].persistent
+        and trace.tensors[vid].saved_step == 0
+        and 0 not in trace.tensors[vid].use_steps
+    ]
+
+
+def _check_disjoint(moves: tuple[TensorMove, ...]) -> list[str]:
+    bad: list[str] = []
+    last_stop: dict[int, int] = {}
+    for m in sorted(moves, key=lambda m: (m.vid, m.evict_step)):
+        if m.evict_step < last_stop.get(m.vid, -1):
+            bad.append(f"vTensor {m.vid}: overlapping moves at step {m.evict_step}")
+        last_stop[m.vid] = max(last_stop.get(m.vid, -1), m.prefetch_step)
+    return bad
+
+
+def predict_stalls(
+    plan: Plan,
+    trace: Trace,
+    write_bytes_per_s: float,
+    read_bytes_per_s: float,
+) -> list[float]:
+    """Seconds compute waits for transfers at the start of each step when ``plan`` is replayed.
+
+    One transfer channel, first in first out (the storage tier's single I/O thread); at each
+    step the evictions are issued, then the restores. A restore must finish before the next
+    use; an eviction before the first step that would exceed the budget without its bytes.
+    """
+    resident = np.array(simulate(plan, trace), dtype=np.int64)
+    issued: dict[int, list[tuple[float, int]]] = {}  # step -> (seconds of I/O, step it is due)
+    writes = writing_moves(plan, trace)
+    for m in plan.moves:
+        if m not in writes:
+            continue  # a clean copy is in the tier already: leaving memory is free
+        away = resident[m.evict_step : m.prefetch_step] + m.evict_bytes > plan.budget_bytes
+        if away.any():
+            due = m.evict_step + int(np.argmax(away))
+            issued.setdefault(m.evict_step, []).append((m.evict_bytes / write_bytes_per_s, due))
+    for m in plan.moves:
+        use = next_use(trace.tensors[m.vid], m.prefetch_step)
+        if m.prefetch_step < len(trace.steps) and use is not None:
+            issued.setdefault(m.prefetch_step, []).append((m.evict_bytes / read_bytes_per_s, use))
+    return _replay_timeline(trace, issued)
+
+
+def writing_moves(plan: Plan, trace: Trace) -> set[TensorMove]:
+    """The moves whose eviction writes bytes; the others drop a copy the tier already holds.
+
+    Saved activations are written at every eviction. A persistent tensor keeps its last
+    written copy (NOTE [write-back residency] in ``offload/offloaded.py``): of its moves, the
+    first after its change (``dirty_step``; cyclically, into the next iteration, if none
+    follows it) writes and the rest only drop; one never changed never writes.
+    """
+    writes: set[TensorMove] = set()
+    by_vid: dict[int, list[TensorMove]] = {}
+    for m in plan.moves:
+        by_vid.setdefault(m.vid, []).append(m)
+    for vid, moves in by_vid.items():
+        t = trace.tensors[vid] if 0 <= vid < len(trace.tensors) else None
+        if t is None or not t.persistent:
+            writes.update(moves)
+            continue
+        if t.dirty_step < 0:
+            continue
+        moves.sort(key=lambda m: m.evict_step)
+        after = [m for m in moves if m.evict_step > t.dirty_step]
+        writes.add(after[0] if after else moves[0])
+    return writes
+
+
+def _replay_timeline(trace: Trace, issued: dict[int, list[tuple[float, int]]]) -> list[float]:
+    now_s, channel_free_s = 0.0, 0.0
+    due: dict[int, float] = {}
+    stalls: list[float] = []
+    for step in trace.steps:
+        for io_s, due_step in issued.get(step.index, []):
+            channel_free_s = max(channel_free_s, now_s) + io_s
+            due[due_step] = max(due.get(due_step, 0.0), channel_free_s)
+        stall = max(0.0, due.get(step.index, 0.0) - now_s)
+        stalls.append(stall)
+        now_s += stall + step.duration_s
+    return stalls

@@ -1,0 +1,104 @@
+"""Swap plans as plain data: which chunks of which vTensor leave and return at which step."""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PLAN_SCHEMA_VERSION = 3
+
+
+@dataclass(frozen=True)
+class TensorMove:
+    """The swap of one vTensor (a saved storage of the trace, by ``vid``).
+
+    Attributes:
+        vid: the vTensor, as numbered in the trace (order of first save).
+        evict_bytes: bytes that leave the device: a whole number of tail chunks (at tensor
+            granularity, the whole tensor).
+        evict_step: step at which the eviction is issued (at or after the trace's
+            ``evictable_step`` of the vTensor).
+        prefetch_step: step at which the restore is issued (at or before its first use after
+            ``evict_step``); ``len(step_names)`` means never: the vTensor has no later use.
+
+    The bytes are absent during ``[evict_step, prefetch_step)``. A vTensor used at scattered
+    steps may have several moves; their windows never overlap (``check_plan``).
+    """
+
+    vid: int
+    evict_bytes: int
+    evict_step: int
+    prefetch_step: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A swap plan for one model, input signature and budget, replayed every iteration.
+
+    Attributes:
+        budget_bytes: the budget it was planned for.
+        chunk_bytes: chunk size (None: whole tensors).
+        moves: the swaps, ordered by ``evict_step`` then ``vid``.
+        step_names: the trace's step names, to recognise a diverging iteration.
+        tensor_bytes: the trace's vTensor sizes by vid, same purpose.
+        tensor_names: the names of the parameter-side tensors by vid (empty for activations,
+            which come first); empty when the plan has none (NOTE [one plan]).
+        predicted_peak_bytes: the largest device bytes the model predicts at any step.
+        predicted_stall_s: the transfer time the model predicts compute waits for.
+        planner: name and version of the planner that made it.
+        schema_version: bumped when fields change meaning.
+        reserve_bytes: the headroom the budget guard kept when the plan was made (the
+            largest growth between two hook points): a process replaying the plan keeps it
+            from its first iteration.
+    """
+
+    budget_bytes: int
+    chunk_bytes: int | None
+    moves: tuple[TensorMove, ...]
+    step_names: tuple[str, ...]
+    tensor_bytes: tuple[int, ...]
+    predicted_peak_bytes: int
+    predicted_stall_s: float
+    planner: str
+    schema_version: int = PLAN_SCHEMA_VERSION
+    reserve_bytes: int = 0
+    tensor_names: tuple[str, ...] = ()
+
+    @property
+    def activation_count(self) -> int:
+        """How many of the vTensors (the first ones) are saved activations."""
+        return (
+            sum(1 for name in self.tensor_names if not name)
+            if self.tensor_names
+            else len(self.tensor_bytes)
+        )
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes moved per iteration, out and back in."""
+        return 2 * sum(m.evict_bytes for m in self.moves)
+
+    def to_json(self) -> str:
+        """Serialize to JSON text."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse the output of :meth:`to_json`; raises ``ValueError`` on any mismatch."""
+        raw: dict[str, Any] = json.loads(text)
+        if raw.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise ValueError(
+                f"plan schema_version {raw.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}"
+            )
+        moves = tuple(TensorMove(**m) for m in raw.pop("moves"))
+        return cls(
+            moves=moves,
+            step_names=tuple(raw.pop("step_names")),
+            tensor_bytes=tuple(raw.pop("tensor_bytes")),
+            tensor_names=tuple(raw.pop("tensor_names", ())),
+            **raw,
+        )
+
+    def digest(self) -> str:
+        """A checksum of the plan's content (SHA-256 of its JSON)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()

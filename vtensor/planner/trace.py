@@ -1,0 +1,152 @@
+"""One profiled iteration as plain data: steps, saved tensors, durations, the live-bytes curve."""
+
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+TRACE_SCHEMA_VERSION = 5
+
+
+class TensorKind(StrEnum):
+    """What a trace tensor is: a saved activation, or a tensor of parameter offloading."""
+
+    ACTIVATION = "activation"  # saved for backward by autograd
+    PARAM = "param"  # a parameter (NOTE [one plan] in offload/joint.py)
+    GRAD = "grad"  # a parameter's gradient, kept for an update or an accumulation
+    STATE = "state"  # an optimizer state tensor
+
+
+class Phase(StrEnum):
+    """Which pass a step belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OTHER = "other"  # after backward until the end of the managed iteration (optimizer, logging)
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One layer of the Layered Graph Model: the execution between two module boundaries.
+
+    Attributes:
+        index: position in execution order.
+        name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
+        phase: forward, backward or other.
+        duration_s: measured wall time of the step.
+        live_bytes_start: tracked device bytes when the step began.
+        peak_live_bytes: largest tracked device bytes sampled during the step.
+        unmanaged_peak_bytes: largest tracked device bytes sampled during the step that were not
+            in managed vTensors (parameters, gradients, outputs not saved yet, temporaries),
+            plus ``transient_bytes`` when the manager counts op workspaces.
+        transient_bytes: what the step needed beyond its sampled peak, for workspaces that live
+            only inside one op (measured from the process's RSS high-water mark on CPU; 0 where
+            it could not be measured).
+    """
+
+    index: int
+    name: str
+    phase: Phase
+    duration_s: float
+    live_bytes_start: int
+    peak_live_bytes: int
+    unmanaged_peak_bytes: int
+    transient_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TraceTensor:
+    """One saved storage (all the views autograd saved of it).
+
+    Attributes:
+        vid: identity, in order of first save.
+        nbytes: size of its storage.
+        dtypes: dtypes of the views saved of it.
+        saved_step: step index of the first save.
+        evictable_step: first step at whose start nothing but autograd referenced it (it could
+            be swapped from then on: the step after the one during which that became true);
+            -1 if that never happened.
+        use_steps: step indices at which backward unpacked it, in order.
+        kind: a saved activation, or a tensor of parameter offloading (NOTE [one plan] in
+            ``offload/joint.py``).
+        name: a parameter-side tensor's name in its ``ParamOffload``
+            (``"fc.weight#state:exp_avg"``); empty for activations, matched by position instead.
+        persistent: it outlives the iteration (parameters, optimizer state, gradients kept
+            for an update after it): live through the last step. One that also existed before
+            it (``saved_step`` 0) is away at the start of an iteration if a plan has it away at
+            the end (NOTE [memory model] in memory_model.py).
+        whole: it moves as one piece whatever the chunk size (parameter-side tensors).
+        dirty_step: the last step at which it was changed (an update, an accumulation), -1 if
+            it was not: an eviction before that step and after a write-back needs no write.
+    """
+
+    vid: int
+    nbytes: int
+    dtypes: tuple[str, ...]
+    saved_step: int
+    evictable_step: int
+    use_steps: tuple[int, ...]
+    kind: TensorKind = TensorKind.ACTIVATION
+    name: str = ""
+    persistent: bool = False
+    whole: bool = False
+    dirty_step: int = -1
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A profiled iteration, the input of the planner.
+
+    Attributes:
+        steps: the steps in execution order.
+        tensors: the saved storages the manager could move.
+        unmanaged_saved_bytes: bytes saved for backward that stay resident (parameters, tiny).
+        baseline_bytes: tracked device bytes at the start (parameters, gradients, state, inputs).
+        budget_bytes: the budget the iteration ran under.
+        chunk_bytes: chunk size (None: whole tensors).
+        device: device type, "cpu" or "cuda".
+        schema_version: bumped when fields change meaning.
+        incomplete: not a steady-state iteration (its first update created optimizer state):
+            a plan is made from a later one.
+    """
+
+    steps: tuple[TraceStep, ...]
+    tensors: tuple[TraceTensor, ...]
+    unmanaged_saved_bytes: int
+    baseline_bytes: int
+    budget_bytes: int
+    chunk_bytes: int | None
+    device: str
+    schema_version: int = TRACE_SCHEMA_VERSION
+    incomplete: bool = False
+
+    def live_curve(self) -> list[tuple[int, int]]:
+        """(step index, peak tracked device bytes) per step."""
+        return [(s.index, s.peak_live_bytes) for s in self.steps]
+
+    def to_json(self) -> str:
+        """Serialize to JSON text."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        """Parse the output of :meth:`to_json`."""
+        raw: dict[str, Any] = json.loads(text)
+        if raw.get("schema_version") != TRACE_SCHEMA_VERSION:
+            raise ValueError(
+                f"trace schema_version {raw.get('schema_version')!r} is not "
+                f"{TRACE_SCHEMA_VERSION}; re-profile the model"
+            )
+        steps = tuple(TraceStep(**{**s, "phase": Phase(s["phase"])}) for s in raw.pop("steps"))
+        tensors = tuple(
+            TraceTensor(
+                **{
+                    **t,
+                    "dtypes": tuple(t["dtypes"]),
+                    "use_steps": tuple(t["use_steps"]),
+                    "kind": TensorKind(t["kind"]),
+                }
+            )
+            for t in raw.pop("tensors")
+        )
+        return cls(steps=steps, tensors=tensors, **raw)

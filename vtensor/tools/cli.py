@@ -1,0 +1,465 @@
+"""Command line of vtensor: ``python -m vtensor demo|plan``; ``plan`` profiles, plans and replays.
+
+``plan MODEL`` builds a model (a name of the edgefl zoo, or ``package.module:factory``) and
+trains it on one random batch: ``--steps`` plain steps (reference time and weights; they also
+warm the kernels up), one step at a 1 TiB budget (the unmanaged peak and trace), then ``--steps``
+iterations under a ``MemoryManager`` at the budget (the first is profiled and planned, the next
+ones replay the plan). It prints the figures, writes a plot of the unmanaged, profiled and
+planned iterations, and optionally the figures as JSON. Progress goes to stderr.
+
+Loss: cross-entropy when the output holds logits over the targets (``(N, C)`` for targets
+``(N,)``, ``(N, T, V)`` for token targets ``(N, T)``, flattened), else ``output.square().mean()``.
+Exit status: 0 done (1 if the managed weights differ from the plain ones), 2 usage error,
+3 infeasible budget.
+"""
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vtensor.activations.report import IterationReport
+from vtensor.activations.session import MemoryManager
+from vtensor.errors import BudgetFormatError, InfeasibleBudgetError
+from vtensor.offload.param_offload import ParamOffload
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Trace
+from vtensor.sizes import format_bytes, parse_bytes
+from vtensor.tools import demo
+from vtensor.tools.workload import (
+    Batch,
+    Builder,
+    UsageError,
+    load_builder,
+    loss_name,
+    make_batch,
+    training_loss,
+)
+
+EXIT_INFEASIBLE = 3
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape; give positive integers separated by commas, e.g. 32,3,64,64"
+        )
+    return dims
+
+
+def _size(what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, what=what)
+        except BudgetFormatError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1], e.g. 0.5")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m vtensor`` (``demo`` is dispatched before parsing)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m vtensor", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{demo,plan}")
+    sub.add_parser("demo", help="train a small CNN under a budget (the default; see demo --help)")
+    p = sub.add_parser(
+        "plan",
+        help="profile MODEL, plan swaps at a budget, replay and plot them",
+        description=(__doc__ or "").split("\n\n", 1)[-1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="zoo name (edgefl.models) or pkg.module:factory")
+    p.add_argument("--batch-shape", type=_shape, required=True, help="input shape, e.g. 32,3,64,64")
+    p.add_argument("--target-shape", type=_shape, help="targets (default: (N,), tokens: input's)")
+    p.add_argument("--input-dtype", choices=("float", "long"), default="float")
+    p.add_argument("--vocab", type=int, help="token vocabulary size (with --input-dtype long)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget", type=_size("budget"), help="absolute budget, e.g. 64MiB")
+    budget.add_argument(
+        "--fraction", type=_fraction, default=0.5, help="of the unmanaged peak (default 0.5)"
+    )
+    p.add_argument(
+        "--chunk-bytes", type=_size("chunk_bytes"), default=parse_bytes("1MiB"), help="default 1MiB"
+    )
+    p.add_argument("--granularity", choices=("chunk", "tensor"), default="chunk")
+    p.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="also keep parameters, gradients and momentum in the swap tier (ParamOffload), "
+        "planned with the activations under the one budget",
+    )
+    p.add_argument("--steps", type=int, default=3, help="managed iterations (default 3)")
+    p.add_argument("--plot", help="write the timeline PNG here")
+    p.add_argument("--plan-cache", help="plan cache directory (shared by runs)")
+    p.add_argument("--json", help="write the figures as JSON here")
+    p.add_argument("--storage-dir", help="directory of the swap file (default: a temp dir)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.set_defaults(parser=p)  # usage errors found after parsing are reported by this parser
+    return parser
+
+
+# -- runs --------------------------------------------------------------------------------------
+class Progress:
+    """Lines on stderr with the seconds since the command started."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        """Print ``what`` with the elapsed seconds."""
+        print(f"[{time.perf_counter() - self.start:7.2f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _iteration(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    classes: int,
+    mm: MemoryManager | None,
+    offload: ParamOffload | None = None,
+) -> float:
+    opt.zero_grad(set_to_none=True)
+    x, y = batch
+    begin = time.perf_counter()
+    if mm is None:
+        training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
+    elif offload is not None:  # one plan: the offloading holds the optimizer's state
+        with mm.step(model, inputs=batch, params=offload):
+            training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
+    else:
+        with mm.step(model, opt, inputs=batch):
+            training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
+    elapsed = time.perf_counter() - begin
+    if offload is not None:
+        offload.step()
+    else:
+        opt.step()
+    return elapsed
+
+
+def train(
+    build: Builder, batch: Batch, classes: int, steps: int, mm: MemoryManager | None
+) -> tuple[nn.Module, list[float]]:
+    """Train a fresh model ``steps`` iterations (managed by ``mm`` if given); step seconds."""
+    model = build().to(batch[0].device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, [_iteration(model, opt, batch, classes, mm) for _ in range(steps)]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What ``plan`` measured and planned.
+
+    Attributes:
+        unmanaged: the report of the step at a 1 TiB budget (nothing moves).
+        unmanaged_trace: its trace.
+        unmanaged_step_s: median seconds of a plain (no manager) forward and backward.
+        budget_bytes: the budget of the managed run.
+        chunk_bytes: its chunk size (None at tensor granularity).
+        managed: the reports of the managed iterations.
+        trace: the trace the manager profiled at the budget (None if a cached plan ran).
+        plan: the planner's plan at the budget for the trace used (None if it has none).
+        weights_identical: managed and plain training ended with bit-identical weights.
+        failure: why the managed run stopped early (an infeasible budget), None if it did not.
+    """
+
+    unmanaged: IterationReport
+    unmanaged_trace: Trace
+    unmanaged_step_s: float
+    budget_bytes: int
+    chunk_bytes: int | None
+    managed: tuple[IterationReport, ...]
+    trace: Trace | None
+    plan: Plan | None
+    weights_identical: bool
+    failure: str | None
+
+
+def planner_minimum(trace: Trace, chunk_bytes: int | None) -> tuple[int, str]:
+    """The smallest budget the planner finds feasible on ``trace`` and the step that sets it."""
+    try:
+        plan_lgm(trace, 0, chunk_bytes=chunk_bytes)
+    except InfeasibleBudgetError as err:
+        return err.min_budget_bytes, err.step
+    return 0, ""
+
+
+def _plan_at(trace: Trace, budget_bytes: int, chunk_bytes: int | None) -> Plan | None:
+    try:
+        return plan_lgm(trace, budget_bytes, chunk_bytes=chunk_bytes)
+    except InfeasibleBudgetError:
+        return None
+
+
+def measure(args: argparse.Namespace, build: Builder, progress: Progress) -> Outcome:
+    """Run the plain, unmanaged and managed iterations; raises ``InfeasibleBudgetError``."""
+    batch, classes = make_batch(args, torch.device(args.device))
+    # The plain steps go first: a process's first iteration also allocates what the kernels
+    # keep for later (docs/vtensor.md, Limits), which would inflate the unmanaged peak.
+    progress(f"{args.steps} plain steps (no manager): reference time and weights")
+    reference, plain_s = train(build, batch, classes, args.steps, None)
+    with tempfile.TemporaryDirectory(prefix="vtensor-plan-") as scratch:
+        storage = args.storage_dir or scratch
+        progress("one step at a 1TiB budget: the unmanaged peak and trace")
+        with MemoryManager("1TiB", storage_dir=storage) as probe:
+            train(build, batch, classes, 1, probe)
+        assert probe.trace is not None  # a first iteration is always profiled
+        peak = probe.report().peak_device_bytes
+        budget = args.budget or int(peak * args.fraction)
+        progress(f"unmanaged peak {format_bytes(peak)}, budget {format_bytes(budget)}")
+        mm = MemoryManager(
+            budget,
+            chunk_bytes=args.chunk_bytes,
+            storage_dir=storage,
+            granularity=args.granularity,
+            plan_cache_dir=args.plan_cache,
+        )
+        with mm:
+            managed, failure = _train_managed(
+                build, batch, classes, args.steps, mm, progress, args.offload_params
+            )
+    if failure is not None and not mm.reports:
+        floor, step = planner_minimum(probe.trace, mm.chunk_size)
+        progress(f"planner's minimum on the unmanaged trace: {_bytes(floor)} at {step!r}")
+        raise failure
+    same = all(map(torch.equal, reference.state_dict().values(), managed.state_dict().values()))
+    trace = mm.trace or probe.trace
+    plan = _plan_at(trace, budget, mm.chunk_size)
+    return Outcome(
+        probe.report(),
+        probe.trace,
+        statistics.median(plain_s),
+        budget,
+        mm.chunk_size,
+        mm.reports,
+        mm.trace,
+        plan,
+        same and failure is None,
+        None if failure is None else str(failure),
+    )
+
+
+def _train_managed(
+    build: Builder,
+    batch: Batch,
+    classes: int,
+    steps: int,
+    mm: MemoryManager,
+    progress: Progress,
+    offload_params: bool = False,
+) -> tuple[nn.Module, InfeasibleBudgetError | None]:
+    """Train under ``mm``; stops at the first iteration that breaks the budget and returns why."""
+    model = build().to(batch[0].device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with contextlib.ExitStack() as stack:
+        offload = None
+        try:
+            if offload_params:
+                offload = stack.enter_context(
+                    ParamOffload(
+                        model,
+                        opt,
+                        mm.budget_bytes,
+                        chunk_bytes=mm.chunk_bytes,
+                        storage_dir=mm.storage_dir,
+                    )
+                )
+            for i in range(steps):
+                progress(f"managed iteration {i + 1}/{steps} at {format_bytes(mm.budget_bytes)}")
+                _iteration(model, opt, batch, classes, mm, offload)
+                _progress_line(mm, progress)
+        except InfeasibleBudgetError as err:
+            progress(f"  stopped: {err}")
+            return model, err
+    return model, None
+
+
+def _progress_line(mm: MemoryManager, progress: Progress) -> None:
+    rep = mm.report()
+    progress(
+        f"  {rep.plan_source}: peak {format_bytes(rep.peak_device_bytes)}, "
+        f"moved {format_bytes(rep.bytes_moved)}, stall {rep.stall_s:.3f} s"
+    )
+
+
+# -- output ------------------------------------------------------------------------------------
+def _bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{format_bytes(n)} ({n} bytes)"
+
+
+def replayed(reports: Sequence[IterationReport]) -> list[IterationReport]:
+    """The iterations that replayed a plan (planned or cached), else all but the profiled one."""
+    plans = [r for r in reports if r.plan_source in ("planned", "cached")]
+    return plans or list(reports[1:]) or list(reports)
+
+
+def summary(o: Outcome) -> dict[str, Any]:
+    """The figures of an outcome as plain data (the JSON output)."""
+    last = replayed(o.managed)
+    step_s = statistics.median(r.wall_s for r in last)
+    reactive = [r.min_budget_bytes for r in o.managed if r.policy == "reactive"]
+    floor, floor_step = planner_minimum(o.trace or o.unmanaged_trace, o.chunk_bytes)
+    unmanaged_floor, _ = planner_minimum(o.unmanaged_trace, o.chunk_bytes)
+    return {
+        "unmanaged_peak_bytes": o.unmanaged.peak_device_bytes,
+        "budget_bytes": o.budget_bytes,
+        "min_budget_planner_bytes": floor,
+        "min_budget_planner_step": floor_step,
+        "min_budget_planner_unmanaged_trace_bytes": unmanaged_floor,
+        "min_budget_reactive_bytes": reactive[0] if reactive else None,
+        "plan_bytes_moved": o.plan.bytes_moved if o.plan is not None else None,
+        "plan_param_tensors": _param_tensors(o.plan),
+        "predicted_peak_bytes": last[-1].predicted_peak_bytes,
+        "predicted_stall_s": last[-1].predicted_stall_s,
+        "measured_peak_bytes": max(r.peak_device_bytes for r in last),
+        "measured_bytes_moved": last[-1].bytes_moved,
+        "measured_stall_s": statistics.median(r.stall_s for r in last),
+        "step_s": step_s,
+        "unmanaged_step_s": o.unmanaged_step_s,
+        "overhead": step_s / o.unmanaged_step_s if o.unmanaged_step_s > 0 else None,
+        "plan_sources": [r.plan_source for r in o.managed],
+        "weights_identical": o.weights_identical,
+        "failure": o.failure,
+        "iterations": [asdict(r) for r in o.managed],
+        "unmanaged": asdict(o.unmanaged),
+    }
+
+
+def _param_tensors(plan: Plan | None) -> int | None:
+    """Parameter-side tensors in a joint plan (``--offload-params``); None without a plan."""
+    return None if plan is None else sum(1 for name in plan.tensor_names if name)
+
+
+def print_summary(s: dict[str, Any], args: argparse.Namespace, loss: str) -> None:
+    """The figures, one per line, for people (and tests) to read."""
+    peak = s["unmanaged_peak_bytes"]
+    print(f"model: {args.model}, batch {tuple(args.batch_shape)} {args.input_dtype}, loss: {loss}")
+    print(f"unmanaged peak: {_bytes(peak)}")
+    print(
+        f"budget: {_bytes(s['budget_bytes'])}, {s['budget_bytes'] / peak:.0%} of the peak, "
+        f"{args.granularity} granularity, chunk {format_bytes(args.chunk_bytes)}"
+    )
+    print(
+        f"smallest feasible budget (planner): {_bytes(s['min_budget_planner_bytes'])} "
+        f"at {s['min_budget_planner_step']!r}"
+    )
+    unmanaged_floor = s["min_budget_planner_unmanaged_trace_bytes"]
+    print(f"smallest feasible budget (planner, unmanaged trace): {_bytes(unmanaged_floor)}")
+    print(f"smallest feasible budget (reactive run): {_bytes(s['min_budget_reactive_bytes'])}")
+    print(f"bytes to move per iteration (plan): {_bytes(s['plan_bytes_moved'])}")
+    if args.offload_params:
+        print(f"parameter-side tensors in the plan: {s['plan_param_tensors']}")
+    print(f"predicted peak: {_bytes(s['predicted_peak_bytes'])}")
+    stall = s["predicted_stall_s"]
+    print(f"predicted stall: {'n/a' if stall is None else f'{stall:.4f} s'}")
+    print(f"measured peak: {_bytes(s['measured_peak_bytes'])}")
+    print(f"measured bytes moved: {_bytes(s['measured_bytes_moved'])}")
+    print(f"measured stall: {s['measured_stall_s']:.4f} s")
+    overhead = s["overhead"]
+    print(
+        f"step time: {s['step_s']:.4f} s managed vs {s['unmanaged_step_s']:.4f} s unmanaged "
+        f"(overhead {'n/a' if overhead is None else f'{overhead:.2f}x'})"
+    )
+    print(f"plan source per iteration: {', '.join(s['plan_sources'])}")
+    print(f"weights bit-identical to unmanaged training: {s['weights_identical']}")
+    if s["failure"]:
+        print(f"managed run stopped early: {s['failure']}")
+
+
+def write_outputs(o: Outcome, s: dict[str, Any], args: argparse.Namespace) -> None:
+    """The plot and the JSON file, if asked for."""
+    if args.plot:
+        from vtensor.tools.timeline import plot_timeline
+
+        runs = {"unmanaged": o.unmanaged, f"iteration 0 ({o.managed[0].plan_source})": o.managed[0]}
+        if len(o.managed) > 1:
+            last = o.managed[-1]
+            runs[f"iteration {last.iteration} ({last.plan_source})"] = last
+        title = (
+            f"{args.model}, batch {tuple(args.batch_shape)}: budget {format_bytes(o.budget_bytes)}"
+        )
+        path = plot_timeline(
+            runs,
+            o.budget_bytes,
+            args.plot,
+            trace=o.trace or o.unmanaged_trace,
+            plan=o.plan,
+            title=title,
+        )
+        print(f"plot: {path}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {"model": args.model, "batch_shape": list(args.batch_shape), **s}, f, indent=1
+            )
+        print(f"json: {args.json}")
+
+
+# -- entry -------------------------------------------------------------------------------------
+def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The ``plan`` subcommand."""
+    if args.input_dtype == "long" and (args.vocab is None or args.vocab < 1):
+        parser.error("--input-dtype long needs --vocab N (a positive vocabulary size)")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be at least 1")
+    progress = Progress()
+    progress(f"building {args.model}")
+    try:
+        vocab = args.vocab if args.input_dtype == "long" else None
+        build = load_builder(args.model, tuple(args.batch_shape), vocab)
+        batch, classes = make_batch(args, torch.device(args.device))
+        loss = loss_name(build, batch, classes)
+        outcome = measure(args, build, progress)
+    except UsageError as err:
+        parser.error(str(err))
+    except InfeasibleBudgetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    s = summary(outcome)
+    print_summary(s, args, loss)
+    write_outputs(outcome, s, args)
+    progress("done")
+    if outcome.failure is not None:
+        return EXIT_INFEASIBLE
+    return 0 if outcome.weights_identical else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m vtensor``; no subcommand (or only options) runs the demo."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if (
+        not words
+        or words[0] == "demo"
+        or (words[0].startswith("-") and words[0] not in ("-h", "--help"))
+    ):
+        return demo.main(words[1:] if words[:1] == ["demo"] else words)
+    parser = build_parser()
+    args = parser.parse_args(words)
+    return run_plan(args, args.parser)

@@ -1,0 +1,149 @@
+"""Demo: train a small CNN under a memory budget below its unmanaged peak, and check the result.
+
+Run with ``python -m vtensor.tools.demo`` (``--help`` for options). It measures the unmanaged peak,
+trains the same model from the same seed with and without the manager at a fraction of that
+peak, and prints per-iteration memory and transfer figures and whether the weights match bit
+for bit.
+"""
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+from vtensor.activations.session import MemoryManager
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.sizes import format_bytes, parse_bytes
+
+
+def build_model() -> nn.Module:
+    """A VGG-style CNN whose saved activations dominate its parameters."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    channels = 3
+    for width in (32, 32, 64, 64):
+        layers += [
+            nn.Conv2d(channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        ]
+        channels = width
+        if width == 32 and len(layers) == 6:
+            layers.append(nn.MaxPool2d(2))
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
+    return nn.Sequential(*layers)
+
+
+def _train(
+    manager: MemoryManager | None, steps: int, batch: tuple[torch.Tensor, torch.Tensor]
+) -> nn.Module:
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = batch
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        if manager is None:
+            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        else:
+            with manager.step(model, optimizer, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m vtensor.tools.demo``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=0.75,
+        help="budget as a fraction of the unmanaged peak (default 0.75)",
+    )
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="absolute budget instead, e.g. '24MiB' (overrides --fraction)",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    parser.add_argument("--chunk-bytes", default="1MiB", help="chunk size (default 1MiB)")
+    parser.add_argument(
+        "--granularity",
+        choices=("chunk", "tensor"),
+        default="chunk",
+        help="swap unit (default chunk)",
+    )
+    parser.add_argument(
+        "--storage-dir", default=None, help="directory of the swap file (default: system temp dir)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    generator = torch.Generator().manual_seed(1)
+    batch = (
+        torch.randn(args.batch_size, 3, 64, 64, generator=generator),
+        torch.randint(0, 10, (args.batch_size,), generator=generator),
+    )
+
+    with tempfile.TemporaryDirectory() as scratch:
+        with MemoryManager("1TiB", storage_dir=scratch) as probe:
+            _train(probe, 1, batch)
+        peak = probe.report().peak_device_bytes
+        budget = parse_bytes(args.budget) if args.budget else int(peak * args.fraction)
+        print(f"unmanaged peak of one training step: {format_bytes(peak)} (tracked)")
+        print(
+            f"budget: {format_bytes(budget)} ({budget / peak:.0%} of the peak), "
+            f"{args.granularity} granularity, chunk {args.chunk_bytes}\n"
+        )
+        begin = time.perf_counter()
+        reference = _train(None, args.steps, batch)
+        plain_s = time.perf_counter() - begin
+        manager = MemoryManager(
+            budget,
+            chunk_bytes=args.chunk_bytes,
+            storage_dir=args.storage_dir or scratch,
+            granularity=args.granularity,
+            count_workspaces=True,  # hold the budget for the process's RSS, not only tensors
+        )
+        begin = time.perf_counter()
+        try:
+            with manager:
+                managed = _train(manager, args.steps, batch)
+        except InfeasibleBudgetError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        managed_s = time.perf_counter() - begin
+
+    print(
+        f"{'iter':>4} {'source':>9} {'peak':>10} {'predicted':>10} {'indep.':>10} {'out':>10} "
+        f"{'in':>10} {'stall s':>8} {'wall s':>7}"
+    )
+    for rep in manager.reports:
+        predicted = format_bytes(rep.predicted_peak_bytes) if rep.predicted_peak_bytes else "-"
+        print(
+            f"{rep.iteration:>4} {rep.plan_source:>9} {format_bytes(rep.peak_device_bytes):>10} "
+            f"{predicted:>10} {format_bytes(rep.peak_independent_bytes or 0):>10} "
+            f"{format_bytes(rep.bytes_out):>10} {format_bytes(rep.bytes_in):>10} "
+            f"{rep.stall_s:>8.3f} {rep.wall_s:>7.2f}"
+        )
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(reference.state_dict().values(), managed.state_dict().values(), strict=True)
+    )
+    print(f"\nweights after {args.steps} steps bit-identical to unmanaged training: {same}")
+    print(f"time: unmanaged {plain_s:.2f} s, managed {managed_s:.2f} s")
+    print(
+        "peak = tracked device bytes (heap counter at every hook point); predicted = the plan's "
+        "peak (with the op workspaces measured while profiling); indep. = baseline + growth of "
+        "the process's peak RSS"
+    )
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

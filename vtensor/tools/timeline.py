@@ -1,0 +1,144 @@
+"""Plot of device bytes and swap traffic per step of managed iterations, written as a PNG.
+
+``plot_timeline`` draws one line per run (for example the unmanaged, profiled and planned
+iterations) against the budget, the phases of the iteration as shaded regions, the planner's
+predicted resident bytes when a plan and its trace are given, and in a lower panel the bytes each
+run moved out (up) and in (down) per step. matplotlib is imported only when a plot is drawn, so
+the rest of vtensor does not need it.
+"""
+
+from collections.abc import Mapping, Sequence
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from vtensor.activations.report import IterationReport
+from vtensor.planner.memory_model import simulate
+from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Phase, Trace
+
+_MIB = float(2**20)
+_PHASE_COLOURS = {Phase.FORWARD: "#e8f1fb", Phase.BACKWARD: "#fbeee6", Phase.OTHER: "#eeeeee"}
+
+
+def phase_spans(phases: Sequence[Phase]) -> list[tuple[Phase, int, int]]:
+    """Maximal runs of one phase as ``(phase, first step, last step)``, in order."""
+    spans: list[tuple[Phase, int, int]] = []
+    for index, phase in enumerate(phases):
+        if spans and spans[-1][0] is phase:
+            spans[-1] = (phase, spans[-1][1], index)
+        else:
+            spans.append((phase, index, index))
+    return spans
+
+
+def plot_timeline(
+    runs: Mapping[str, IterationReport],
+    budget_bytes: int,
+    path: str | PathLike[str],
+    *,
+    trace: Trace | None = None,
+    plan: Plan | None = None,
+    title: str | None = None,
+) -> Path:
+    """Write a PNG of device bytes per step for each run, with the budget and swap traffic.
+
+    Args:
+        runs: label -> report of one iteration; each becomes a line (MiB per step).
+        budget_bytes: drawn as a horizontal line.
+        path: where the PNG goes (parent directories are created).
+        trace: the profiled iteration the plan was made from; with ``plan``, the planner's
+            predicted resident bytes per step (``simulate(plan, trace)``) are drawn dashed.
+        plan: the swap plan (ignored without ``trace``).
+        title: figure title, e.g. the model and the budget.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: ``runs`` is empty.
+    """
+    if not runs:
+        raise ValueError("plot_timeline needs at least one run to draw")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, work without a display
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(
+        2, 1, sharex=True, figsize=(11, 6.5), gridspec_kw={"height_ratios": (3, 1.3)}
+    )
+    try:
+        first = next(iter(runs.values()))
+        _shade_phases(top, bottom, [s.phase for s in first.steps])
+        _draw_memory(top, runs, budget_bytes, trace, plan)
+        _draw_traffic(bottom, runs)
+        if title:
+            top.set_title(title)
+        fig.tight_layout()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _shade_phases(top: Any, bottom: Any, phases: Sequence[Phase]) -> None:
+    for phase, first, last in phase_spans(phases):
+        for axis in (top, bottom):
+            axis.axvspan(first - 0.5, last + 0.5, color=_PHASE_COLOURS[phase], zorder=0, lw=0)
+        top.text(
+            (first + last) / 2,
+            0.98,
+            phase.value,
+            transform=top.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=8,
+            color="#555555",
+        )
+
+
+def _draw_memory(
+    axis: Any,
+    runs: Mapping[str, IterationReport],
+    budget_bytes: int,
+    trace: Trace | None,
+    plan: Plan | None,
+) -> None:
+    for label, report in runs.items():
+        xs = [s.index for s in report.steps]
+        ys = [s.peak_device_bytes / _MIB for s in report.steps]
+        axis.plot(xs, ys, drawstyle="steps-mid", lw=1.4, label=label)
+    if trace is not None and plan is not None:
+        predicted = [b / _MIB for b in simulate(plan, trace)]
+        axis.plot(
+            [s.index for s in trace.steps],
+            predicted,
+            ls="--",
+            drawstyle="steps-mid",
+            color="black",
+            lw=1.0,
+            label="planner's prediction",
+        )
+    axis.axhline(
+        budget_bytes / _MIB, color="red", lw=1.2, label=f"budget {budget_bytes / _MIB:.1f} MiB"
+    )
+    axis.set_ylabel("device MiB (peak per step)")
+    axis.set_ylim(bottom=0)
+    axis.legend(loc="upper left", fontsize=8, framealpha=0.9)
+
+
+def _draw_traffic(axis: Any, runs: Mapping[str, IterationReport]) -> None:
+    width = 0.8 / max(1, len(runs))
+    for k, (label, report) in enumerate(runs.items()):
+        xs = [s.index - 0.4 + width * (k + 0.5) for s in report.steps]
+        out = [s.bytes_out / _MIB for s in report.steps]
+        back = [-s.bytes_in / _MIB for s in report.steps]
+        colour = f"C{k}"
+        axis.bar(xs, out, width=width, color=colour, label=label)
+        axis.bar(xs, back, width=width, color=colour, alpha=0.55)
+    axis.axhline(0, color="black", lw=0.6)
+    axis.set_ylabel("MiB out (+) / in (-)")
+    axis.set_xlabel("step (module boundary) index")
