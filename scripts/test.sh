@@ -33,6 +33,13 @@ run_pytest() {
 # The vtensor tests run in a process of their own: on CPU the memory manager reads the
 # process-wide heap counter, and the background threads that a Flower/Ray simulation test leaves
 # behind would disturb it.
+# The import contracts of pyproject.toml: vtensor's layers, and who may import whom.
+echo "test: lint-imports" >&2
+if ! "$ROOT/.venv/bin/lint-imports"; then
+    echo "test: FAILED: lint-imports" >&2
+    failed=1
+fi
+
 run_pytest "$PY" -m pytest -q tests/vtensor "$@"
 run_pytest "$PY" -m pytest -q tests --ignore=tests/vtensor "$@"
 

@@ -14,26 +14,23 @@ from vtensor.errors import (
     IllegalMoveError,
     InfeasibleBudgetError,
     InPlaceModificationError,
+    LayeringError,
+    ParamOffloadError,
     StorageTierError,
     SwapAuthenticationError,
     VTensorError,
-)
-from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, ChunkState
-from vtensor.layering.demand import DemandLayering, LayeringError, LayeringReport
-from vtensor.layering.weightfile import (
-    WeightFile,
     WeightFileChecksumError,
     WeightFileError,
     WeightFileFormatError,
     WeightFileMismatchError,
     WeightFileTruncatedError,
     WeightFileVersionError,
-    evict_page_cache,
-    write_weights,
 )
+from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, ChunkState
+from vtensor.layering.demand import DemandLayering, LayeringReport
+from vtensor.layering.weightfile import WeightFile, evict_page_cache, write_weights
 from vtensor.offload.param_offload import ParamOffload
 from vtensor.offload.report import ParamOffloadReport
-from vtensor.offload.units import ParamOffloadError
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 from vtensor.sizes import format_bytes, parse_bytes
 

@@ -1,5 +1,8 @@
 """Error types of the vtensor memory manager: one root, one class per failure a user can act on."""
 
+import os
+from pathlib import Path
+
 
 class VTensorError(Exception):
     """Root of every error raised by vtensor."""
@@ -54,3 +57,39 @@ class SwapAuthenticationError(VTensorError):
     The chunk's bytes are never returned: they were replaced on storage after vtensor wrote
     them, so the step cannot continue from them.
     """
+
+
+class ParamOffloadError(VTensorError):
+    """The model or optimizer cannot be trained with parameter offloading as configured."""
+
+
+class LayeringError(VTensorError):
+    """The model cannot be run with demand layering as called; the message says what to change."""
+
+
+class WeightFileError(VTensorError):
+    """A weight file cannot be used; ``path`` names it."""
+
+    def __init__(self, path: str | os.PathLike[str], message: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"weight file {str(self.path)!r}: {message}")
+
+
+class WeightFileFormatError(WeightFileError):
+    """Not a weight file this project reads (wrong magic), or its header is malformed."""
+
+
+class WeightFileVersionError(WeightFileError):
+    """The file was written in a newer format version than this vtensor reads."""
+
+
+class WeightFileTruncatedError(WeightFileError):
+    """The file is shorter than its header says: an interrupted copy or write."""
+
+
+class WeightFileChecksumError(WeightFileError):
+    """A tensor's bytes (or the header) do not match the CRC-32 written with them."""
+
+
+class WeightFileMismatchError(WeightFileError):
+    """The file does not match the model: missing or extra names, other shapes or dtypes."""

@@ -1,4 +1,4 @@
-"""Tests of vtensor.measure.accounting: every tracker measured against tensors of known size."""
+"""Tests of vtensor.measure: every tracker measured against tensors of known size."""
 
 import ctypes
 import json
@@ -13,20 +13,15 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import vtensor.measure.accounting
+import vtensor
 from vtensor.errors import VTensorError
-from vtensor.measure.accounting import (
-    CudaTracker,
-    DeviceTracker,
-    LiveStorageTracker,
-    MallocTracker,
-    make_device_tracker,
-)
+from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
+from vtensor.measure.trackers import CudaTracker, DeviceTracker, MallocTracker, make_device_tracker
 
 MB = 1_000_000
 MALLOC_TOLERANCE_BYTES = 64 * 1024
-REPO_ROOT = Path(vtensor.measure.accounting.__file__).resolve().parents[1]
+REPO_ROOT = Path(vtensor.__file__).resolve().parents[1]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import vtensor
 from vtensor.activations.hooks import _NodeSampler
-from vtensor.measure.accounting import LiveStorageTracker
+from vtensor.measure.dispatch import LiveStorageTracker
 
 MIB = 2**20
 

@@ -12,8 +12,8 @@ from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, StoreStats, VTensor
-from vtensor.measure.accounting import DeviceTracker
 from vtensor.measure.rss import RssMeter
+from vtensor.measure.trackers import DeviceTracker
 from vtensor.planner.trace import Trace, TraceTensor
 
 logger = logging.getLogger(__name__)

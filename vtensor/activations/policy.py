@@ -29,18 +29,12 @@ class ReactivePolicy:
     tensors at tensor granularity), taken from the tail of the victims.
 
     NOTE [guard takes whole remainders]
-    While a plan is replayed, the policy only guards the headroom, and a victim that has
-    already lost a tail goes whole (all its resident chunks); the first cut is still the
-    deficit. The plan fills the budget, so the guard acts at hook point after hook point, each
-    time for about what the last op allocated (about one chunk), and it waits for each write.
-    Taken chunk by chunk, a victim was written out in up to 7 pieces, and every piece shrank
-    the storage to its remaining prefix, which ``resize_`` copies: on MobileNetV2 at 60 %
-    (batch 12) 29 of 46 evictions per step were the guard's, and the shrinks copied 92 MiB of
-    prefixes (a 6 -> 5 MiB shrink takes 2.3 ms here). Taking every victim whole at once cut
-    that to 6 of 23 evictions and 1 MiB, and the step by 6 %, but on the char GPT at 60 % it
-    moved 11 % more bytes (401.7 instead of 361.7 MiB per step). Cutting once and then taking
-    the rest moved 1 % more there (365.7 MiB), and as many bytes as taking victims whole on
-    MobileNetV2 at 60 % (304.5 instead of 298.5 MiB). The plan's own moves stay exact to the
+    While a plan is replayed, the policy only guards the headroom: the first cut of a victim is
+    the deficit, and a victim that has already lost a tail goes whole (all its resident chunks).
+    The guard acts at hook point after hook point for about one chunk each time; cutting the
+    same victim again and again would shrink its storage (a ``resize_`` copy of the resident
+    prefix) at every cut, while taking every victim whole from the start moves more bytes
+    (benchmarks/README.md, "Guard: victims cut once"). The plan's own moves stay exact to the
     chunk, and profiling iterations evict exactly the deficit.
     """
 

@@ -2,7 +2,6 @@
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,7 @@ from torch import nn
 
 from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
+from vtensor.activations.model_state import baseline_bytes, device_of, storages_of
 from vtensor.activations.planning import IterationPlan, PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import (
@@ -27,11 +27,11 @@ from vtensor.activations.report import (
 from vtensor.activations.store import ChunkStore
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
-from vtensor.io.tiers import HostTier, StorageTier
-from vtensor.io.transfer import CudaTransferEngine, FileTransferEngine, TransferEngine
-from vtensor.measure.accounting import make_device_tracker
+from vtensor.io.engines import engine_for
+from vtensor.measure.independent import independent_peak, independent_start
 from vtensor.measure.rss import RssMeter
-from vtensor.offload.joint import JointStep, held_outside
+from vtensor.measure.trackers import make_device_tracker, quiet_heap
+from vtensor.offload.joint import JointStep, check_joint, held_outside
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -166,15 +166,13 @@ class MemoryManager:
     def _ensure_started(self, device: torch.device) -> tuple[ChunkStore, ReactivePolicy]:
         if self._store is not None and self._policy is not None:
             return self._store, self._policy
-        engine: TransferEngine
-        if device.type == "cuda":
-            engine = CudaTransferEngine(device, HostTier(self.host_capacity_bytes))
-        elif device.type == "cpu":
-            engine = FileTransferEngine(
-                StorageTier(self.storage_dir, self.drop_page_cache), encrypt=self.encrypt_storage
-            )
-        else:
-            raise VTensorError(f"device {device} is not supported; use a cpu or cuda device")
+        engine = engine_for(
+            device,
+            host_capacity_bytes=self.host_capacity_bytes,
+            storage_dir=self.storage_dir,
+            drop_page_cache=self.drop_page_cache,
+            encrypt=self.encrypt_storage,
+        )
         self._store = ChunkStore(engine, self.chunk_size)
         self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
         return self._store, self._policy
@@ -207,16 +205,25 @@ class MemoryManager:
         """
         if self._active:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
-        device = self.device or _device_of(model)
-        self._check_params(model, optimizer, params, device)
+        device = self.device or device_of(model)
+        if params is not None:
+            check_joint(
+                params,
+                model,
+                optimizer,
+                self.budget_bytes,
+                device,
+                f"granularity {self.granularity.value}",
+                chunked=self.granularity is Granularity.CHUNK,
+            )
         store, policy = self._ensure_started(device)
         baseline = self._baseline(model, optimizer, inputs, device, params)
         if self._rss is None and device.type == "cpu":
             self._rss = RssMeter()
         with contextlib.ExitStack() as stack:
             if device.type == "cpu":
-                stack.enter_context(_collector_held())  # NOTE [quiet heap]
-            rss_start = self._start_independent(device)
+                stack.enter_context(quiet_heap())  # NOTE [quiet heap]
+            rss_start = independent_start(device, self._rss)
             signature = params.plan_signature() if params is not None else ""
             chosen = self._plans.for_iteration(model, inputs, device, store, signature)
             executor = chosen.executor
@@ -235,7 +242,7 @@ class MemoryManager:
                 policy,
                 make_device_tracker(device),
                 device,
-                _storages_of(model, optimizer),
+                storages_of(model, optimizer),
                 baseline,
                 self.min_tensor_bytes,
                 record_trace=chosen.record_trace,
@@ -277,7 +284,7 @@ class MemoryManager:
         params: "ParamOffload | None",
     ) -> int:
         """Device bytes before any activation is saved; raises if they alone break the budget."""
-        baseline = _baseline_bytes(model, optimizer, inputs, device)
+        baseline = baseline_bytes(model, optimizer, inputs, device)
         if params is not None:
             baseline += held_outside(params.pool, model)
         if baseline > self.budget_bytes:
@@ -289,51 +296,6 @@ class MemoryManager:
                 f"{format_bytes(baseline)} before any activation is saved",
             )
         return baseline
-
-    def _check_params(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        params: "ParamOffload | None",
-        device: torch.device,
-    ) -> None:
-        if params is None:
-            return
-        if params.model is not model:
-            raise VTensorError("step(params=...) needs the ParamOffload of the model being stepped")
-        if optimizer is not None:
-            raise VTensorError(
-                "step(optimizer=..., params=...): the optimizer's state is offloaded by the "
-                "ParamOffload; leave optimizer out of step()"
-            )
-        if params.budget_bytes != self.budget_bytes:
-            raise VTensorError(
-                f"one plan needs one budget: ParamOffload(budget={params.budget_bytes}) and "
-                f"MemoryManager(budget={self.budget_bytes}); give both the same budget"
-            )
-        if device.type != "cpu" or self.granularity is not Granularity.CHUNK:
-            raise VTensorError(
-                "step(params=...) plans parameter offloading on the CPU at chunk granularity "
-                f"(device {device.type}, granularity {self.granularity.value})"
-            )
-
-    def _start_independent(self, device: torch.device) -> int:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            return 0
-        assert self._rss is not None
-        self._rss.reset_peak()
-        return self._rss.current_rss_bytes()
-
-    def _independent_peak(
-        self, device: torch.device, baseline: int, rss_start: int, seen_peak: int
-    ) -> int:
-        if device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(device))
-        assert self._rss is not None
-        # A profiling iteration resets the high-water mark per step and keeps the maximum.
-        peak = max(self._rss.peak_rss_bytes(), seen_peak)
-        return baseline + max(0, peak - rss_start)
 
     def _record(
         self,
@@ -366,8 +328,8 @@ class MemoryManager:
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_size,
             peak_device_bytes=books.peak_bytes,
-            peak_independent_bytes=self._independent_peak(
-                device, iteration.baseline_bytes, rss_start, iteration.rss_peak_bytes
+            peak_independent_bytes=independent_peak(
+                device, self._rss, iteration.baseline_bytes, rss_start, iteration.rss_peak_bytes
             ),
             independent_kind=(
                 PeakSource.CUDA_MAX_ALLOCATED if device.type == "cuda" else PeakSource.RSS_VMHWM
@@ -416,7 +378,7 @@ class MemoryManager:
 
         ``params`` as for :meth:`step`: the joint plan of that offloading's next backward pass.
         """
-        device = self.device or _device_of(model)
+        device = self.device or device_of(model)
         signature = params.plan_signature() if params is not None else ""
         return self._plans.plan_for(model, inputs, device, signature)
 
@@ -426,57 +388,6 @@ class MemoryManager:
         return self._trace
 
 
-@contextmanager
-def _collector_held() -> Iterator[None]:
-    """Hold the cycle collector for the block (NOTE [quiet heap])."""
-    # NOTE [quiet heap]: on CPU the tracker reads the process-wide heap counter, so garbage of
-    # earlier code freed by the cycle collector mid-step would look like the step freeing
-    # memory. Hold the collector until the step ends (a full collection here would cost
-    # ~0.15 s per step in a process that has imported torch).
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:
     s = store.stats
     return s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for param in model.parameters():
-        return param.device
-    for buffer in model.buffers():
-        return buffer.device
-    return torch.device("cpu")
-
-
-def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
-def _storages_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
-    return {t.untyped_storage()._cdata for t in _state_tensors(model, optimizer)}
-
-
-def _baseline_bytes(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    inputs: Sequence[torch.Tensor],
-    device: torch.device,
-) -> int:
-    seen: dict[int, int] = {}
-    for tensor in [*_state_tensors(model, optimizer), *inputs]:
-        if tensor.device.type == device.type:
-            storage = tensor.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from vtensor.errors import LayeringError
 from vtensor.layering.discovery import Discovery
 from vtensor.layering.placement import enclosing_calls, place_calls, ring_positions
 from vtensor.layering.reader import LayerReader
@@ -33,7 +34,6 @@ from vtensor.layering.records import (
     PACK_BYTES,
     Call,
     Layer,
-    LayeringError,
     Slot,
     aligned_bytes,
     find_slots,

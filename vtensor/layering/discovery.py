@@ -10,7 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from vtensor.layering.records import LayeringError
+from vtensor.errors import LayeringError
 
 
 class Discovery(TorchFunctionMode):

@@ -10,12 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vtensor.errors import VTensorError
 from vtensor.layering.weightfile import ALIGN_BYTES, TensorEntry
-
-
-class LayeringError(VTensorError):
-    """The model cannot be run with demand layering as called; the message says what to change."""
 
 
 @dataclass

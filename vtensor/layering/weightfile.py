@@ -23,7 +23,14 @@ from typing import Any, Self
 
 import torch
 
-from vtensor.errors import VTensorError
+from vtensor.errors import (
+    WeightFileChecksumError,
+    WeightFileError,
+    WeightFileFormatError,
+    WeightFileMismatchError,
+    WeightFileTruncatedError,
+    WeightFileVersionError,
+)
 
 MAGIC = b"VTWEIGHT"
 FORMAT_VERSION = 1
@@ -33,34 +40,6 @@ _PREAMBLE = struct.Struct("<8sIIQ")  # magic, version, header crc32, header leng
 _FIX_REWRITE = "rewrite it from the model's state_dict with vtensor.write_weights(state_dict, path)"
 # safetensors dtype codes that are not F/I/U + bits (F32 -> float32, U8 -> uint8).
 _SAFETENSORS_NAMES = {"BOOL": "bool", "BF16": "bfloat16", "C64": "complex64"}
-
-
-class WeightFileError(VTensorError):
-    """A weight file cannot be used; ``path`` names it."""
-
-    def __init__(self, path: str | os.PathLike[str], message: str) -> None:
-        self.path = Path(path)
-        super().__init__(f"weight file {str(self.path)!r}: {message}")
-
-
-class WeightFileFormatError(WeightFileError):
-    """Not a weight file this project reads (wrong magic), or its header is malformed."""
-
-
-class WeightFileVersionError(WeightFileError):
-    """The file was written in a newer format version than this vtensor reads."""
-
-
-class WeightFileTruncatedError(WeightFileError):
-    """The file is shorter than its header says: an interrupted copy or write."""
-
-
-class WeightFileChecksumError(WeightFileError):
-    """A tensor's bytes (or the header) do not match the CRC-32 written with them."""
-
-
-class WeightFileMismatchError(WeightFileError):
-    """The file does not match the model: missing or extra names, other shapes or dtypes."""
 
 
 @dataclass(frozen=True)

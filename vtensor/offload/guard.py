@@ -13,7 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from vtensor.offload.units import ParamOffloadError
+from vtensor.errors import ParamOffloadError
 
 
 class UseGuard(TorchFunctionMode):

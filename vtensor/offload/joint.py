@@ -27,8 +27,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 from torch import nn
 
+from vtensor.errors import VTensorError
 from vtensor.offload.joint_record import ParamRecorder
 from vtensor.offload.joint_replay import ParamPlanExecutor
 from vtensor.offload.pool import OffloadPool
@@ -99,6 +101,39 @@ class JointStep:
             # A replayed plan keeps holding what it has resident at the end (the next iteration
             # starts from that); a recorder's job ends with the iteration.
             pool.disconnect(keep_listener=self.replays)
+
+
+def check_joint(
+    params: "ParamOffload",
+    model: nn.Module,
+    optimizer: object,
+    budget_bytes: int,
+    device: torch.device,
+    unit: str,
+    *,
+    chunked: bool,
+) -> None:
+    """Refuse a joint step that cannot share one plan; the error names the fix.
+
+    ``unit`` describes the manager's unit of swapping; ``chunked``: it swaps chunks.
+    """
+    if params.model is not model:
+        raise VTensorError("step(params=...) needs the ParamOffload of the model being stepped")
+    if optimizer is not None:
+        raise VTensorError(
+            "step(optimizer=..., params=...): the optimizer's state is offloaded by the "
+            "ParamOffload; leave optimizer out of step()"
+        )
+    if params.budget_bytes != budget_bytes:
+        raise VTensorError(
+            f"one plan needs one budget: ParamOffload(budget={params.budget_bytes}) and "
+            f"MemoryManager(budget={budget_bytes}); give both the same budget"
+        )
+    if device.type != "cpu" or not chunked:
+        raise VTensorError(
+            "step(params=...) plans parameter offloading on the CPU at chunk granularity "
+            f"(device {device.type}, {unit})"
+        )
 
 
 def held_outside(pool: OffloadPool, model: nn.Module) -> int:

@@ -15,41 +15,28 @@ flight. The policy (what to prefetch) is :class:`vtensor.offload.policy.Lookahea
 
 import contextlib
 import logging
-from collections import Counter
 from os import PathLike
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vtensor.errors import InfeasibleBudgetError
+from vtensor.errors import InfeasibleBudgetError, ParamOffloadError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.tiers import StorageTier
 from vtensor.io.transfer import FileTransferEngine
-from vtensor.offload.guard import UseGuard
-from vtensor.offload.hooks import install_offload_hooks, on_backward_start
-from vtensor.offload.offloaded import OffloadedTensor, ResidentMeter
-from vtensor.offload.policy import Event, Lookahead, Phase
+from vtensor.offload.hooks import install_offload_hooks
+from vtensor.offload.offloaded import ResidentMeter
+from vtensor.offload.passes import OffloadPasses
+from vtensor.offload.policy import Lookahead
 from vtensor.offload.pool import OffloadPool
 from vtensor.offload.records import (
-    ParamRecord,
     adopt_state,
     describe_params,
-    grew,
-    update_parameter,
-    use_counts,
 )
 from vtensor.offload.report import ParamOffloadReport
-from vtensor.offload.units import (
-    ParamOffloadError,
-    Unit,
-    find_units,
-    footprint,
-    long_lived,
-)
-from vtensor.offload.update import clip_, gradient_norm, total_norm
+from vtensor.offload.units import find_units, footprint, long_lived
 from vtensor.planner.trace import TensorKind
 from vtensor.sizes import format_bytes, parse_bytes
 
@@ -140,28 +127,26 @@ class ParamOffload:
             parse_bytes(chunk_bytes, what="chunk_bytes"),
         )
         self._owners: dict[int, tuple[str, frozenset[str]]] = {}
-        self._running: Counter[str] = Counter()
         self._hooks: list[RemovableHandle] = []
-        self._schedule: list[Event] = []
-        self._recording = True
-        self._forward_calls = self._backward_calls = self._update_calls = 0
-        self._backwards_done = 0
-        self._in_backward = False
-        self._bwd_pins: dict[str, list[OffloadedTensor]] = {}
-        self._expected: dict[str, int] = {}  # gradients announced by a unit's backward
-        self._units_begun: set[int] = set()  # units whose backward began in this backward
-        self._saved: dict[int, set[str]] = {}  # unit -> parameters autograd saved (last forward)
-        self._calls: list[tuple[Unit, dict[str, tuple[int, int]], list[Any]]] = []
-        self._guard: UseGuard | None = None
         self._step_peaks: list[int] = []
         self._closed = False
-        # True while a MemoryManager replays a joint plan (NOTE [one plan]): reads are then
-        # the plan's, not the lookahead's.
-        self._plan_driven = False
-        self._joint_step = False  # inside a MemoryManager step that shares the budget
+        self._passes = OffloadPasses(
+            self.pool,
+            optimizer,
+            self.policy,
+            self.units,
+            self._params,
+            self._owners,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            norm_type=norm_type,
+            min_tensor_bytes=min_tensor_bytes,
+        )
         try:
             self._adopt_all()
-            handles = install_offload_hooks(model, self.units, list(self._params.values()), self)
+            handles = install_offload_hooks(
+                model, self.units, list(self._params.values()), self._passes
+            )
             self._hooks += handles
         except BaseException:
             self.close()
@@ -183,166 +168,6 @@ class ParamOffload:
                 entry.start_write()
         self.pool.reap(block=True)
 
-    # -- forward ------------------------------------------------------------------------------
-    def begin_forward(self) -> None:  # noqa: D102
-        self._check_open()
-        self._forward_calls = 0
-        if not self._joint_step:
-            # A forward outside the manager's steps (evaluation, say): a joint plan's hold on
-            # what it kept resident ends; the next joint step reads what its plan needs.
-            self.pool.end_hold()
-        if self._recording and self._guard is None:
-            self._guard = UseGuard(self._owners, self._running)
-            self._guard.__enter__()  # type: ignore[no-untyped-call]
-
-    def end_forward(self) -> None:  # noqa: D102
-        if self._guard is not None:
-            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            self._guard = None
-        while self._calls:  # a forward that raised left calls open
-            self.end_call(self._calls[-1][0], None)
-
-    def begin_call(self, unit: Unit) -> None:  # noqa: D102
-        self._note(Event(Phase.FORWARD, unit.index), self._forward_calls)
-        records = [self._params[n] for n in unit.params]
-        self.pool.acquire([r.entry for r in records], f"forward of {unit.name or '<root>'}")
-        self._running[unit.name] += 1
-        grad_on = torch.is_grad_enabled()
-        # Hold each AccumulateGrad node through the call so that its creation does not look
-        # like a saved reference when the use counts are compared afterwards.
-        nodes = [
-            r.param.view_as(r.param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-            for r in records
-            if grad_on and r.param.requires_grad and not r.fixed
-        ]
-        counts = {r.name: use_counts(r) for r in records if not r.fixed}
-        self._calls.append((unit, counts, nodes))
-        self._prefetch(Phase.FORWARD, self._forward_calls, reserve_bytes=0)
-        self._forward_calls += 1
-
-    def end_call(self, unit: Unit, output: Any) -> None:  # noqa: D102
-        if not self._calls or self._calls[-1][0] is not unit:
-            return  # its pre-hook raised before the call began
-        _, counts, nodes = self._calls.pop()
-        self._running[unit.name] -= 1
-        saved = {n for n, before in counts.items() if grew(use_counts(self._params[n]), before)}
-        nodes.clear()
-        self._saved[unit.index] = saved
-        for name in unit.params:
-            self.pool.release(self._params[name].entry)
-        if output is None or not torch.is_grad_enabled():
-            return
-        on_backward_start(output, lambda: self._begin_backward(unit, saved))
-
-    # -- backward -----------------------------------------------------------------------------
-    @property
-    def _final(self) -> bool:
-        return self._backwards_done + 1 == self.accumulation_steps
-
-    def _ensure_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            self._backward_calls = 0
-            self._units_begun.clear()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _begin_backward(self, unit: Unit, saved: set[str]) -> None:
-        self._ensure_backward()
-        if unit.index in self._units_begun:  # another node of the same outputs
-            return
-        self._units_begun.add(unit.index)
-        self._note(Event(Phase.BACKWARD, unit.index), self._backward_calls)
-        needs, reserve = self._backward_need(unit, saved)
-        entries = [e for group in needs.values() for e in group]
-        self.pool.acquire(entries, f"backward of {unit.name or '<root>'}", reserve)
-        for name, group in needs.items():
-            self._bwd_pins.setdefault(name, []).extend(group)
-        for name in unit.params:  # their gradients arrive later: keep room for them until then
-            record = self._params[name]
-            if record.param.requires_grad and name not in self._expected:
-                self._expected[name] = record.entry.nbytes
-                self.pool.reserved_bytes += record.entry.nbytes
-        self._prefetch(Phase.BACKWARD, self._backward_calls, 0)
-        self._backward_calls += 1
-
-    def _backward_need(
-        self, unit: Unit, saved: set[str]
-    ) -> tuple[dict[str, list[OffloadedTensor]], int]:
-        """Per parameter, what a unit's backward pins (until that gradient is in).
-
-        Also the bytes the backward will allocate: its gradients, first-step optimizer state.
-        """
-        needs: dict[str, list[OffloadedTensor]] = {}
-        reserve = 0
-        update_now = self._final and self.max_grad_norm is None
-        for name in unit.params:
-            record = self._params[name]
-            if name in self._bwd_pins:
-                continue
-            entries = needs.setdefault(name, [])
-            if name in saved or (update_now and record.param.requires_grad):
-                entries.append(record.entry)
-            if record.param.requires_grad:
-                reserve += record.entry.nbytes
-                if record.acc is not None:
-                    entries.append(record.acc)
-                if update_now:
-                    entries += record.state
-                    reserve += 0 if record.state else record.state_bytes
-        return needs, reserve
-
-    def _end_backward(self) -> None:
-        for name in list(self._bwd_pins):
-            self._unpin_backward(name)
-        self.pool.reserved_bytes -= sum(self._expected.values())
-        self._expected.clear()
-        self._in_backward = False
-        self._backwards_done += 1
-        if self._recording:
-            self._recording = False
-        self.pool.reap()
-
-    def _unpin_backward(self, name: str) -> None:
-        for entry in self._bwd_pins.pop(name, []):
-            self.pool.release(entry)
-
-    def take_gradient(self, record: ParamRecord) -> None:  # noqa: D102
-        self._ensure_backward()
-        grad = record.param.grad
-        record.param.grad = None
-        assert grad is not None
-        pins = self._bwd_pins.pop(record.name, [])
-        self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
-        self._keep_gradient(record, grad)
-        for entry in pins:  # after the update: the parameter must not leave before it
-            self.pool.release(entry)
-
-    def _keep_gradient(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        # Pinned from here on: making room for what follows must not take the gradient away.
-        entry = self.pool.adopt(grad, f"{record.name}#grad", TensorKind.GRAD, fixed=record.fixed)
-        self.pool.acquire([entry], f"gradient of {record.name}")
-        if record.acc is not None:
-            acc = record.acc
-            self.pool.acquire([acc], f"accumulating {record.name}")
-            acc.complete()  # its last write may still be in flight
-            # What AccumulateGrad does to a defined .grad: +=, exact and commutative.
-            acc.tensor.add_(grad)
-            if not self.pool.is_fixed(acc):
-                acc.mark_dirty()
-            self.pool.forget(entry)
-            del grad
-            record.acc = None
-            entry = acc
-        if not self._final:
-            record.acc = entry
-            self.pool.release(entry)
-        elif self.max_grad_norm is not None:
-            record.norm = gradient_norm(entry.tensor, self.norm_type)
-            record.grad = entry
-            self.pool.release(entry)
-        else:
-            update_parameter(self.pool, self.optimizer, record, entry, self._min_tensor_bytes)
-
     # -- update -------------------------------------------------------------------------------
     def step(self) -> torch.Tensor | None:
         """Finish the optimizer step after ``accumulation_steps`` backward passes.
@@ -351,70 +176,20 @@ class ParamOffload:
         ``max_grad_norm`` this clips and updates layer by layer and returns the total norm.
         """
         self._check_open()
-        if self._in_backward or self._backwards_done != self.accumulation_steps:
+        passes = self._passes
+        if passes.in_backward or passes.backwards_done != self.accumulation_steps:
             raise ParamOffloadError(
-                f"step() after {self._backwards_done} backward passes; accumulation_steps="
+                f"step() after {passes.backwards_done} backward passes; accumulation_steps="
                 f"{self.accumulation_steps}: call step() once after that many loss.backward()"
             )
         total = None
         if self.max_grad_norm is not None:
-            total = self._clip_and_update(self.max_grad_norm)
-        self._backwards_done = 0
+            total = passes.clip_and_update(self.max_grad_norm)
+        passes.backwards_done = 0
         self.pool.reap()
         self._step_peaks.append(self.meter.peak_bytes)
         self.meter.reset_peak()
         return total
-
-    def _clip_and_update(self, max_norm: float) -> torch.Tensor:
-        pending = [r for r in self._params.values() if r.grad is not None]
-        norms = [
-            (r.grad.tensor, r.norm) for r in pending if r.grad is not None and r.norm is not None
-        ]
-        total = total_norm(norms, self.norm_type)
-        order = self.policy.update_order(self._schedule, len(self.units))
-        by_unit = {i: [r for r in pending if r.units and r.units[0] == i] for i in order}
-        by_unit[-1] = [r for r in pending if not r.units]
-        self._update_calls = 0
-        for index in [*order, -1]:
-            self._note(Event(Phase.UPDATE, index), self._update_calls)
-            records = by_unit.get(index, [])
-            grads = [r.grad for r in records if r.grad is not None]
-            self.pool.acquire(grads, "clip-and-update")
-            self._prefetch(Phase.UPDATE, self._update_calls, reserve_bytes=0)
-            self._update_calls += 1
-            for record in records:
-                grad = record.grad
-                assert grad is not None
-                clip_(grad.tensor, max_norm, total)
-                record.grad, record.norm = None, None
-                update_parameter(self.pool, self.optimizer, record, grad, self._min_tensor_bytes)
-        return total
-
-    # -- prefetch -----------------------------------------------------------------------------
-    def _note(self, event: Event, position: int) -> None:
-        if self._recording:
-            self.policy.record(self._schedule, event, position)
-
-    def _prefetch(self, phase: Phase, position: int, reserve_bytes: int) -> None:
-        if self._plan_driven:
-            return
-        upcoming = self.policy.upcoming(self._schedule, phase, position, final=self._final)
-        for event in upcoming:
-            if not self.pool.prefetch(self._need(event), reserve_bytes):
-                return
-
-    def _need(self, event: Event) -> list[OffloadedTensor]:
-        if event.unit < 0:
-            return []
-        unit = self.units[event.unit]
-        records = [self._params[n] for n in unit.params]
-        if event.phase is Phase.FORWARD:
-            return [r.entry for r in records]
-        if event.phase is Phase.BACKWARD:
-            needs = self._backward_need(unit, self._saved.get(unit.index, set()))[0]
-            return [e for group in needs.values() for e in group]
-        grads = [r.grad for r in records if r.grad is not None]
-        return [*(r.entry for r in records), *grads, *(e for r in records for e in r.state)]
 
     # -- joint plans --------------------------------------------------------------------------
     def begin_joint(self, *, plan_driven: bool) -> None:
@@ -422,11 +197,11 @@ class ParamOffload:
 
         ``plan_driven``: a joint plan decides the reads; the lookahead reads nothing ahead.
         """
-        self._joint_step, self._plan_driven = True, plan_driven
+        self._passes.begin_joint(plan_driven=plan_driven)
 
     def end_joint(self) -> None:
         """The joint step ended: the lookahead reads ahead again."""
-        self._joint_step = self._plan_driven = False
+        self._passes.end_joint()
 
     def plan_signature(self) -> str:
         """What a joint plan of the coming backward pass depends on (NOTE [one plan]).
@@ -437,9 +212,9 @@ class ParamOffload:
         """
         if self.accumulation_steps == 1:
             position = "only"
-        elif self._backwards_done == 0:
+        elif self._passes.backwards_done == 0:
             position = "first"
-        elif self._final:
+        elif self._passes.final:
             position = "last"
         else:
             position = "middle"
@@ -481,9 +256,9 @@ class ParamOffload:
         if self._closed:
             return
         self._closed = True
-        if self._guard is not None:
-            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            self._guard = None
+        passes = getattr(self, "_passes", None)
+        if passes is not None:
+            passes.close_guard()
         for hook in self._hooks:
             hook.remove()
         pool = getattr(self, "pool", None)

@@ -5,9 +5,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from vtensor.errors import ParamOffloadError
 from vtensor.offload.offloaded import OffloadedTensor
 from vtensor.offload.pool import OffloadPool
-from vtensor.offload.units import ParamOffloadError, StateShape, Unit, probe_state
+from vtensor.offload.units import StateShape, Unit, probe_state
 from vtensor.offload.update import step_parameter
 from vtensor.planner.trace import TensorKind
 

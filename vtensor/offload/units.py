@@ -17,11 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vtensor.errors import VTensorError
-
-
-class ParamOffloadError(VTensorError):
-    """The model or optimizer cannot be trained with parameter offloading as configured."""
+from vtensor.errors import ParamOffloadError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """What the plan command trains: a model from the zoo or an import path, a random batch, a loss."""
 
-import argparse
 import importlib
 import importlib.metadata
 from collections.abc import Callable
@@ -80,16 +79,27 @@ def _zoo_factory(
     raise UsageError(f"{'; '.join(unknown)} and not package.module:factory")
 
 
-def make_batch(args: argparse.Namespace, device: torch.device) -> tuple[Batch, int]:
-    """A random batch of the requested shapes and the number of target classes."""
+def make_batch(
+    batch_shape: tuple[int, ...],
+    target_shape: tuple[int, ...] | None,
+    input_dtype: str,
+    vocab: int | None,
+    device: str | torch.device,
+) -> tuple[Batch, int]:
+    """A random batch of the requested shapes and the number of target classes.
+
+    ``input_dtype`` ``"long"`` makes token ids below ``vocab`` (targets: the inputs' shape),
+    else floats (targets: one class per example).
+    """
     gen = torch.Generator().manual_seed(1)
-    classes = args.vocab if args.input_dtype == "long" else DEFAULT_CLASSES
-    if args.input_dtype == "long":
-        x = torch.randint(0, classes, args.batch_shape, generator=gen)
+    tokens = input_dtype == "long"
+    classes = vocab if tokens and vocab is not None else DEFAULT_CLASSES
+    if tokens:
+        x = torch.randint(0, classes, batch_shape, generator=gen)
     else:
-        x = torch.randn(args.batch_shape, generator=gen)
-    default_targets = args.batch_shape if args.input_dtype == "long" else args.batch_shape[:1]
-    y = torch.randint(0, classes, args.target_shape or default_targets, generator=gen)
+        x = torch.randn(batch_shape, generator=gen)
+    default_targets = batch_shape if tokens else batch_shape[:1]
+    y = torch.randint(0, classes, target_shape or default_targets, generator=gen)
     return (x.to(device), y.to(device)), classes
 
 

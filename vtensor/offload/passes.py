@@ -1,0 +1,301 @@
+"""The passes of parameter offloading: what each forward, backward and update use pins and reads.
+
+NOTE [parameter offloading] in ``offload/param_offload.py``. This is the hooks' target
+(``offload/hooks.py``); ``ParamOffload`` owns it and the pool.
+"""
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from vtensor.offload.guard import UseGuard
+from vtensor.offload.hooks import on_backward_start
+from vtensor.offload.offloaded import OffloadedTensor
+from vtensor.offload.policy import Event, Lookahead, Phase
+from vtensor.offload.pool import OffloadPool
+from vtensor.offload.records import ParamRecord, grew, update_parameter, use_counts
+from vtensor.offload.units import Unit
+from vtensor.offload.update import clip_, gradient_norm, total_norm
+from vtensor.planner.trace import TensorKind
+
+
+class OffloadPasses:
+    """Routes the model's uses of its parameters to the pool, pass by pass, and reads ahead.
+
+    Args:
+        pool: the session's offloaded tensors.
+        optimizer: stepped one parameter at a time.
+        policy: what to read ahead (recorded in the first step).
+        units: the model's offload units.
+        params: per parameter name, what offloading holds for it.
+        owners: per parameter storage, its name and the units that own it (first forward).
+        accumulation_steps, max_grad_norm, norm_type, min_tensor_bytes: as for ``ParamOffload``.
+    """
+
+    def __init__(
+        self,
+        pool: OffloadPool,
+        optimizer: torch.optim.Optimizer,
+        policy: Lookahead,
+        units: list[Unit],
+        params: dict[str, ParamRecord],
+        owners: dict[int, tuple[str, frozenset[str]]],
+        *,
+        accumulation_steps: int,
+        max_grad_norm: float | None,
+        norm_type: float,
+        min_tensor_bytes: int,
+    ) -> None:
+        self.pool, self.optimizer, self.policy = pool, optimizer, policy
+        self.units, self.params, self.owners = units, params, owners
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
+        self.min_tensor_bytes = min_tensor_bytes
+        self._running: Counter[str] = Counter()
+        self._schedule: list[Event] = []
+        self._recording = True
+        self._forward_calls = self._backward_calls = self._update_calls = 0
+        self.backwards_done = 0
+        self.in_backward = False
+        self._bwd_pins: dict[str, list[OffloadedTensor]] = {}
+        self._expected: dict[str, int] = {}  # gradients announced by a unit's backward
+        self._units_begun: set[int] = set()  # units whose backward began in this backward
+        self._saved: dict[int, set[str]] = {}  # unit -> parameters autograd saved (last forward)
+        self._calls: list[tuple[Unit, dict[str, tuple[int, int]], list[Any]]] = []
+        self._guard: UseGuard | None = None
+        # True while a MemoryManager replays a joint plan (NOTE [one plan]): reads are then
+        # the plan's, not the lookahead's.
+        self._plan_driven = False
+        self._joint_step = False  # inside a MemoryManager step that shares the budget
+
+    def close_guard(self) -> None:
+        """End a first forward's use guard if one is open."""
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._guard = None
+
+    # -- forward ------------------------------------------------------------------------------
+    def begin_forward(self) -> None:  # noqa: D102
+        self._forward_calls = 0
+        if not self._joint_step:
+            # A forward outside the manager's steps (evaluation, say): a joint plan's hold on
+            # what it kept resident ends; the next joint step reads what its plan needs.
+            self.pool.end_hold()
+        if self._recording and self._guard is None:
+            self._guard = UseGuard(self.owners, self._running)
+            self._guard.__enter__()  # type: ignore[no-untyped-call]
+
+    def end_forward(self) -> None:  # noqa: D102
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._guard = None
+        while self._calls:  # a forward that raised left calls open
+            self.end_call(self._calls[-1][0], None)
+
+    def begin_call(self, unit: Unit) -> None:  # noqa: D102
+        self._note(Event(Phase.FORWARD, unit.index), self._forward_calls)
+        records = [self.params[n] for n in unit.params]
+        self.pool.acquire([r.entry for r in records], f"forward of {unit.name or '<root>'}")
+        self._running[unit.name] += 1
+        grad_on = torch.is_grad_enabled()
+        # Hold each AccumulateGrad node through the call so that its creation does not look
+        # like a saved reference when the use counts are compared afterwards.
+        nodes = [
+            r.param.view_as(r.param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            for r in records
+            if grad_on and r.param.requires_grad and not r.fixed
+        ]
+        counts = {r.name: use_counts(r) for r in records if not r.fixed}
+        self._calls.append((unit, counts, nodes))
+        self._prefetch(Phase.FORWARD, self._forward_calls, reserve_bytes=0)
+        self._forward_calls += 1
+
+    def end_call(self, unit: Unit, output: Any) -> None:  # noqa: D102
+        if not self._calls or self._calls[-1][0] is not unit:
+            return  # its pre-hook raised before the call began
+        _, counts, nodes = self._calls.pop()
+        self._running[unit.name] -= 1
+        saved = {n for n, before in counts.items() if grew(use_counts(self.params[n]), before)}
+        nodes.clear()
+        self._saved[unit.index] = saved
+        for name in unit.params:
+            self.pool.release(self.params[name].entry)
+        if output is None or not torch.is_grad_enabled():
+            return
+        on_backward_start(output, lambda: self._begin_backward(unit, saved))
+
+    # -- backward -----------------------------------------------------------------------------
+    @property
+    def final(self) -> bool:
+        """The running backward pass is the step's last (it updates)."""
+        return self.backwards_done + 1 == self.accumulation_steps
+
+    def _ensure_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self._backward_calls = 0
+            self._units_begun.clear()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _begin_backward(self, unit: Unit, saved: set[str]) -> None:
+        self._ensure_backward()
+        if unit.index in self._units_begun:  # another node of the same outputs
+            return
+        self._units_begun.add(unit.index)
+        self._note(Event(Phase.BACKWARD, unit.index), self._backward_calls)
+        needs, reserve = self._backward_need(unit, saved)
+        entries = [e for group in needs.values() for e in group]
+        self.pool.acquire(entries, f"backward of {unit.name or '<root>'}", reserve)
+        for name, group in needs.items():
+            self._bwd_pins.setdefault(name, []).extend(group)
+        for name in unit.params:  # their gradients arrive later: keep room for them until then
+            record = self.params[name]
+            if record.param.requires_grad and name not in self._expected:
+                self._expected[name] = record.entry.nbytes
+                self.pool.reserved_bytes += record.entry.nbytes
+        self._prefetch(Phase.BACKWARD, self._backward_calls, 0)
+        self._backward_calls += 1
+
+    def _backward_need(
+        self, unit: Unit, saved: set[str]
+    ) -> tuple[dict[str, list[OffloadedTensor]], int]:
+        """Per parameter, what a unit's backward pins (until that gradient is in).
+
+        Also the bytes the backward will allocate: its gradients, first-step optimizer state.
+        """
+        needs: dict[str, list[OffloadedTensor]] = {}
+        reserve = 0
+        update_now = self.final and self.max_grad_norm is None
+        for name in unit.params:
+            record = self.params[name]
+            if name in self._bwd_pins:
+                continue
+            entries = needs.setdefault(name, [])
+            if name in saved or (update_now and record.param.requires_grad):
+                entries.append(record.entry)
+            if record.param.requires_grad:
+                reserve += record.entry.nbytes
+                if record.acc is not None:
+                    entries.append(record.acc)
+                if update_now:
+                    entries += record.state
+                    reserve += 0 if record.state else record.state_bytes
+        return needs, reserve
+
+    def _end_backward(self) -> None:
+        for name in list(self._bwd_pins):
+            self._unpin_backward(name)
+        self.pool.reserved_bytes -= sum(self._expected.values())
+        self._expected.clear()
+        self.in_backward = False
+        self.backwards_done += 1
+        if self._recording:
+            self._recording = False
+        self.pool.reap()
+
+    def _unpin_backward(self, name: str) -> None:
+        for entry in self._bwd_pins.pop(name, []):
+            self.pool.release(entry)
+
+    def take_gradient(self, record: ParamRecord) -> None:  # noqa: D102
+        self._ensure_backward()
+        grad = record.param.grad
+        record.param.grad = None
+        assert grad is not None
+        pins = self._bwd_pins.pop(record.name, [])
+        self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
+        self._keep_gradient(record, grad)
+        for entry in pins:  # after the update: the parameter must not leave before it
+            self.pool.release(entry)
+
+    def _keep_gradient(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        # Pinned from here on: making room for what follows must not take the gradient away.
+        entry = self.pool.adopt(grad, f"{record.name}#grad", TensorKind.GRAD, fixed=record.fixed)
+        self.pool.acquire([entry], f"gradient of {record.name}")
+        if record.acc is not None:
+            acc = record.acc
+            self.pool.acquire([acc], f"accumulating {record.name}")
+            acc.complete()  # its last write may still be in flight
+            # What AccumulateGrad does to a defined .grad: +=, exact and commutative.
+            acc.tensor.add_(grad)
+            if not self.pool.is_fixed(acc):
+                acc.mark_dirty()
+            self.pool.forget(entry)
+            del grad
+            record.acc = None
+            entry = acc
+        if not self.final:
+            record.acc = entry
+            self.pool.release(entry)
+        elif self.max_grad_norm is not None:
+            record.norm = gradient_norm(entry.tensor, self.norm_type)
+            record.grad = entry
+            self.pool.release(entry)
+        else:
+            update_parameter(self.pool, self.optimizer, record, entry, self.min_tensor_bytes)
+
+    # -- update -------------------------------------------------------------------------------
+    def clip_and_update(self, max_norm: float) -> torch.Tensor:
+        """Clip every kept gradient by the global norm and update, unit by unit."""
+        pending = [r for r in self.params.values() if r.grad is not None]
+        norms = [
+            (r.grad.tensor, r.norm) for r in pending if r.grad is not None and r.norm is not None
+        ]
+        total = total_norm(norms, self.norm_type)
+        order = self.policy.update_order(self._schedule, len(self.units))
+        by_unit = {i: [r for r in pending if r.units and r.units[0] == i] for i in order}
+        by_unit[-1] = [r for r in pending if not r.units]
+        self._update_calls = 0
+        for index in [*order, -1]:
+            self._note(Event(Phase.UPDATE, index), self._update_calls)
+            records = by_unit.get(index, [])
+            grads = [r.grad for r in records if r.grad is not None]
+            self.pool.acquire(grads, "clip-and-update")
+            self._prefetch(Phase.UPDATE, self._update_calls, reserve_bytes=0)
+            self._update_calls += 1
+            for record in records:
+                grad = record.grad
+                assert grad is not None
+                clip_(grad.tensor, max_norm, total)
+                record.grad, record.norm = None, None
+                update_parameter(self.pool, self.optimizer, record, grad, self.min_tensor_bytes)
+        return total
+
+    # -- prefetch -----------------------------------------------------------------------------
+    def _note(self, event: Event, position: int) -> None:
+        if self._recording:
+            self.policy.record(self._schedule, event, position)
+
+    def _prefetch(self, phase: Phase, position: int, reserve_bytes: int) -> None:
+        if self._plan_driven:
+            return
+        upcoming = self.policy.upcoming(self._schedule, phase, position, final=self.final)
+        for event in upcoming:
+            if not self.pool.prefetch(self._need(event), reserve_bytes):
+                return
+
+    def _need(self, event: Event) -> list[OffloadedTensor]:
+        if event.unit < 0:
+            return []
+        unit = self.units[event.unit]
+        records = [self.params[n] for n in unit.params]
+        if event.phase is Phase.FORWARD:
+            return [r.entry for r in records]
+        if event.phase is Phase.BACKWARD:
+            needs = self._backward_need(unit, self._saved.get(unit.index, set()))[0]
+            return [e for group in needs.values() for e in group]
+        grads = [r.grad for r in records if r.grad is not None]
+        return [*(r.entry for r in records), *grads, *(e for r in records for e in r.state)]
+
+    # -- joint steps ----------------------------------------------------------------------------
+    def begin_joint(self, *, plan_driven: bool) -> None:
+        """A ``MemoryManager`` step that shares the budget begins (its ``JointStep``).
+
+        ``plan_driven``: a joint plan decides the reads; the lookahead reads nothing ahead.
+        """
+        self._joint_step, self._plan_driven = True, plan_driven
+
+    def end_joint(self) -> None:
+        """The joint step ended: the lookahead reads ahead again."""
+        self._joint_step = self._plan_driven = False
