@@ -1,8 +1,6 @@
 """Flower ClientApp: thin handlers that unpack a message, train or evaluate, and pack the reply."""
 
 import logging
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,7 +8,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp import ClientApp
 from torch import nn
 
-import vtensor
 from edgefl.client_data import client_split
 from edgefl.config import settings_from_run_config
 from edgefl.data import DatasetInfo
@@ -19,10 +16,28 @@ from edgefl.models import build_model
 from edgefl.node import NodeProfile, resolve_node
 from edgefl.peak import resolve_budget
 from edgefl.privacy import evaluate_privacy_mod, train_privacy_mod
-from edgefl.records import ERROR_CODE_BUDGET, eval_metrics, train_metrics
+from edgefl.records import (
+    ARRAYS,
+    BATCH_SIZE,
+    ERROR_CODE_BUDGET,
+    LOCAL_EPOCHS,
+    LR,
+    MAX_EXAMPLES,
+    METRICS,
+    PROXIMAL_MU,
+    SEED,
+    SERVER_ROUND,
+    eval_metrics,
+    train_metrics,
+)
 from edgefl.secagg import SECAGG_ACTION, secagg_mod, secagg_query
 from edgefl.settings import ClientSettings
-from edgefl.train import evaluate, open_manager, seed_everything, train_local
+from edgefl.train import (
+    LocalRound,
+    evaluate_within_budget,
+    seed_everything,
+    train_within_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,36 +62,24 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         info, train_set, _ = client_split(
             s.data, node.data_root, node.partition_id, node.num_partitions, s.seed
         )
-        server_round = int(_number(config, "server-round", 0))
-        seed = _round_seed(int(_number(config, "seed", s.seed)), server_round, node.partition_id)
-        seed_everything(seed, s.train.torch_threads)
+        server_round = int(_number(config, SERVER_ROUND, 0))
+        local = _local_round(config, s, server_round, node.partition_id)
+        seed_everything(local.seed, s.train.torch_threads)
         model = _model(s, info, msg)
-        batch_size = int(_number(config, "batch-size", s.train.batch_size))
         budget_bytes = resolve_budget(
-            node.budget, model, train_set, batch_size, _peak_key(s, batch_size)
+            node.budget, model, train_set, local.batch_size, _peak_key(s, local.batch_size)
         )
-        manager = open_manager(s.vtensor, budget_bytes, node.plan_cache_dir)
-        proximal_mu = _number(config, "proximal-mu", 0.0)
-        offload = _offload_params(s, model, budget_bytes, proximal_mu)
         try:
-            outcome = train_local(
+            outcome = train_within_budget(
                 model,
                 train_set,
-                lr=_number(config, "lr", s.train.lr),
-                momentum=s.train.momentum,
-                epochs=int(_number(config, "local-epochs", s.train.local_epochs)),
-                batch_size=batch_size,
-                seed=seed,
-                manager=manager,
-                proximal_mu=proximal_mu,
-                max_examples=int(_number(config, "max-examples", 0)),
-                offload_params=offload,
+                local,
+                settings=s.vtensor,
+                budget_bytes=budget_bytes,
+                plan_cache_dir=node.plan_cache_dir,
             )
         except ClientBudgetError as exc:
             return _budget_error(msg, node, exc)
-        finally:
-            if manager is not None:
-                manager.close()
         logger.debug(
             "client %d (%s) round %d: loss %.4f",
             node.partition_id,
@@ -86,8 +89,8 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         )
         content = RecordDict(
             {
-                "arrays": ArrayRecord(model.state_dict()),
-                "metrics": train_metrics(outcome, node, budget_bytes),
+                ARRAYS: ArrayRecord(model.state_dict()),
+                METRICS: train_metrics(outcome, node, budget_bytes),
             }
         )
         return Message(content, reply_to=msg)
@@ -104,14 +107,15 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         budget_bytes = resolve_budget(
             node.budget, model, test_set, s.train.batch_size, _peak_key(s, s.train.batch_size)
         )
-        if not s.vtensor.enabled or _parameter_bytes(model) <= budget_bytes // 2:
-            outcome = evaluate(model, test_set, s.train.eval_batch_size)
-        else:  # the parameters alone would crowd the budget: stream them layer by layer
-            node.plan_cache_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=node.plan_cache_dir) as tmp:
-                weights = vtensor.write_weights(model.state_dict(), Path(tmp) / "model.vtw")
-                outcome = evaluate(model, test_set, s.train.eval_batch_size, weights=weights)
-        return Message(RecordDict({"metrics": eval_metrics(outcome, node)}), reply_to=msg)
+        outcome = evaluate_within_budget(
+            model,
+            test_set,
+            s.train.eval_batch_size,
+            settings=s.vtensor,
+            budget_bytes=budget_bytes,
+            scratch_dir=node.plan_cache_dir,
+        )
+        return Message(RecordDict({METRICS: eval_metrics(outcome, node)}), reply_to=msg)
 
     return app
 
@@ -129,6 +133,22 @@ def _number(config: ConfigRecord, key: str, default: float) -> float:
     return float(value)
 
 
+def _local_round(
+    config: ConfigRecord, settings: ClientSettings, server_round: int, partition_id: int
+) -> LocalRound:
+    """The round's training as the instruction's config says, the settings' where it is silent."""
+    seed = _round_seed(int(_number(config, SEED, settings.seed)), server_round, partition_id)
+    return LocalRound(
+        lr=_number(config, LR, settings.train.lr),
+        momentum=settings.train.momentum,
+        epochs=int(_number(config, LOCAL_EPOCHS, settings.train.local_epochs)),
+        batch_size=int(_number(config, BATCH_SIZE, settings.train.batch_size)),
+        seed=seed,
+        proximal_mu=_number(config, PROXIMAL_MU, 0.0),
+        max_examples=int(_number(config, MAX_EXAMPLES, 0)),
+    )
+
+
 def _model(settings: ClientSettings, info: DatasetInfo, msg: Message) -> nn.Module:
     """Build the model and load the arrays the server sent."""
     arrays = list(msg.content.array_records.values())
@@ -137,29 +157,6 @@ def _model(settings: ClientSettings, info: DatasetInfo, msg: Message) -> nn.Modu
     model = build_model(settings.model.name, info, settings.model.options)
     model.load_state_dict(arrays[0].to_torch_state_dict())
     return model
-
-
-def _offload_params(
-    settings: ClientSettings, model: nn.Module, budget_bytes: int, proximal_mu: float
-) -> bool:
-    """Whether to offload the parameters too (``vtensor.offload_params``).
-
-    ``auto``: when the parameters, their gradients and SGD's momentum would take more than half
-    the budget, as for evaluation with demand layering; never with FedProx's proximal term
-    (it reads every parameter outside its layer's forward) or whole-tensor swapping.
-    """
-    mode = settings.vtensor.offload_params
-    if not settings.vtensor.enabled or mode == "off":
-        return False
-    if mode == "on":
-        return True
-    copies = 3 if settings.train.momentum else 2
-    crowded = copies * _parameter_bytes(model) > budget_bytes // 2
-    return crowded and proximal_mu == 0 and settings.vtensor.granularity == "chunk"
-
-
-def _parameter_bytes(model: nn.Module) -> int:
-    return sum(t.nbytes for t in model.state_dict().values())
 
 
 def _peak_key(settings: ClientSettings, batch_size: int) -> tuple[Any, ...]:

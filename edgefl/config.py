@@ -6,8 +6,9 @@ import shlex
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -28,6 +29,7 @@ from edgefl.settings import (
     DeviceClass,
     FleetSettings,
     ModelSettings,
+    OffloadParams,
     PacingSettings,
     RunSettings,
     SecAggSettings,
@@ -37,6 +39,7 @@ from edgefl.settings import (
     TrainSettings,
     VTensorSettings,
 )
+from edgefl.train import check_offload_params
 
 CONF_DIR_ENV = "EDGEFL_CONF_DIR"
 GROUPS = (
@@ -53,6 +56,7 @@ GROUPS = (
     "debug",
 )
 _LOCK = threading.Lock()  # Hydra's global state: one compose at a time
+_Choice = TypeVar("_Choice", bound=StrEnum)
 
 
 def conf_dir() -> Path:
@@ -127,10 +131,12 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
             enabled=bool(raw["vtensor"]["enabled"]),
             chunk_bytes=_bytes(raw["vtensor"]["chunk_bytes"], "vtensor.chunk_bytes"),
             storage_dir=raw["vtensor"].get("storage_dir"),
-            granularity=str(raw["vtensor"]["granularity"]),
+            granularity=_choice(
+                raw["vtensor"]["granularity"], vtensor.Granularity, "vtensor.granularity"
+            ),
             offload_params=_choice(
                 raw["vtensor"].get("offload_params", "auto"),
-                ("auto", "on", "off"),
+                OffloadParams,
                 "vtensor.offload_params",
             ),
         ),
@@ -138,12 +144,10 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
         privacy=privacy,
     )
     strategy = dict(raw["strategy"])
-    if client.vtensor.offload_params == "on" and float(strategy.get("proximal_mu", 0) or 0) > 0:
-        raise ConfigError(
-            "vtensor.offload_params=on with a proximal term (proximal_mu > 0): FedProx reads "
-            "every parameter outside its layer's forward, which parameter offloading cannot "
-            "serve; use vtensor.offload_params=auto or off"
-        )
+    check_offload_params(  # NOTE [offloading under FedProx]
+        client.vtensor.offload_params == OffloadParams.ON,
+        float(strategy.get("proximal_mu", 0) or 0),
+    )
     server = ServerSettings(
         num_rounds=_positive(raw["num_rounds"], "num_rounds"),
         num_supernodes=_positive(raw["num_supernodes"], "num_supernodes"),
@@ -204,10 +208,11 @@ def _bytes(value: Any, what: str) -> int:
         raise ConfigError(str(exc)) from exc
 
 
-def _choice(value: Any, choices: tuple[str, ...], what: str) -> str:
-    if str(value) not in choices:
-        raise ConfigError(f"{what}={value!r} is not one of {list(choices)}")
-    return str(value)
+def _choice(value: Any, choices: type[_Choice], what: str) -> _Choice:
+    try:
+        return choices(str(value))
+    except ValueError:
+        raise ConfigError(f"{what}={value!r} is not one of {[c.value for c in choices]}") from None
 
 
 def _positive(value: Any, what: str) -> int:

@@ -6,7 +6,16 @@ from dataclasses import dataclass, field
 from flwr.app import MessageType
 
 from edgefl.recording_grid import Exchange
-from edgefl.records import NUM_EXAMPLES
+from edgefl.records import (
+    BUDGET_BYTES,
+    BYTES_SWAPPED_IN,
+    BYTES_SWAPPED_OUT,
+    EVAL_ACC,
+    NUM_EXAMPLES,
+    PEAK_DEVICE_BYTES,
+    STALL_S,
+    TRAIN_LOSS,
+)
 from edgefl.train import EvalOutcome
 
 
@@ -81,9 +90,9 @@ class RunHistory:
             if c.server_round == server_round and c.phase == "evaluate" and c.error is None
         ]
         fractions = [
-            c.metrics["peak-device-bytes"] / c.metrics["budget-bytes"]
+            c.metrics[PEAK_DEVICE_BYTES] / c.metrics[BUDGET_BYTES]
             for c in ok
-            if c.metrics.get("budget-bytes") and c.metrics.get("peak-device-bytes")
+            if c.metrics.get(BUDGET_BYTES) and c.metrics.get(PEAK_DEVICE_BYTES)
         ]
         now = time.perf_counter()
         record = RoundRecord(
@@ -92,16 +101,16 @@ class RunHistory:
             central_acc=None if central is None else central.accuracy,
             clients_trained=len(ok),
             clients_failed=len(train) - len(ok),
-            train_loss=_weighted(ok, "train-loss"),
+            train_loss=_weighted(ok, TRAIN_LOSS),
             max_peak_fraction=max(fractions) if fractions else None,
             bytes_swapped=int(
                 sum(
-                    c.metrics.get("bytes-swapped-out", 0) + c.metrics.get("bytes-swapped-in", 0)
+                    c.metrics.get(BYTES_SWAPPED_OUT, 0) + c.metrics.get(BYTES_SWAPPED_IN, 0)
                     for c in ok
                 )
             ),
-            stall_s=sum(c.metrics.get("stall-s", 0.0) for c in ok),
-            local_acc=_weighted(evals, "eval-acc"),
+            stall_s=sum(c.metrics.get(STALL_S, 0.0) for c in ok),
+            local_acc=_weighted(evals, EVAL_ACC),
             wall_s=now - self._round_started,
             epsilon=epsilon,
         )

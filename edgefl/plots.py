@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from edgefl.history import RunHistory
+from edgefl.records import BUDGET_BYTES, DEVICE_CLASS, PARTITION_ID, PEAK_DEVICE_BYTES
 from edgefl.settings import DeviceClass
 
 ACCURACY_PNG = "accuracy_loss.png"
@@ -55,20 +56,20 @@ def plot_client_memory(
     fig, ax = plt.subplots(figsize=(9, 4.5))
     colours = plt.get_cmap("tab10")
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
-    partition_of = {c.node_id: c.metrics["partition-id"] for c in rows}
+    partition_of = {c.node_id: c.metrics[PARTITION_ID] for c in rows}
     for node in sorted(partition_of, key=partition_of.__getitem__):
         mine = sorted((c for c in rows if c.node_id == node), key=lambda c: c.server_round)
-        index = int(mine[0].metrics.get("device-class", -1))
+        index = int(mine[0].metrics.get(DEVICE_CLASS, -1))
         ax.plot(
             [c.server_round for c in mine],
-            [c.metrics["peak-device-bytes"] / _MIB for c in mine],
+            [c.metrics[PEAK_DEVICE_BYTES] / _MIB for c in mine],
             "o-",
             alpha=0.7,
             color=colours(index % 10),
-            label=f"client {int(mine[0].metrics['partition-id'])}",
+            label=f"client {int(mine[0].metrics[PARTITION_ID])}",
         )
     for index, device in enumerate(classes):  # budgets as the clients resolved them
-        budgets = [c.metrics["budget-bytes"] for c in rows if c.metrics["device-class"] == index]
+        budgets = [c.metrics[BUDGET_BYTES] for c in rows if c.metrics[DEVICE_CLASS] == index]
         if budgets:
             ax.axhline(
                 max(budgets) / _MIB,

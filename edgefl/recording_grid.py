@@ -7,6 +7,8 @@ from typing import Any
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
+from edgefl.records import PARTITION_ID, SERVER_ROUND
+
 
 @dataclass(frozen=True)
 class Exchange:
@@ -85,7 +87,7 @@ class RecordingGrid(Grid):
 
 def _round_of(message: Message) -> int:
     for record in message.content.config_records.values():
-        value = record.get("server-round")
+        value = record.get(SERVER_ROUND)
         if isinstance(value, int | float):
             return int(value)
     return 0
@@ -96,7 +98,7 @@ def _reply_order(reply: Message) -> tuple[int, float, int]:
     if reply.has_error():
         return 1, 0.0, reply.metadata.src_node_id
     for record in reply.content.metric_records.values():
-        value = record.get("partition-id")
+        value = record.get(PARTITION_ID)
         if isinstance(value, int | float):
             return 0, float(value), reply.metadata.src_node_id
     return 0, float("inf"), reply.metadata.src_node_id

@@ -1,4 +1,8 @@
-"""Write a run's results: per-round metrics (JSON, CSV), per-client metrics, model, settings."""
+"""Write a run's results: per-round metrics (JSON, CSV), per-client metrics, model, settings.
+
+clients.csv has a row per reply, its metrics as sent, except the plan source shown by name
+(NOTE [plan-source codes] in edgefl.records).
+"""
 
 import csv
 import dataclasses
@@ -9,6 +13,7 @@ from typing import Any
 import torch
 
 from edgefl.history import RunHistory
+from edgefl.records import PLAN_SOURCE, plan_source_name
 from edgefl.settings import RunSettings
 
 ROUNDS_JSON, ROUNDS_CSV = "rounds.json", "rounds.csv"
@@ -36,7 +41,7 @@ def write_results(
             "phase": c.phase,
             "node_id": c.node_id,
             "error": c.error or "",
-            **c.metrics,
+            **_named(c.metrics),
         }
         for c in history.clients
     ]
@@ -46,6 +51,13 @@ def write_results(
         json.dumps(dataclasses.asdict(settings), indent=2, default=str)
     )
     return [out_dir / n for n in (ROUNDS_JSON, ROUNDS_CSV, CLIENTS_CSV, MODEL_FILE, SETTINGS_JSON)]
+
+
+def _named(metrics: dict[str, float]) -> dict[str, float | str]:
+    """A reply's metrics as clients.csv shows them: the plan source by name, not its code."""
+    if PLAN_SOURCE not in metrics:
+        return dict(metrics)
+    return {**metrics, PLAN_SOURCE: plan_source_name(metrics[PLAN_SOURCE])}
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -38,6 +38,7 @@ from edgefl.privacy import (
     wrap_strategy,
 )
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
+from edgefl.records import BATCH_SIZE, CENTRAL_ACC, CENTRAL_LOSS, LOCAL_EPOCHS, LR, SEED
 from edgefl.results import SUMMARY_TXT, write_results
 from edgefl.rounds import RoundPlan, StopRun, run_rounds
 from edgefl.secagg import SecAggPlus
@@ -199,7 +200,7 @@ class _RoundHooks:
         logger.info("%s", round_line(record, s.server.num_rounds))
         if outcome is None:
             return None
-        return MetricRecord({"central-loss": outcome.loss, "central-acc": outcome.accuracy})
+        return MetricRecord({CENTRAL_LOSS: outcome.loss, CENTRAL_ACC: outcome.accuracy})
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
         if self.s.server.checkpoint:
@@ -223,13 +224,13 @@ def _round_plan(s: RunSettings, first_round: int) -> RoundPlan:
         timeout_s=s.server.round_timeout_s,
         train_config=ConfigRecord(
             {
-                "lr": s.client.train.lr,
-                "seed": s.client.seed,
-                "local-epochs": s.client.train.local_epochs,
-                "batch-size": s.client.train.batch_size,
+                LR: s.client.train.lr,
+                SEED: s.client.seed,
+                LOCAL_EPOCHS: s.client.train.local_epochs,
+                BATCH_SIZE: s.client.train.batch_size,
             }
         ),
-        evaluate_config=ConfigRecord({"seed": s.client.seed}),
+        evaluate_config=ConfigRecord({SEED: s.client.seed}),
     )
 
 

@@ -1,8 +1,10 @@
 """Typed, frozen settings of a run: plain data built by edgefl.config, read by everything else."""
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
+import vtensor
 from edgefl.budget import Budget
 from edgefl.data.partition import Partitioner
 from edgefl.privacy.settings import PrivacySettings
@@ -43,6 +45,16 @@ class TrainSettings:
     torch_threads: int = 1  # per client process; more threads only oversubscribe a small host
 
 
+class OffloadParams(StrEnum):
+    """When a client offloads its parameters too (the rule: ``edgefl.train.offloads_params``)."""
+
+    # Parameters, gradients and optimizer state are offloaded and planned with the activations
+    # (vtensor's one plan) when they would take more than half the budget.
+    AUTO = "auto"
+    ON = "on"  # always
+    OFF = "off"  # never
+
+
 @dataclass(frozen=True)
 class VTensorSettings:
     """The memory manager: on or off, and its chunking and storage."""
@@ -50,11 +62,8 @@ class VTensorSettings:
     enabled: bool = True
     chunk_bytes: int = 1 << 20
     storage_dir: str | None = None
-    granularity: str = "chunk"
-    # "auto": parameters, gradients and optimizer state are offloaded and planned with the
-    # activations (vtensor's one plan) when they would take more than half the budget; "on",
-    # "off": always, never.
-    offload_params: str = "auto"
+    granularity: vtensor.Granularity = vtensor.Granularity.CHUNK
+    offload_params: OffloadParams = OffloadParams.AUTO
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,12 @@
-"""Plain torch loops for local training and evaluation; the one place training enters vtensor."""
+"""Plain torch loops for local training and evaluation: where they enter vtensor, by which rules.
+
+The memory rules: parameters are offloaded with the activations when they crowd the budget
+(``offloads_params``), never under FedProx (NOTE [offloading under FedProx]); evaluation
+streams the parameters layer by layer when they alone would crowd it (``streams_layers``).
+"""
 
 import contextlib
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,8 +19,8 @@ from torch import nn
 
 import vtensor
 from edgefl.data.arrays import ArrayDataset
-from edgefl.errors import ClientBudgetError
-from edgefl.settings import VTensorSettings
+from edgefl.errors import ClientBudgetError, ConfigError
+from edgefl.settings import OffloadParams, VTensorSettings
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,22 @@ class TrainOutcome:
     bytes_in: int
     stall_s: float
     transfer_s: float
-    plan_source: str | None  # first step's report().plan_source, or "fallback"; None if off
+    plan_source: vtensor.PlanSource | None  # first step's, or FALLBACK if any step's; None: off
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    """What one round of local training does: SGD's settings, the batches, FedProx's term."""
+
+    lr: float
+    momentum: float
+    epochs: int
+    batch_size: int
+    seed: int  # shuffles the batches
+    proximal_mu: float = 0.0  # FedProx's mu; 0 = plain SGD
+    # > 0: the round ends after that many examples (a server's cap on a slow device's work;
+    # the last batch is cut to fit); 0: ``epochs`` full passes.
+    max_examples: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,66 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+# NOTE [offloading under FedProx]: FedProx's proximal term reads every parameter outside its
+# layer's forward, which parameter offloading (each parameter resident only while its layer
+# runs) cannot serve. So ``offload_params=on`` with a proximal term is a config error
+# (``check_offload_params``, called by edgefl.config and by ``train_local``), and ``auto``
+# leaves the parameters resident under FedProx (``offloads_params``).
+def offloadable(proximal_mu: float) -> bool:
+    """Whether a round's loss lets vtensor offload the parameters: not with a proximal term."""
+    return proximal_mu == 0
+
+
+def check_offload_params(offload: bool, proximal_mu: float) -> None:
+    """Refuse to offload the parameters under FedProx's proximal term.
+
+    Raises:
+        ConfigError: ``offload`` with ``proximal_mu`` > 0 (NOTE [offloading under FedProx]).
+    """
+    if offload and not offloadable(proximal_mu):
+        raise ConfigError(
+            f"vtensor.offload_params=on with a proximal term (proximal_mu={proximal_mu} > 0): "
+            "FedProx reads every parameter outside its layer's forward, which parameter "
+            "offloading cannot serve; use vtensor.offload_params=auto or off"
+        )
+
+
+def offloads_params(
+    settings: VTensorSettings,
+    model: nn.Module,
+    budget_bytes: int,
+    *,
+    momentum: float,
+    proximal_mu: float,
+) -> bool:
+    """Whether to offload the parameters too (``vtensor.offload_params``).
+
+    ``auto``: when the parameters, their gradients and SGD's momentum would take more than half
+    the budget, as for evaluation with demand layering (``streams_layers``); never under FedProx
+    (NOTE [offloading under FedProx]) or with whole-tensor swapping.
+    """
+    mode = settings.offload_params
+    if not settings.enabled or mode == OffloadParams.OFF:
+        return False
+    if mode == OffloadParams.ON:
+        return True  # train_local refuses it under FedProx
+    copies = 3 if momentum else 2
+    crowded = copies * parameter_bytes(model) > budget_bytes // 2
+    return (
+        crowded and offloadable(proximal_mu) and settings.granularity == vtensor.Granularity.CHUNK
+    )
+
+
+def streams_layers(settings: VTensorSettings, model: nn.Module, budget_bytes: int) -> bool:
+    """Whether evaluation streams the parameters layer by layer: they exceed half the budget."""
+    return settings.enabled and parameter_bytes(model) > budget_bytes // 2
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the model's state (parameters and buffers)."""
+    return sum(t.nbytes for t in model.state_dict().values())
+
+
 def open_manager(
     settings: VTensorSettings, budget_bytes: int, plan_cache_dir: Path
 ) -> vtensor.MemoryManager | None:
@@ -75,24 +156,45 @@ def open_manager(
     )
 
 
+def train_within_budget(
+    model: nn.Module,
+    data: ArrayDataset,
+    local: LocalRound,
+    *,
+    settings: VTensorSettings,
+    budget_bytes: int,
+    plan_cache_dir: Path,
+) -> TrainOutcome:
+    """``train_local`` under a MemoryManager of ``budget_bytes`` (vtensor on), closed after.
+
+    The parameters are offloaded as ``offloads_params`` decides; ``plan_cache_dir`` is the
+    plan cache (see ``open_manager``).
+
+    Raises:
+        ClientBudgetError: vtensor could not meet the budget.
+        ConfigError: ``offload_params=on`` under FedProx (NOTE [offloading under FedProx]).
+    """
+    manager = open_manager(settings, budget_bytes, plan_cache_dir)
+    offload = offloads_params(
+        settings, model, budget_bytes, momentum=local.momentum, proximal_mu=local.proximal_mu
+    )
+    try:
+        return train_local(model, data, local, manager=manager, offload_params=offload)
+    finally:
+        if manager is not None:
+            manager.close()
+
+
 def train_local(
     model: nn.Module,
     data: ArrayDataset,
+    local: LocalRound,
     *,
-    lr: float,
-    momentum: float,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    manager: vtensor.MemoryManager | None,
-    proximal_mu: float = 0.0,
-    max_examples: int = 0,
+    manager: vtensor.MemoryManager | None = None,
     offload_params: bool = False,
 ) -> TrainOutcome:
     """Train ``model`` in place with SGD; every iteration runs under ``manager`` when given.
 
-    ``max_examples`` > 0 ends the round after that many examples (a server's cap on a slow
-    device's work; the last batch is cut to fit); 0 trains ``epochs`` full passes.
     ``offload_params`` (with a manager) keeps the parameters, gradients and momentum in
     vtensor's swap tier between uses as well, planned with the activations under the manager's
     one budget (``vtensor.ParamOffload`` with ``mm.step(params=...)``); the weights are the same
@@ -100,33 +202,29 @@ def train_local(
 
     Raises:
         ClientBudgetError: vtensor could not meet the budget.
-        ValueError: ``offload_params`` with FedProx's proximal term, which reads every
-            parameter outside its layer's forward.
+        ConfigError: ``offload_params`` with FedProx's proximal term (a ValueError; NOTE
+            [offloading under FedProx]).
     """
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    if offload_params and proximal_mu > 0:
-        raise ValueError(
-            "offload_params with proximal_mu > 0: FedProx's proximal term reads every parameter "
-            "outside its layer's forward, which parameter offloading cannot serve; set "
-            "vtensor.offload_params=off or use another strategy"
-        )
-    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
-    rng = np.random.default_rng(seed)
+    check_offload_params(offload_params, local.proximal_mu)
+    optimizer = torch.optim.SGD(model.parameters(), lr=local.lr, momentum=local.momentum)
+    mu = local.proximal_mu
+    anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
+    rng = np.random.default_rng(local.seed)
     losses: list[float] = []
     peak = out = back = 0
     stall = transfer = 0.0
-    source: str | None = None
+    source: vtensor.PlanSource | None = None
     processed = 0
     model.train()
     started = time.perf_counter()
     with _offloaded(manager, model, optimizer, offload_params) as offload:
-        for x, y in _batches(data, batch_size, epochs, rng, max_examples):
+        for x, y in _batches(data, local.batch_size, local.epochs, rng, local.max_examples):
             processed += len(y)
             optimizer.zero_grad(set_to_none=True)
             with _managed(manager, model, optimizer, (x, y), offload):
                 loss = loss_fn(model(x), y)
                 if anchor:
-                    loss = loss + proximal_mu / 2 * sum(
+                    loss = loss + mu / 2 * sum(
                         (p - a).pow(2).sum()
                         for p, a in zip(model.parameters(), anchor, strict=True)
                     )
@@ -141,7 +239,7 @@ def train_local(
                 peak = max(peak, rep.peak_device_bytes)
                 out, back = out + rep.bytes_out, back + rep.bytes_in
                 stall, transfer = stall + rep.stall_s, transfer + rep.transfer_s
-                if source is None or rep.plan_source == "fallback":
+                if source is None or rep.plan_source == vtensor.PlanSource.FALLBACK:
                     source = rep.plan_source  # the round's: its first step's, or fallback
         if offload is not None:  # what the parameter side moved, and waited for
             moved = offload.report()
@@ -207,6 +305,28 @@ def _managed(
                 yield
     except vtensor.InfeasibleBudgetError as exc:
         raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
+
+
+def evaluate_within_budget(
+    model: nn.Module,
+    data: ArrayDataset,
+    batch_size: int,
+    *,
+    settings: VTensorSettings,
+    budget_bytes: int,
+    scratch_dir: Path,
+) -> EvalOutcome:
+    """``evaluate``, streaming the parameters when ``streams_layers`` says they crowd the budget.
+
+    The streamed weight file lives in a temporary folder under ``scratch_dir`` (created),
+    removed afterwards.
+    """
+    if not streams_layers(settings, model, budget_bytes):
+        return evaluate(model, data, batch_size)
+    scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch_dir) as tmp:
+        weights = vtensor.write_weights(model.state_dict(), Path(tmp) / "model.vtw")
+        return evaluate(model, data, batch_size, weights=weights)
 
 
 def evaluate(

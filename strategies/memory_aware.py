@@ -7,7 +7,8 @@ swaps the most. ``MemoryAware`` wraps any Flower strategy (as Flower's DP wrappe
 from the second round on, sends each slow client a cap on the examples it trains so that it
 ends near the fleet's typical round time; a client that could not meet its budget trains with
 a smaller batch next time. Aggregation stays the inner strategy's, weighted by the examples each
-client actually trained on (``num-examples`` in its reply).
+client actually trained on (``num-examples`` in its reply). The reply and config keys it reads
+and writes are those of ``strategies.replies``.
 
 The caps depend on measured times, so a paced run is not reproducible bit for bit; the inner
 strategy's aggregation of the replies it receives is unchanged.
@@ -20,18 +21,21 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from edgefl.records import ERROR_CODE_BUDGET
 from strategies.pacing import (
     NodeSpeed,
     batch_after_budget_failure,
     example_cap,
     round_deadline_s,
 )
+from strategies.replies import (
+    BATCH_SIZE,
+    ERROR_CODE_BUDGET,
+    EXAMPLES_PROCESSED,
+    MAX_EXAMPLES,
+    TRAIN_S,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_EXAMPLES = "max-examples"  # config key: examples a client may train this round (0 = all)
-BATCH_SIZE = "batch-size"
 
 
 class MemoryAware(Strategy):
@@ -164,12 +168,12 @@ class MemoryAware(Strategy):
         metrics: dict[str, float] = {}
         for record in reply.content.metric_records.values():
             metrics.update({k: float(v) for k, v in record.items() if isinstance(v, int | float)})
-        processed = metrics.get("examples-processed", 0.0)
-        if processed <= 0 or "train-s" not in metrics:
+        processed = metrics.get(EXAMPLES_PROCESSED, 0.0)
+        if processed <= 0 or TRAIN_S not in metrics:
             return
         uncapped = self.caps.get(node, 0) == 0
         self.speeds[node] = NodeSpeed(
-            metrics["train-s"] / processed,
+            metrics[TRAIN_S] / processed,
             int(processed) if uncapped or old is None else old.full_examples,
             old.batch_size if old else self.config_batch_size,
             0,

@@ -16,6 +16,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
+from edgefl.records import METRICS, TRAIN_LOSS
 from edgefl.secagg import crypto
 from edgefl.secagg.client_state import NodeState, clear_state, load_state, store_state
 from edgefl.secagg.errors import SecAggProtocolError
@@ -48,7 +49,7 @@ from edgefl.secagg.wire import blobs, integer, integers, only, text
 logger = logging.getLogger(__name__)
 # Metrics of a masked reply that stay on the client: the training loss is computed on the
 # client's private data; memory and timing metrics describe the device, not the data.
-WITHHELD_METRIC_KEYS = ("train-loss",)
+WITHHELD_METRIC_KEYS = (TRAIN_LOSS,)
 Values = dict[str, int | str | bytes | list[int] | list[bytes]]
 
 
@@ -108,7 +109,7 @@ def make_secagg_mod(
             {
                 RECORD: _record(Stage.COLLECT, server_round, {}),
                 MASKED_RECORD: ArrayRecord({VECTOR: Array(vector)}),
-                "metrics": metrics,
+                METRICS: metrics,
             }
         )
         return Message(content, reply_to=msg)

@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 
+from edgefl.node import NUM_PARTITIONS, PARTITION_ID
 from edgefl.secagg.protocol import RECORD, STAGE
 
 DropFn = Callable[[int, str], bool]
@@ -32,7 +33,7 @@ class LoopbackGrid(Grid):
             nid: Context(
                 run_id=1,
                 node_id=nid,
-                node_config={"partition-id": i, "num-partitions": len(ids)},
+                node_config={PARTITION_ID: i, NUM_PARTITIONS: len(ids)},
                 state=RecordDict(),
                 run_config={},
             )

@@ -14,6 +14,7 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from edgefl.errors import ConfigError
+from edgefl.records import SERVER_ROUND
 
 SECAGG_ACTION = "secagg"  # @app.query("secagg") on the client
 QUERY_TYPE = f"query.{SECAGG_ACTION}"
@@ -22,7 +23,7 @@ MASKED_RECORD = "secagg-masked"  # ArrayRecord of a collect reply
 VECTOR = "vector"  # its one Array: [weight, quantised update...] masked, mod the modulus
 
 # Config keys (see docs/secagg.md for the stage each belongs to).
-STAGE, ROUND = "stage", "server-round"
+STAGE, ROUND = "stage", SERVER_ROUND
 THRESHOLD, WEIGHT_KEY = "threshold", "weight-key"
 CLIPPING, QUANTIZATION = "clipping-range", "quantization-range"
 MODULUS, MAX_WEIGHT = "modulus-range", "max-weight"

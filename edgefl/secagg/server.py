@@ -32,6 +32,7 @@ from flwr.serverapp.strategy import (
 from numpy.typing import NDArray
 
 from edgefl.errors import ConfigError
+from edgefl.records import ARRAYS, METRICS, NUM_EXAMPLES
 from edgefl.secagg.coordinator import run_round
 from edgefl.secagg.errors import SecAggAbortedError, SecAggError
 from edgefl.secagg.protocol import MaskingParams, ProtocolConfig, Stage
@@ -212,7 +213,7 @@ def _weight_key(strategy: Strategy) -> str:
         if isinstance(key, str):
             return key
         inner = getattr(inner, "strategy", None)
-    return "num-examples"
+    return NUM_EXAMPLES
 
 
 def _add_delta(arrays: ArrayRecord, delta: NDArray[np.float64]) -> ArrayRecord:
@@ -234,5 +235,5 @@ def _with_arrays(reply: Message, arrays: ArrayRecord) -> Message:
     """
     synthetic = copy.copy(reply)
     metrics = only(reply.content.metric_records, "MetricRecord in a collect reply")
-    synthetic.content = RecordDict({"arrays": arrays, "metrics": metrics})
+    synthetic.content = RecordDict({ARRAYS: arrays, METRICS: metrics})
     return synthetic

@@ -15,7 +15,15 @@ from edgefl.client_app import build_client_app
 from edgefl.data import load_dataset
 from edgefl.models import build_model
 from edgefl.peak import measure_unmanaged_peak
-from edgefl.records import ERROR_CODE_BUDGET, EVAL_METRIC_KEYS, TRAIN_METRIC_KEYS, PlanSource
+from edgefl.records import (
+    ERROR_CODE_BUDGET,
+    EVAL_METRIC_KEYS,
+    TRAIN_METRIC_KEYS,
+    UNMANAGED_CODE,
+    plan_source_code,
+    plan_source_name,
+    plan_source_of,
+)
 from edgefl.settings import DeviceClass, RunSettings, VTensorSettings
 from edgefl.train import evaluate
 
@@ -49,7 +57,10 @@ def test_train_reply_has_arrays_and_every_metric(smoke_settings: RunSettings) ->
     assert tuple(metrics) == TRAIN_METRIC_KEYS
     assert metrics["num-examples"] == 64
     assert metrics["budget-bytes"] == 1 << 30
-    assert metrics["plan-source"] in (PlanSource.PROFILED, PlanSource.CACHED)
+    assert plan_source_of(metrics["plan-source"]) in (
+        vtensor.PlanSource.PROFILED,
+        vtensor.PlanSource.CACHED,
+    )
     assert 0 < metrics["peak-device-bytes"] <= metrics["budget-bytes"]
 
 
@@ -86,7 +97,7 @@ def test_vtensor_on_and_off_give_identical_weights(
     on_reply = build_client_app(tight.client)(msg, _context(SIM_NODE))
     off_reply = build_client_app(off)(msg, _context(SIM_NODE))
     assert on_reply.content["metrics"]["bytes-swapped-out"] > 0
-    assert off_reply.content["metrics"]["plan-source"] == PlanSource.UNMANAGED
+    assert off_reply.content["metrics"]["plan-source"] == UNMANAGED_CODE
     on, off_arrays = on_reply.content["arrays"], off_reply.content["arrays"]
     for key in on:
         assert np.array_equal(on[key].numpy(), off_arrays[key].numpy()), key
@@ -101,22 +112,22 @@ def test_different_rounds_use_different_batch_orders(smoke_settings: RunSettings
     assert loss[0] == loss[1] != loss[2]
 
 
-@pytest.mark.parametrize(
-    "source, code",
-    [
-        (None, 0),
-        ("profiled", 1),
-        ("cached", 2),
-        ("planned", 3),
-        ("fallback", 4),
-        ("reactive", 5),
-        ("new", 9),
-    ],
-)
-def test_plan_source_codes(source: str | None, code: int) -> None:
-    from edgefl.records import plan_source_code
+@pytest.mark.parametrize("source", [None, *vtensor.PlanSource])
+def test_plan_source_codes_decode_to_their_source_and_name(
+    source: vtensor.PlanSource | None,
+) -> None:
+    code = plan_source_code(source)
+    assert isinstance(code, int)
+    assert plan_source_of(float(code)) is source  # a MetricRecord may hand back a float
+    assert plan_source_name(code) == ("unmanaged" if source is None else source.value)
 
-    assert plan_source_code(source) == code
+
+def test_plan_source_codes_are_distinct_with_zero_for_unmanaged() -> None:
+    codes = [plan_source_code(s) for s in [None, *vtensor.PlanSource]]
+    assert codes[0] == UNMANAGED_CODE == 0
+    assert len(set(codes)) == len(codes)
+    with pytest.raises(ValueError, match="plan-source"):
+        plan_source_of(max(codes) + 1)
 
 
 def test_relative_budget_is_below_the_measured_unmanaged_peak(
@@ -152,7 +163,10 @@ def test_clients_of_one_class_share_a_plan_cache(
         ]
         for pid in (0, 1)
     ]
-    assert sources == [PlanSource.PROFILED, PlanSource.CACHED]
+    assert [plan_source_of(s) for s in sources] == [
+        vtensor.PlanSource.PROFILED,
+        vtensor.PlanSource.CACHED,
+    ]
     assert any((tmp_path / "tight").iterdir())
 
 

@@ -1,5 +1,6 @@
 import pytest
 
+import vtensor
 from edgefl.config import (
     GROUPS,
     compose_config,
@@ -81,8 +82,16 @@ def test_server_side_clipping_under_secure_aggregation_is_refused() -> None:
 def test_parameter_offloading_mode_is_checked() -> None:
     assert load_run_settings([]).client.vtensor.offload_params == "auto"
     assert load_run_settings(["vtensor.offload_params=on"]).client.vtensor.offload_params == "on"
-    with pytest.raises(ConfigError, match="vtensor.offload_params='always'"):
+    with pytest.raises(ConfigError, match=r"vtensor\.offload_params='always'"):
         load_run_settings(["vtensor.offload_params=always"])
+
+
+def test_swap_granularity_is_vtensors() -> None:
+    assert load_run_settings([]).client.vtensor.granularity is vtensor.Granularity.CHUNK
+    tensor = load_run_settings(["vtensor.granularity=tensor"]).client.vtensor.granularity
+    assert tensor is vtensor.Granularity.TENSOR
+    with pytest.raises(ConfigError, match=r"vtensor\.granularity='page'"):
+        load_run_settings(["vtensor.granularity=page"])
 
 
 def test_parameter_offloading_with_a_proximal_term_is_refused() -> None:

@@ -1,14 +1,17 @@
 """Run history, summary text and result files from hand-made replies (real Flower messages)."""
 
+import csv
 from pathlib import Path
 
 import torch
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
+import vtensor
 from edgefl.budget import Budget
 from edgefl.history import RunHistory
 from edgefl.plots import plot_accuracy_loss, plot_client_memory
 from edgefl.recording_grid import Exchange, _reply_order
+from edgefl.records import plan_source_code
 from edgefl.results import write_results
 from edgefl.settings import DeviceClass, RunSettings
 from edgefl.summary import round_line, summary_table
@@ -38,6 +41,7 @@ def _exchange(server_round: int) -> Exchange:
                         "stall-s": 0.5,
                         "partition-id": 0,
                         "device-class": 0,
+                        "plan-source": plan_source_code(vtensor.PlanSource.CACHED),
                     }
                 )
             }
@@ -64,7 +68,10 @@ def test_history_summarises_a_round_with_a_failure(
     assert "cannot train within its budget" in table and "0.9000" in table
     paths = write_results(tmp_path, history, {"w": torch.zeros(2)}, smoke_settings, {"x": 1})
     assert all(p.is_file() for p in paths)
-    assert "cannot train" in (tmp_path / "clients.csv").read_text()
+    with (tmp_path / "clients.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert "cannot train" in rows[1]["error"]
+    assert rows[0]["plan-source"] == "cached"  # by name, not its code
     plot_accuracy_loss(history, tmp_path / "a.png")
     plot_client_memory(history, [DeviceClass("edge", Budget(1000), 1.0)], 1200, tmp_path / "m.png")
     assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "m.png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """The real Flower simulation engine (Ray): smoke run, message contents, bit-identity on/off."""
 
+import csv
 import dataclasses
 from typing import Any
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from flwr.app import MessageType
 
+import vtensor
 from edgefl.budget import Budget
 from edgefl.data import load_dataset
 from edgefl.models import build_model
@@ -88,6 +90,9 @@ def test_simulation_runs_rounds_and_writes_results(
         "client_memory.png",
         "settings.json",
     } <= names
+    with (outcome["output_dir"] / "clients.csv").open() as f:
+        sources = {row["plan-source"] for row in csv.DictReader(f) if row["phase"] == "train"}
+    assert sources and sources <= {s.value for s in vtensor.PlanSource}  # names, not codes
 
 
 def _check_arrays(record: Any, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -10,9 +10,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from edgefl.records import ERROR_CODE_BUDGET
 from strategies.memory_aware import MemoryAware
 from strategies.pacing import NodeSpeed, example_cap, round_deadline_s
+from strategies.replies import ERROR_CODE_BUDGET
 
 
 @pytest.fixture(autouse=True)
