@@ -13,7 +13,7 @@ import torch
 from vtensor.activations.report import IterationReport, StepStats
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
-from vtensor.tools import cli
+from vtensor.tools import cli, workload
 from vtensor.tools.timeline import phase_spans, plot_timeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,9 +140,9 @@ def test_cli_zoo_builder_makes_the_named_model() -> None:
 def test_cli_training_loss_is_cross_entropy_on_logits_else_mean_square() -> None:
     logits, tokens = torch.randn(4, 7, 12), torch.randint(0, 12, (4, 7))
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 12), tokens.reshape(-1))
-    assert torch.equal(cli.training_loss(logits, tokens, 12), expected)
+    assert torch.equal(workload.training_loss(logits, tokens, 12), expected)
     features = torch.randn(4, 3)
-    assert torch.equal(cli.training_loss(features, torch.zeros(4), 10), features.square().mean())
+    assert torch.equal(workload.training_loss(features, torch.zeros(4), 10), features.square().mean())
 
 
 def test_cli_without_subcommand_runs_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
