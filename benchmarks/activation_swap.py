@@ -1,8 +1,8 @@
 """Activation swapping under a budget: LGM-planned chunks vs whole tensors, reactive, checkpointing.
 
-Trains three CPU workloads (``benchmarks/models.py``: a MobileNetV2, a ResNet-18, a causal char
-transformer that saves its T x T attention probabilities) at budgets that are fractions of each
-model's unmanaged tracked peak, with these variants:
+Trains three CPU workloads (``benchmarks/zoo/workloads.py``: a MobileNetV2, a ResNet-18, a
+causal char transformer that saves its T x T attention probabilities) at budgets that are
+fractions of each model's unmanaged tracked peak, with these variants:
 
 - ``unmanaged``: plain PyTorch, the reference;
 - ``checkpoint``: ``torch.utils.checkpoint`` per block (takes no budget: run once, as is);
@@ -19,11 +19,11 @@ planning time, the time to load the plan from the plan cache, and whether the gr
 bit-identical to the unmanaged run on every round. A planner micro-benchmark times ``plan_lgm`` on
 a synthetic 1000-step trace. Infeasible budgets become rows with the stated minimum budget.
 
-Usage::
+Run from the repository root::
 
-    python benchmarks/activation_swap.py                        # full run
-    python benchmarks/activation_swap.py --quick                # CI-sized (< 1 min)
-    python benchmarks/activation_swap.py --models mobilenet gpt --out results.json
+    python -m benchmarks.activation_swap                        # full run
+    python -m benchmarks.activation_swap --quick                # CI-sized (< 1 min)
+    python -m benchmarks.activation_swap --models mobilenet gpt --out results.jsonl
 
 The script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` when that variable is unset,
 so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/measure/rss.py``).
@@ -32,38 +32,37 @@ so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/measure/r
 import argparse
 import copy
 import gc
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-MMAP_VALUE = "65536"
+import numpy as np
+import torch
+from torch import nn
 
-if os.environ.get(MMAP_ENV) != MMAP_VALUE and __name__ == "__main__":
-    # glibc reads the variable at start-up only: re-execute before torch allocates anything.
-    os.environ[MMAP_ENV] = MMAP_VALUE
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import Workload, workloads  # noqa: E402
-
-import vtensor  # noqa: E402
-from vtensor.measure.accounting import LiveStorageTracker  # noqa: E402
-from vtensor.planner.cache import PlanCache  # noqa: E402
-from vtensor.planner.keys import plan_key  # noqa: E402
-from vtensor.planner.lgm import PLANNER_VERSION, build_lgm, min_budget, plan_lgm  # noqa: E402
-from vtensor.planner.plan import simulate  # noqa: E402
-from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor  # noqa: E402
+import vtensor
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    add_repeats,
+    describe,
+    environment,
+    reexec_with_honest_rss,
+    repeats,
+    tagged,
+    write_json_lines,
+)
+from benchmarks.zoo import Workload, workloads
+from vtensor.measure.dispatch import LiveStorageTracker
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.cache import PlanCache
+from vtensor.planner.keys import plan_key
+from vtensor.planner.lgm import PLANNER_VERSION, build_lgm, min_budget
+from vtensor.planner.memory_model import simulate
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 MIB = 1 << 20
 HUGE_BUDGET = 1 << 40
@@ -562,7 +561,7 @@ def _print_comparisons(comps: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI-sized models and rounds (< 1 min)")
+    add_quick(p, "small models, one budget, one timed round; < 1 min")
     p.add_argument(
         "--models",
         nargs="+",
@@ -593,7 +592,8 @@ def main(argv: list[str] | None = None) -> None:
         help="torch.set_num_threads (1 recommended on a shared host)",
     )
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
-    p.add_argument("--out", default=None, help="write the JSON results here")
+    add_repeats(p, "best-of repeats of the planner micro-benchmark", full=5, quick=2)
+    add_out(p)
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 1 if args.quick else 5
@@ -601,26 +601,15 @@ def main(argv: list[str] | None = None) -> None:
         args.budgets = [0.6] if args.quick else [0.8, 0.6, 0.4, 0.25]
     torch.set_num_threads(args.threads)
     storage_dir = args.storage_dir or tempfile.gettempdir()
-    load = os.getloadavg()
-    machine = {
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cuda": torch.cuda.is_available(),
-        MMAP_ENV: os.environ.get(MMAP_ENV),
-        "load_avg_start": load,
-    }
+    env = environment(cuda=torch.cuda.is_available())
+    load = env["load_avg"]
+    print(describe(env))
     print(
-        f"# activation_swap: torch {torch.__version__}, {os.cpu_count()} CPUs, threads "
-        f"{args.threads}, {MMAP_ENV}={os.environ.get(MMAP_ENV)}, load average "
-        f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}; {args.steps} timed rounds after the "
-        "profiling round, variants interleaved round-robin",
+        f"# {args.steps} timed rounds after the profiling round, variants interleaved round-robin",
         flush=True,
     )
     started = time.perf_counter()
-    planner = planner_benchmark(2 if args.quick else 5)
+    planner = planner_benchmark(repeats(args, full=5, quick=2))
     for pr in planner:
         chunk = "tensor" if pr["chunk_bytes"] is None else f"{pr['chunk_bytes'] // 1024} KiB"
         print(
@@ -639,20 +628,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n## {name}: {model_rows[0]['model_description']}\n")
             print(table(model_rows) + "\n", flush=True)
     _print_comparisons(comps)
-    machine.update(load_avg_end=os.getloadavg(), wall_s=time.perf_counter() - started)
+    end = {"kind": "end", "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - started}
     print(
-        f"# load average at start {load[0]:.2f}, at end {machine['load_avg_end'][0]:.2f}; "
-        f"total {machine['wall_s']:.0f} s"
+        f"# load average at start {load[0]:.2f}, at end {end['load_avg'][0]:.2f}; "
+        f"total {end['wall_s']:.0f} s"
     )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {"machine": machine, "planner": planner, "comparisons": comps, "rows": rows},
-                f,
-                indent=1,
-            )
-        print(f"# wrote {len(rows)} rows to {args.out}")
+    results = [*tagged("planner", planner), *tagged("variant", rows)]
+    write_json_lines(args.out, env, [*results, *tagged("comparison", comps), end])
 
 
 if __name__ == "__main__":
+    reexec_with_honest_rss()
     main()

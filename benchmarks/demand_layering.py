@@ -1,6 +1,6 @@
 """Demand layering: parameter memory and latency against the resident model and accelerate.
 
-Per model (``benchmarks/models.py``: MobileNetV2, ResNet-18, the char GPT; plus a deep MLP whose
+Per model (``benchmarks/zoo/``: MobileNetV2, ResNet-18, the char GPT; plus a deep MLP whose
 parameters dwarf its activations) it times one inference forward of:
 
 - ``resident``: the model in memory, the reference (outputs of the others must equal it);
@@ -18,17 +18,16 @@ RSS rise of a fresh process that builds the variant and runs two forwards (proce
 activations, workspaces and allocator slack included; honest only with
 ``MALLOC_MMAP_THRESHOLD_=65536``, which the script sets by re-executing itself).
 
-Usage::
+Run from the repository root::
 
-    python benchmarks/demand_layering.py                  # full run
-    python benchmarks/demand_layering.py --quick          # CI-sized
-    python benchmarks/demand_layering.py --models mlp --rounds 7 --out results.json
+    python -m benchmarks.demand_layering                  # full run
+    python -m benchmarks.demand_layering --quick          # CI-sized
+    python -m benchmarks.demand_layering --models mlp --rounds 7 --out results.jsonl
 """
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,19 +37,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536" and __name__ == "__main__":
-    # glibc reads the variable at start-up only: re-execute before torch allocates anything.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import workloads
-
 import vtensor
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    describe,
+    environment,
+    reexec_with_honest_rss,
+    tagged,
+    write_json_lines,
+)
+from benchmarks.zoo import DeepMLP, workloads
 from vtensor.layering.weightfile import evict_page_cache
 from vtensor.measure.rss import RssMeter
 
@@ -60,19 +61,8 @@ except ImportError:  # a benchmark-only comparison: rows say it was not installe
     accelerate = None
 
 MiB = 2**20
-
-
-class DeepMLP(nn.Module):
-    """Linear+ReLU layers of equal width: parameters far larger than activations at any batch."""
-
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            *(m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU()))
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)  # type: ignore[no-any-return]
+# The repository root: the RSS probes run ``python -m benchmarks.demand_layering`` from there.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def model_specs(
@@ -174,7 +164,8 @@ def measure_rss(
 ) -> int:
     command = [
         sys.executable,
-        os.path.abspath(__file__),
+        "-m",
+        "benchmarks.demand_layering",
         "--rss-probe",
         variant,
         "--models",
@@ -188,7 +179,7 @@ def measure_rss(
         "--batch-scale",
         str(args.batch_scale),
     ] + (["--quick"] if args.quick else [])
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return int(json.loads(out.strip().splitlines()[-1])["rss_rise_bytes"])
 
 
@@ -331,12 +322,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["cnn", "resnet", "transformer", "mlp"])
     p.add_argument("--lookaheads", nargs="+", type=int, default=[0, 1, 2, 4, 8])
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per cache state (>= 5)")
-    p.add_argument("--batch-scale", type=float, default=1 / 3, help="scales models.py batches")
+    p.add_argument(
+        "--batch-scale",
+        type=float,
+        default=1 / 3,
+        help="scales the workload batches of benchmarks/zoo",
+    )
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="small models, CI-sized; not results")
+    add_quick(p, "small models")
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS probes")
     p.add_argument("--dir", default=None, help="where the weight files go (default: temp dir)")
-    p.add_argument("--out", default=None, help="also write the rows as JSON")
+    add_out(p)
     p.add_argument("--rss-probe", default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights", default=None, help=argparse.SUPPRESS)
     p.add_argument("--offload-dir", default=None, help=argparse.SUPPRESS)
@@ -345,13 +341,9 @@ def main(argv: list[str] | None = None) -> None:
         rss_probe(args)
         return
     torch.set_num_threads(args.threads)
-    load = os.getloadavg()
-    print(
-        f"# {platform.node()}: {os.cpu_count()} CPUs, {platform.platform()}, torch "
-        f"{torch.__version__}, threads {args.threads}, accelerate "
-        f"{getattr(accelerate, '__version__', 'not installed')}, MALLOC_MMAP_THRESHOLD_="
-        f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}, load average {load[0]:.2f}"
-    )
+    env = environment(accelerate=getattr(accelerate, "__version__", None))
+    print(describe(env))
+    print(f"# accelerate {env['accelerate'] or 'not installed'}")
     rows, summaries = [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name in args.models:
@@ -363,9 +355,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"# {name}: {model_rows[0]['describe']}", flush=True)
     print_tables(rows, summaries)
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "summaries": summaries}, indent=1))
+    write_json_lines(args.out, env, [*tagged("variant", rows), *tagged("summary", summaries)])
 
 
 if __name__ == "__main__":
+    reexec_with_honest_rss()
     main()

@@ -13,32 +13,38 @@ Two measurements:
   between the variants on every round. With ``--keep-page-cache`` a second pair runs with
   ``drop_page_cache=False``: no ``fdatasync`` per write, so the cipher's share shows plainly.
 
-Usage::
+Run from the repository root::
 
-    python benchmarks/encryption.py                       # mobilenet, budget 0.5, 7 rounds
-    python benchmarks/encryption.py --quick               # CI-sized (< 30 s)
-    python benchmarks/encryption.py --model gpt --budget 0.4 --keep-page-cache --out enc.json
+    python -m benchmarks.encryption                       # mobilenet, budget 0.5, 7 rounds
+    python -m benchmarks.encryption --quick               # CI-sized (< 30 s)
+    python -m benchmarks.encryption --model gpt --budget 0.4 --keep-page-cache --out enc.jsonl
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import cryptography
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import Workload, workloads
-
 import vtensor
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    add_repeats,
+    describe,
+    environment,
+    repeats,
+    tagged,
+    write_json_lines,
+)
+from benchmarks.zoo import Workload, workloads
 from vtensor.io.sealing import TAG_BYTES, Cipher, Piece, Sealer
 from vtensor.io.tiers import buffer_at
 
@@ -253,7 +259,7 @@ def step_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI-sized model and rounds")
+    add_quick(p, "small model, 5 rounds, 3 AEAD repeats")
     p.add_argument("--model", default="mobilenet", choices=["mobilenet", "resnet", "gpt"])
     p.add_argument("--budget", type=float, default=0.5, help="fraction of the unmanaged peak")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7; quick: 5)")
@@ -261,26 +267,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-page-cache", action="store_true", help="also run without fdatasync")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
-    p.add_argument("--out", default=None, help="write the JSON results here")
+    add_repeats(p, "best-of repeats of each AEAD measurement", full=7, quick=3)
+    add_out(p)
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 5 if args.quick else 7
     torch.set_num_threads(args.threads)
-    load = os.getloadavg()
-    machine = {
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_avg_start": load,
-    }
-    print(
-        f"# encryption: torch {torch.__version__}, {os.cpu_count()} CPUs, threads "
-        f"{args.threads}, load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}",
-        flush=True,
-    )
-    aead_rows = [aead_throughput(c, 3 if args.quick else 7) for c in Cipher]
+    env = environment(cryptography=cryptography.__version__)
+    print(describe(env), flush=True)
+    aead_rows = [aead_throughput(c, repeats(args, full=7, quick=3)) for c in Cipher]
     print("\n## AEAD, 1 MiB pieces, 64 MiB working set (best of repeats)\n")
     print(aead_table(aead_rows) + "\n", flush=True)
     w = workloads(args.quick)[args.model]
@@ -290,9 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     print(step_table(rows) + "\n")
     same = rows[0]["grads_identical_across_variants"]
     print(f"gradients identical across variants on every round: {same}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": machine, "aead": aead_rows, "step": rows}, f, indent=1)
+    write_json_lines(args.out, env, [*tagged("aead", aead_rows), *tagged("step", rows)])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """One plan for activations and parameters against two managers with budgets of their own.
 
-A GPT-style transformer (``benchmarks/param_offload.py``'s) trains with AdamW under one budget,
-a fraction of its parameters + gradients + AdamW state + activations, three ways side by side
-in one process, step by step on the same batches:
+A GPT-style transformer (``SdpaGPT``, as in ``benchmarks/param_offload.py``) trains with AdamW
+under one budget, a fraction of its parameters + gradients + AdamW state + activations, three
+ways side by side in one process, step by step on the same batches:
 
 - ``unmanaged``: plain PyTorch, the reference (everything resident);
 - ``split``: ``ParamOffload`` with its own share of the budget (the training state's share of
@@ -17,48 +17,39 @@ AdamW's state, the second is the joint variant's profiled one), the tracked peak
 the step's start, sampled at every hook point), bytes moved per step (activations and parameter
 side), the wait on transfers, and whether the weights are bit-identical to unmanaged training.
 
-Usage::
+Run from the repository root::
 
-    python benchmarks/joint_plan.py --fraction 0.5 --out result.json
+    python -m benchmarks.joint_plan --fraction 0.5 --out result.jsonl
 """
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from param_offload import GPT
-
 import vtensor
+from benchmarks.common import add_out, describe, environment, tagged, write_json_lines
+from benchmarks.zoo import SdpaGPT, lm_loss, step_tokens
 from vtensor.sizes import format_bytes
 
 VARIANTS = ("unmanaged", "split", "joint")
 
 
 def _batch(args: argparse.Namespace, step: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
+    return step_tokens(args.vocab, args.batch, args.seq, step)
 
 
 def _loss(model: nn.Module, args: argparse.Namespace, x: Tensor, y: Tensor) -> Tensor:
-    loss: Tensor = F.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
-    return loss
+    return lm_loss(model(x), y)
 
 
 def _build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.depth, args.seq)
+    model = SdpaGPT(args.vocab, args.dim, args.depth, args.seq)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 
 
@@ -206,14 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fraction", type=float, default=0.5, help="budget / (training + activations)")
     p.add_argument("--chunk-kib", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None)
+    add_out(p)
     args = p.parse_args(argv)
-    print(f"threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
+    torch.set_num_threads(args.threads)
+    env = environment()
+    print(describe(env))
     result = run(args)
     print(table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), **result}, f, indent=2)
+    write_json_lines(args.out, env, tagged("run", [result]))
 
 
 if __name__ == "__main__":

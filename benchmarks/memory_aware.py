@@ -13,16 +13,18 @@ times move with this machine's load, the script also reports a load-free figure:
 ``paced_fleet_ratio``, the slowest client's predicted time in a round (its examples times its
 own seconds per example measured in round 1) over the same figure in round 1.
 
-    python benchmarks/memory_aware.py --rounds 5 --json results.json
+Run from the repository root (trailing arguments are Hydra overrides for both runs)::
+
+    python -m benchmarks.memory_aware --rounds 5 --out results.jsonl
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import add_out, describe, environment, tagged, write_json_lines
 from edgefl.config import load_run_settings
 from edgefl.history import RunHistory
 from edgefl.log_setup import configure_logging
@@ -78,10 +80,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", type=Path, help="write the rows here")
+    add_out(p)
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs")
     args = p.parse_args(argv)
     configure_logging()
+    env = environment()
+    print(describe(env))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for pacing in ("none", "memory_aware"):
@@ -98,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {s['paced_fleet_ratio']:.2f} | {s['median_wall_s']:.2f} "
             f"| {s['examples_per_round']:.0f} | {s['final_acc']:.4f} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps({"runs": results, "summary": summaries}, indent=2))
+    write_json_lines(args.out, env, [*tagged("run", results), *tagged("summary", summaries)])
 
 
 if __name__ == "__main__":

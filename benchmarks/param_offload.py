@@ -1,88 +1,49 @@
 """Benchmark: train a transformer whose parameters + gradients + Adam state are >= 3x the budget.
 
-Two copies of one model (same seed) train side by side in one process, step by step, on the
-same batches: plainly (AdamW, ``clip_grad_norm_``) and under ``vtensor.ParamOffload`` at a budget
-of a third (by default) of the plain run's parameter + gradient + optimizer-state bytes. The
-script prints a markdown table: median step time of each (after one warm-up step), the exact peak
-of parameter, gradient and state bytes in memory, the step's RSS rise above its start, bytes
-moved per step, stall, and whether the weights after all steps are bit-identical.
+Two copies of one model (``SdpaGPT`` of ``benchmarks/zoo/language.py``, same seed) train side
+by side in one process, step by step, on the same batches: plainly (AdamW, ``clip_grad_norm_``)
+and under ``vtensor.ParamOffload`` at a budget of a third (by default) of the plain run's
+parameter + gradient + optimizer-state bytes. The script prints a markdown table: median step
+time of each (after one warm-up step), the exact peak of parameter, gradient and state bytes in
+memory, the step's RSS rise above its start, bytes moved per step, stall, and whether the
+weights after all steps are bit-identical.
 
-RSS is honest only with ``MALLOC_MMAP_THRESHOLD_=65536`` (NOTE [honest RSS], vtensor/measure/rss.py);
+RSS is honest only with ``MALLOC_MMAP_THRESHOLD_=65536`` (NOTE [honest RSS] in measure/rss.py);
 the script re-executes itself with it. Both models live in the process, so the absolute RSS
 holds the plain model too: the table gives each step's rise above the RSS at its start.
+
+Run from the repository root::
+
+    python -m benchmarks.param_offload                                  # depth 6, dim 256
+    python -m benchmarks.param_offload --depth 8 --dim 384 --out po.jsonl
 """
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536" and __name__ == "__main__":
-    # glibc reads the variable at start-up only: re-execute before torch allocates anything.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import vtensor
+from benchmarks.common import (
+    add_out,
+    describe,
+    environment,
+    reexec_with_honest_rss,
+    tagged,
+    write_json_lines,
+)
+from benchmarks.zoo import SdpaGPT, lm_loss, step_tokens
 from vtensor.measure.rss import RssMeter
 from vtensor.sizes import format_bytes
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block with causal scaled-dot-product attention and a GELU MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(batch, seq, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, dim))
-        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-        return out
-
-
-class GPT(nn.Module):
-    """Token embedding tied to the output head, learned positions, ``depth`` blocks."""
-
-    def __init__(self, vocab: int, dim: int, depth: int, seq: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
-        self.blocks = nn.Sequential(*(Block(dim, dim // 64) for _ in range(depth)))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        h = self.blocks(self.tok(tokens) + self.pos[: tokens.shape[1]])
-        logits: Tensor = self.head(self.ln(h))
-        return logits
-
-
-def _batch(args: argparse.Namespace, step: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def _loss(model: nn.Module, args: argparse.Namespace, step: int) -> Tensor:
-    tokens, targets = _batch(args, step)
-    logits = model(tokens)
-    loss: Tensor = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
-    return loss
+    tokens, targets = step_tokens(args.vocab, args.batch, args.seq, step)
+    return lm_loss(model(tokens), targets)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     models, optimizers = [], []
     for _ in range(2):
         torch.manual_seed(0)
-        model = GPT(args.vocab, args.dim, args.depth, args.seq)
+        model = SdpaGPT(args.vocab, args.dim, args.depth, args.seq)
         models.append(model)
         optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
     params = sum(p.numel() * 4 for p in models[0].parameters())
@@ -181,17 +142,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lookahead", type=int, default=1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None)
+    add_out(p)
     args = p.parse_args(argv)
-    load = os.getloadavg()[0]
-    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}, "
-          f"threads {args.threads}, load average {load:.1f}")  # fmt: skip
+    torch.set_num_threads(args.threads)
+    env = environment()
+    print(describe(env))
     result = run(args)
     print(table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), **result}, f, indent=2)
+    write_json_lines(args.out, env, tagged("run", [result]))
 
 
 if __name__ == "__main__":
+    reexec_with_honest_rss()
     main()

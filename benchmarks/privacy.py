@@ -6,16 +6,18 @@ central DP (fixed clipping on the clients), SecAgg+, and both. Reports the media
 time (rounds 2 and later; round 1 includes one-time costs), central accuracy after the last
 round and epsilon at delta 1e-5.
 
-    python benchmarks/privacy.py --rounds 5 --json privacy.json
+Run from the repository root::
+
+    python -m benchmarks.privacy --rounds 5 --out privacy.jsonl
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import add_out, describe, environment, tagged, write_json_lines
 from edgefl.config import load_run_settings
 from edgefl.history import RunHistory
 from edgefl.log_setup import configure_logging
@@ -50,9 +52,11 @@ def run(overrides: list[str], rounds: int, out_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", type=Path, help="write the rows here")
+    add_out(p)
     args = p.parse_args(argv)
     configure_logging()
+    env = environment()
+    print(describe(env))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, overrides) in enumerate(VARIANTS.items()):
@@ -66,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             f"| {name} | {r['median_wall_s']:.2f} | {r['median_wall_s'] / base:.2f}x "
             f"| {r['final_acc']:.4f} | {eps} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    rows = ({"variant": name, **r} for name, r in results.items())
+    write_json_lines(args.out, env, tagged("variant", rows))
 
 
 if __name__ == "__main__":

@@ -2,30 +2,30 @@
 
 At 25 % of its unmanaged training peak a model's parameters, gradients and optimizer state
 alone may not fit beside the activations a step needs. This script trains each benchmark
-workload (benchmarks/models.py) with ``vtensor.ParamOffload`` (parameters, gradients, SGD
+workload (``benchmarks/zoo/workloads.py``) with ``vtensor.ParamOffload`` (parameters, gradients, SGD
 momentum in the swap tier) inside a ``vtensor.MemoryManager`` whose budget is the fraction of
 the unmanaged peak, and checks the weights against unmanaged training bit for bit.
 
 On CPU the manager's tracked bytes count every heap allocation of the step, the parameters that
 ParamOffload brings back included, so its budget is the budget of the whole step.
 
-    python benchmarks/quarter_budget.py --models resnet mobilenet gpt --fraction 0.25
+Run from the repository root::
+
+    python -m benchmarks.quarter_budget --models resnet mobilenet gpt --fraction 0.25
 """
 
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 import vtensor
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import Workload, workloads
+from benchmarks.common import add_out, describe, environment, tagged, write_json_lines
+from benchmarks.zoo import Workload, workloads
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -101,8 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="budget the workspaces operators allocate internally too (RSS within the budget)",
     )
+    add_out(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    env = environment()
+    print(describe(env))
+    rows: list[dict[str, Any]] = []
     print(
         "| model | unmanaged peak MiB | budget MiB | tracked peak MiB "
         "| independent peak MiB (first iteration) "
@@ -118,10 +122,21 @@ def main(argv: list[str] | None = None) -> None:
         model = copy.deepcopy(base)
         budget, param_budget = int(args.fraction * p0), int(args.param_fraction * p0)
         mib = 2**20
+        row: dict[str, Any] = {
+            "model": name,
+            "model_description": w.describe,
+            "unmanaged_peak_bytes": p0,
+            "budget_bytes": budget,
+            "param_budget_bytes": param_budget,
+            "count_workspaces": args.count_workspaces,
+            "unmanaged_step_s": statistics.median(plain_times[1:]),
+        }
+        rows.append(row)
         try:
             r = offloaded(w, model, args.steps, budget, param_budget, args.count_workspaces)
         except vtensor.InfeasibleBudgetError as exc:
             share = exc.min_budget_bytes / p0
+            row.update(min_budget_bytes=exc.min_budget_bytes, infeasible_at=str(exc.step))
             print(
                 f"| {name} | {p0 / mib:.1f} | {budget / mib:.1f} | infeasible: needs "
                 f"{exc.min_budget_bytes / mib:.1f} MiB ({share:.1%}) at {exc.step} |"
@@ -129,6 +144,15 @@ def main(argv: list[str] | None = None) -> None:
             continue
         expected = reference.state_dict()
         same = all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+        row.update(
+            tracked_peak_bytes=r["peak"],
+            independent_peak_bytes=r["independent"],
+            first_independent_peak_bytes=r["first_independent"],
+            param_peak_bytes=r["param_peak"],
+            bytes_out_per_step=r["out"],
+            step_s=r["step_s"],
+            bit_identical=same,
+        )
         print(
             f"| {name} | {p0 / mib:.1f} | {budget / mib:.1f} | {r['peak'] / mib:.1f} "
             f"| {r['independent'] / mib:.1f} ({r['first_independent'] / mib:.1f}) "
@@ -136,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['step_s']:.2f} ({statistics.median(plain_times[1:]):.2f}) "
             f"| {'bit-identical' if same else 'DIFFERENT'} |"
         )
+    write_json_lines(args.out, env, tagged("model", rows))
 
 
 if __name__ == "__main__":

@@ -6,25 +6,28 @@ this process). The train handler only perturbs the arrays it receives, so a roun
 protocol's own cost: serialisation, and for SecAgg+ the key exchange, secret sharing,
 quantisation, masking and unmasking. Real training adds the same time to both modes.
 
-    .venv/bin/python benchmarks/secagg.py                 # cnn and mlp-1m, 5 and 10 clients
-    .venv/bin/python benchmarks/secagg.py --quick         # CI-sized: cnn, 5 clients, 2 rounds
-    .venv/bin/python benchmarks/secagg.py --out secagg.json
+Run from the repository root::
+
+    python -m benchmarks.secagg                 # cnn and mlp-1m, 5 and 10 clients
+    python -m benchmarks.secagg --quick         # CI-sized: cnn, 5 clients, 2 rounds
+    python -m benchmarks.secagg --out secagg.jsonl
 """
 
 import argparse
-import json
 import logging
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import flwr
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
+from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
 from edgefl.models.cnn import SmallCNN
 from edgefl.secagg import SECAGG_ACTION, SecAggPlus, secagg_mod, secagg_query
 from edgefl.secagg.loopback import LoopbackGrid
@@ -144,21 +147,23 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    """Measure every (model, clients) pair in both modes; print a table, optionally JSON."""
+def main(argv: list[str] | None = None) -> None:
+    """Measure every (model, clients) pair in both modes; print a table, optionally JSON lines."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--clients", nargs="+", type=int, default=[5, 10])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median)")
-    parser.add_argument("--quick", action="store_true", help="cnn, 5 clients, 2 rounds")
-    parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args()
+    add_quick(parser, "cnn, 5 clients, 2 rounds")
+    add_out(parser)
+    args = parser.parse_args(argv)
     if args.quick:
         args.models, args.clients, args.rounds = ["cnn"], [5], 2
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     # Messages built outside a running Flower app need a task identity (internal Flower API).
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    env = environment(flwr=flwr.__version__)
+    print(describe(env))
     rows = [
         measure(model, clients, secure, args.rounds)
         for model in args.models
@@ -166,9 +171,7 @@ def main() -> None:
         for secure in (False, True)
     ]
     print(table(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
+    write_json_lines(args.out, env, tagged("mode", (asdict(r) for r in rows)))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from model_zoo import EQUIVALENCE_MODELS, ZOO, ZooEntry
 from torch import Tensor, nn
 
 import vtensor
+from benchmarks.zoo import EQUIVALENCE_MODELS, ZOO, ZooEntry
 
 CHUNK_BYTES = 64 * 1024  # small next to the zoo's activations, so tensors span many chunks
 STEPS = 3

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_zoo import ZOO
 from torch import nn
 
+from benchmarks.zoo import ZOO
 from vtensor.errors import VTensorError
 from vtensor.layering.demand import DemandLayering, LayeringError
 from vtensor.layering.placement import enclosing_calls, place_calls, ring_positions

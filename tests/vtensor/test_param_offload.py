@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from model_zoo import TiedEmbeddingLM, TransformerBlock
 from torch import Tensor, nn
 
 import vtensor
+from benchmarks.zoo import TiedEmbeddingLM, TransformerBlock
 from vtensor import ParamOffload, ParamOffloadError
 
 STEPS = 3

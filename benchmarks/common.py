@@ -1,0 +1,132 @@
+"""The frame every benchmark script shares: common flags, the environment record, JSON lines.
+
+Every script runs from the repository root as ``python -m benchmarks.<name>``. With
+``--out PATH`` it writes JSON lines: the first line is the environment record
+(``"kind": "environment"``: the command, the date, the load average, torch and its thread
+count, the thread and allocator variables, CPUs and platform), then one result row per line,
+each tagged with its ``kind`` (``"variant"``, ``"summary"``, ...). Read a file back with
+``[json.loads(line) for line in open(path)]``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+# NOTE [honest RSS] in vtensor/measure/rss.py: with this threshold RSS follows the live bytes.
+HONEST_RSS_ENV = "MALLOC_MMAP_THRESHOLD_"
+HONEST_RSS_VALUE = "65536"
+RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", HONEST_RSS_ENV)
+
+
+# -- flags ----------------------------------------------------------------------------------------
+def add_out(parser: argparse.ArgumentParser) -> None:
+    """``--out PATH``: where the JSON lines go (nothing is written without it)."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write JSON lines here: the environment record, then one result row per line",
+    )
+
+
+def add_quick(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--quick``: a CI-sized run that checks the script works; its figures are not results."""
+    parser.add_argument(
+        "--quick", action="store_true", help=f"CI-sized ({what}); its rows are not results"
+    )
+
+
+def add_repeats(parser: argparse.ArgumentParser, what: str, full: int, quick: int) -> None:
+    """``--repeats N``: best-of repetitions; ``None`` until ``repeats`` resolves it."""
+    parser.add_argument(
+        "--repeats", type=int, default=None, help=f"{what} (default {full}; quick: {quick})"
+    )
+
+
+def repeats(args: argparse.Namespace, full: int, quick: int) -> int:
+    """``--repeats`` as given, else ``quick`` under ``--quick`` and ``full`` without it."""
+    if args.repeats is not None:
+        return int(args.repeats)
+    return quick if args.quick else full
+
+
+# -- environment ----------------------------------------------------------------------------------
+def reexec_with_honest_rss() -> None:
+    """Re-execute this process with ``MALLOC_MMAP_THRESHOLD_=65536`` unless it already has it.
+
+    glibc reads the variable at start-up only, so a script that reports RSS calls this first
+    thing under ``if __name__ == "__main__"``; the re-executed process runs the same module.
+    """
+    if os.environ.get(HONEST_RSS_ENV) == HONEST_RSS_VALUE:
+        return
+    os.environ[HONEST_RSS_ENV] = HONEST_RSS_VALUE
+    os.execv(sys.executable, [sys.executable, *_module_argv()])
+
+
+def _module_argv() -> list[str]:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is None:  # run as a file: the same file again
+        return list(sys.argv)
+    return ["-m", spec.name, *sys.argv[1:]]
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """The environment record of this run; ``extra`` adds script-specific fields.
+
+    Take it after ``torch.set_num_threads``: it records the thread count in effect.
+    """
+    import torch  # here, so that importing this module does not import torch
+
+    return {
+        "kind": "environment",
+        "command": shlex.join(["python", *_module_argv()]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "load_avg": os.getloadavg(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "env": {name: os.environ.get(name) for name in RECORDED_ENV},
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **extra,
+    }
+
+
+def describe(env: Mapping[str, Any]) -> str:
+    """One ``#`` line that states the environment record, printed before a script's tables."""
+    load = "/".join(f"{x:.2f}" for x in env["load_avg"])
+    variables = ", ".join(f"{k}={v if v is not None else '-'}" for k, v in env["env"].items())
+    return (
+        f"# {env['command']}: torch {env['torch']}, {env['cpu_count']} CPUs, "
+        f"{env['torch_threads']} torch threads, {variables}, load average {load}, "
+        f"{env['platform']}, {env['date']}"
+    )
+
+
+# -- JSON lines -----------------------------------------------------------------------------------
+def tagged(kind: str, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` as result rows of ``kind``: each a dict whose ``"kind"`` comes first."""
+    return [{"kind": kind, **row} for row in rows]
+
+
+def write_json_lines(
+    path: Path | str | None, env: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
+) -> None:
+    """Write ``env`` and then every row to ``path``, one JSON object per line (no-op for None)."""
+    if path is None:
+        return
+    count = 0
+    with open(path, "w") as f:
+        f.write(json.dumps(env) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+            count += 1
+    print(f"# wrote the environment and {count} rows to {path}")
