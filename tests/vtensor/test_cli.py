@@ -142,7 +142,9 @@ def test_cli_training_loss_is_cross_entropy_on_logits_else_mean_square() -> None
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 12), tokens.reshape(-1))
     assert torch.equal(workload.training_loss(logits, tokens, 12), expected)
     features = torch.randn(4, 3)
-    assert torch.equal(workload.training_loss(features, torch.zeros(4), 10), features.square().mean())
+    assert torch.equal(
+        workload.training_loss(features, torch.zeros(4), 10), features.square().mean()
+    )
 
 
 def test_cli_without_subcommand_runs_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,18 +12,18 @@ import torch
 from torch import nn
 
 from benchmarks.zoo import ZOO
-from vtensor.errors import VTensorError
-from vtensor.layering.demand import DemandLayering, LayeringError
-from vtensor.layering.placement import enclosing_calls, place_calls, ring_positions
-from vtensor.layering.weightfile import (
-    WeightFile,
+from vtensor.errors import (
+    LayeringError,
+    VTensorError,
     WeightFileChecksumError,
     WeightFileFormatError,
     WeightFileMismatchError,
     WeightFileTruncatedError,
     WeightFileVersionError,
-    write_weights,
 )
+from vtensor.layering.demand import DemandLayering
+from vtensor.layering.placement import enclosing_calls, place_calls, ring_positions
+from vtensor.layering.weightfile import WeightFile, write_weights
 
 
 def _resident_and_file(build: Callable[[], nn.Module], path: Path) -> nn.Module:
