@@ -92,6 +92,8 @@ class Iteration:
         # count the growth since entry on top of the tensors known to exist at entry.
         self._absolute = device.type == "cuda"
         self._entry_counter = tracker.current_bytes()
+        self._entry_pool = tracker.pool_bytes()
+        self.one_time_bytes = 0  # NOTE [MKL buffer pool]: measured when the iteration ends
         self.books = IterationBooks()
         self.floor = BudgetFloor(store, self.books, policy.budget_bytes)
         self.step_index = -1
@@ -330,8 +332,9 @@ class Iteration:
         self._open = None
 
     def finish(self) -> None:
-        """Close the last step."""
+        """Close the last step; measure the process memory the iteration kept for good."""
         self._close_step()
+        self.one_time_bytes = max(0, self.tracker.pool_bytes() - self._entry_pool)
 
     def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
         """The iteration as a ``Trace``."""

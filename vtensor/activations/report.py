@@ -97,6 +97,10 @@ class IterationReport:
         predicted_stall_s: the plan's predicted stall (None without a plan).
         planning_s: time spent planning after this iteration.
         cache_load_s: time spent loading the plan from the cache before it.
+        one_time_bytes: process memory the iteration allocated for good that is no tensor
+            (MKL's GEMM buffer pool, NOTE [MKL buffer pool] in ``measure/trackers.py``): left
+            out of the tracked bytes and the budget, reported here. Mostly the first iteration
+            of a process, or the first to meet a new matrix shape.
     """
 
     iteration: int
@@ -120,6 +124,7 @@ class IterationReport:
     predicted_stall_s: float | None = None
     planning_s: float = 0.0
     cache_load_s: float = 0.0
+    one_time_bytes: int = 0
 
     @property
     def bytes_moved(self) -> int:

@@ -29,6 +29,7 @@ from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import engine_for
 from vtensor.measure.independent import independent_peak, independent_start
+from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import make_device_tracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
@@ -130,6 +131,7 @@ class MemoryManager:
         self._rss: RssMeter | None = None
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
+        self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
         self._active = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -217,7 +219,10 @@ class MemoryManager:
                 chunked=self.granularity is Granularity.CHUNK,
             )
         store, policy = self._ensure_started(device)
-        baseline = self._baseline(model, optimizer, inputs, device, params)
+        # The state the optimizer's first step creates: every later iteration holds it, so a
+        # minimum stated now must count it (it is part of their baseline).
+        pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
+        baseline = self._baseline(model, optimizer, inputs, device, params, pending)
         if self._rss is None and device.type == "cpu":
             self._rss = RssMeter()
         with contextlib.ExitStack() as stack:
@@ -268,9 +273,9 @@ class MemoryManager:
         books = iteration.books
         if books.violated:
             raise InfeasibleBudgetError(
-                self.budget_bytes, books.min_budget_bytes, books.min_budget_step
+                self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
             )
-        self._record(iteration, chosen, device, started, stats_before, rss_start, joint)
+        self._record(iteration, chosen, device, started, stats_before, rss_start, joint, pending)
 
     def _deactivate(self) -> None:
         self._active = False
@@ -282,15 +287,19 @@ class MemoryManager:
         inputs: Sequence[torch.Tensor],
         device: torch.device,
         params: "ParamOffload | None",
+        pending_state_bytes: int,
     ) -> int:
-        """Device bytes before any activation is saved; raises if they alone break the budget."""
+        """Device bytes before any activation is saved; raises if they alone break the budget.
+
+        The stated minimum counts ``pending_state_bytes``, the optimizer's state to come.
+        """
         baseline = baseline_bytes(model, optimizer, inputs, device)
         if params is not None:
             baseline += held_outside(params.pool, model)
         if baseline > self.budget_bytes:
             raise InfeasibleBudgetError(
                 self.budget_bytes,
-                baseline,
+                baseline + pending_state_bytes,
                 "start",
                 f"parameters, gradients, optimizer state and inputs alone take "
                 f"{format_bytes(baseline)} before any activation is saved",
@@ -306,6 +315,7 @@ class MemoryManager:
         before: tuple[int, int, float, float],
         rss_start: int,
         joint: JointStep | None = None,
+        pending_state_bytes: int = 0,
     ) -> None:
         assert self._store is not None and self._policy is not None
         stats = self._store.stats
@@ -334,7 +344,7 @@ class MemoryManager:
             independent_kind=(
                 PeakSource.CUDA_MAX_ALLOCATED if device.type == "cuda" else PeakSource.RSS_VMHWM
             ),
-            min_budget_bytes=books.min_budget_bytes,
+            min_budget_bytes=books.min_budget_bytes + pending_state_bytes,
             bytes_out=stats.bytes_out - before[0],
             bytes_in=stats.bytes_in - before[1],
             transfer_s=stats.transfer_s - before[2],
@@ -345,6 +355,7 @@ class MemoryManager:
             predicted_stall_s=plan.predicted_stall_s if plan is not None else None,
             planning_s=chosen.planning_s,
             cache_load_s=chosen.cache_load_s,
+            one_time_bytes=iteration.one_time_bytes,
         )
         self._reports.append(report)
         logger.debug(

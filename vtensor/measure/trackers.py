@@ -11,6 +11,7 @@ import gc
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,6 +27,10 @@ class DeviceTracker(Protocol):
 
     def current_bytes(self) -> int:
         """Returns the bytes currently allocated on the device."""
+        ...
+
+    def pool_bytes(self) -> int:
+        """Process memory that no step owns, left out of :meth:`current_bytes`."""
         ...
 
 
@@ -48,11 +53,47 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
+def _mkl_pool_reader() -> Callable[[], int] | None:
+    """Bytes held by MKL's memory manager now (NOTE [MKL buffer pool]); None without MKL."""
+    # NOTE [MKL buffer pool]: MKL's GEMM (torch's CPU matmul) takes its packing buffers (a few
+    # MiB each, one per thread and blocking shape) from MKL's own memory manager, which mallocs
+    # them inside the first GEMM that needs them and keeps them for the life of the process. They
+    # are process memory, no tensor and no working set of a step: left in the count, the first
+    # iteration of a process (or the first to run a new GEMM shape) would see them as the step's
+    # growth and refuse budgets that every later iteration meets. The tracker leaves them out
+    # and reports them apart (``pool_bytes``, the report's ``one_time_bytes``); reading MKL's
+    # counter costs about ten microseconds. Measurements: benchmarks/README.md, "Fresh process".
+    libraries: list[str | None] = [None]
+    torch_cpu = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"  # MKL linked statically
+    if torch_cpu.exists():
+        libraries.append(str(torch_cpu))
+    for library in libraries:
+        try:
+            handle = ctypes.CDLL(library)
+        except OSError:
+            continue
+        for name in ("mkl_serv_mem_stat", "MKL_Mem_Stat", "mkl_mem_stat"):
+            try:
+                mem_stat = getattr(handle, name)
+            except AttributeError:
+                continue
+            mem_stat.restype = ctypes.c_int64
+            mem_stat.argtypes = [ctypes.POINTER(ctypes.c_int)]
+
+            def read(mem_stat: Callable[..., int] = mem_stat) -> int:
+                buffers = ctypes.c_int(0)
+                return max(0, int(mem_stat(ctypes.byref(buffers))))
+
+            return read
+    return None
+
+
 class MallocTracker:
     """Live heap bytes of this process from glibc ``mallinfo2()`` (in-use chunks + mmapped blocks).
 
-    Counts every malloc user, not only tensors; use differences between two calls. Meaningless if
-    another allocator (jemalloc, tcmalloc) was preloaded, since glibc's heap is then unused.
+    Counts every malloc user, not only tensors, except MKL's buffer pool (NOTE [MKL buffer
+    pool]); use differences between two calls. Meaningless if another allocator (jemalloc,
+    tcmalloc) was preloaded, since glibc's heap is then unused.
     """
 
     def __init__(self) -> None:
@@ -67,11 +108,22 @@ class MallocTracker:
         mallinfo2.restype = _MallInfo2
         mallinfo2.argtypes = []
         self._mallinfo2: Callable[[], _MallInfo2] = mallinfo2
+        self._mkl_pool = _mkl_pool_reader()
 
     def current_bytes(self) -> int:
-        """Returns the bytes in allocated heap chunks plus mmapped blocks, over all arenas."""
+        """Returns the bytes in heap chunks plus mmapped blocks, over all arenas, less MKL's pool.
+
+        The pool is process memory that no step owns (NOTE [MKL buffer pool]).
+        """
         info = self._mallinfo2()
-        return int(info.uordblks + info.hblkhd)
+        heap = int(info.uordblks + info.hblkhd)
+        if self._mkl_pool is not None:
+            heap -= self._mkl_pool()
+        return heap
+
+    def pool_bytes(self) -> int:
+        """Bytes of MKL's buffer pool, left out of :meth:`current_bytes` (0 without MKL)."""
+        return self._mkl_pool() if self._mkl_pool is not None else 0
 
 
 class CudaTracker:
@@ -95,6 +147,10 @@ class CudaTracker:
     def current_bytes(self) -> int:
         """Returns the bytes currently allocated to tensors on the device."""
         return torch.cuda.memory_allocated(self.device)
+
+    def pool_bytes(self) -> int:
+        """Nothing is left out of the allocator's count of tensor bytes."""
+        return 0
 
     def peak_bytes(self) -> int:
         """Returns the most bytes allocated to tensors on the device since the last reset."""

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from vtensor.errors import ParamOffloadError
+from vtensor.measure.optimizer_state import StateShape
 from vtensor.offload.offloaded import OffloadedTensor
 from vtensor.offload.pool import OffloadPool
-from vtensor.offload.units import StateShape, Unit, probe_state
+from vtensor.offload.units import Unit, probe_state
 from vtensor.offload.update import step_parameter
 from vtensor.planner.trace import TensorKind
 

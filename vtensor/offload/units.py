@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vtensor.errors import ParamOffloadError
+from vtensor.measure.optimizer_state import StateShape, measure_state
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,6 @@ class Unit:
     module: nn.Module
     params: tuple[str, ...]
     encloses: bool
-
-
-@dataclass(frozen=True)
-class StateShape:
-    """Optimizer state bytes of one parameter: ``per_element`` bytes per element plus ``fixed``."""
-
-    per_element: int
-    fixed: int
-
-    def nbytes(self, param: torch.Tensor) -> int:
-        """State bytes of ``param`` once the optimizer has stepped it."""
-        return self.per_element * param.numel() + self.fixed
 
 
 def find_units(model: nn.Module, resident: Iterable[str]) -> tuple[list[Unit], set[str]]:
@@ -99,32 +88,19 @@ def long_lived(units: list[Unit]) -> set[str]:
 def probe_state(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
 ) -> StateShape:
-    """Measure the state ``optimizer`` keeps per parameter of ``group``, on a 2-element proxy.
+    """The state ``optimizer`` keeps per parameter of ``group`` (``measure_state``).
 
-    State tensors with as many elements as the proxy scale with the parameter (momentum, Adam's
-    moments); the others (Adam's ``step``) are fixed.
+    Raises:
+        ParamOffloadError: the optimizer cannot be stepped one parameter at a time.
     """
-    proxy = torch.zeros(2, dtype=dtype, requires_grad=True)
     try:
-        make: Any = type(optimizer)
-        twin = make([proxy])
-        twin.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-        proxy.grad = torch.ones_like(proxy)
-        twin.step()
+        return measure_state(optimizer, group, dtype)
     except Exception as error:
         raise ParamOffloadError(
             f"cannot measure the state of {type(optimizer).__name__} ({error}); parameter "
             "offloading steps the optimizer one parameter at a time: use an optimizer whose "
             "update is per parameter (SGD, Adam, AdamW, ...)"
         ) from error
-    per_element = fixed = 0
-    for value in twin.state[proxy].values():
-        if isinstance(value, torch.Tensor):
-            if value.numel() == proxy.numel():
-                per_element += value.element_size()
-            else:
-                fixed += value.untyped_storage().nbytes()
-    return StateShape(per_element, fixed)
 
 
 @dataclass(frozen=True)
