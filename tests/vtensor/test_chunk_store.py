@@ -11,6 +11,7 @@ from vtensor.activations.hooks import SavedHandle
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.store import ChunkStore
 from vtensor.io.chunk import LEGAL_MOVES, Chunk, ChunkState, split_into_chunks
+from vtensor.io.pages import PAGE_BYTES, whole_pages
 from vtensor.io.tiers import ExtentAllocator, StorageTier
 from vtensor.io.transfer import FileTransferEngine
 
@@ -99,7 +100,15 @@ class StoreMachine(RuleBasedStateMachine):
         # Keep the store within capacity, as the session's policy does at every hook point.
         self.policy.evict_down_to(self.store.device_bytes(), self.capacity)
         self.store.reap(block=True)
-        assert self.store.device_bytes() <= self.capacity
+        assert self.store.device_bytes() - self._partial_pages() <= self.capacity
+
+    def _partial_pages(self) -> int:
+        """Bytes of evicted chunks left resident: the partial pages at an evicted range's ends."""
+        return sum(
+            r.nbytes - r.prefix_bytes - r.released_bytes
+            for r in self.store.records.values()
+            if r.in_place
+        )
 
     @rule(index=st.integers(0, 50), nbytes=st.integers(1, 40_000))
     def evict(self, index, nbytes):
@@ -129,7 +138,7 @@ class StoreMachine(RuleBasedStateMachine):
     def within_capacity_after_settling(self):
         if not self.store.in_flight():
             largest = max((r.nbytes for r in self.store.records.values()), default=0)
-            assert self.store.device_bytes() <= self.capacity + largest
+            assert self.store.device_bytes() - self._partial_pages() <= self.capacity + largest
 
     @invariant()
     def memory_changes_only_with_the_epoch(self):
@@ -141,12 +150,26 @@ class StoreMachine(RuleBasedStateMachine):
         self.seen = now
 
     @invariant()
-    def resident_prefix_matches_storage_size(self):
+    def resident_prefix_matches_the_released_pages(self):
+        released = 0
         for record in self.store.records.values():
             if record.pending is None and record.storage is not None:
                 resident = [c for c in record.chunks if c.state == ChunkState.DEVICE]
-                assert record.storage.nbytes() == sum(c.nbytes for c in resident)
+                assert record.prefix_bytes == sum(c.nbytes for c in resident)
                 assert resident == record.chunks[: len(resident)]
+                if not record.in_place:  # chunks under a page: the copy path
+                    assert record.storage.nbytes() == record.prefix_bytes
+                    continue
+                # NOTE [release in place]: the storage keeps its size; exactly the whole pages
+                # of the tail are released, and nothing is copied.
+                assert record.storage.nbytes() == record.nbytes
+                tail = record.nbytes - record.prefix_bytes
+                start = record.storage.data_ptr() + record.prefix_bytes
+                assert record.released_bytes == (whole_pages(start, tail)[1] if tail else 0)
+            released += record.released_bytes
+        assert self.store.released_bytes == released
+        if self.store.chunk_bytes is None or self.store.chunk_bytes >= PAGE_BYTES:
+            assert self.store.stats.copied_bytes == 0
 
 
 StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -92,6 +92,7 @@ class Iteration:
         # count the growth since entry on top of the tensors known to exist at entry.
         self._absolute = device.type == "cuda"
         self._entry_counter = tracker.current_bytes()
+        self._entry_released = store.released_bytes
         self._entry_pool = tracker.pool_bytes()
         self.one_time_bytes = 0  # NOTE [MKL buffer pool]: measured when the iteration ends
         self.books = IterationBooks()
@@ -126,9 +127,11 @@ class Iteration:
         now = self.tracker.current_bytes()
         if self._absolute:
             return now
-        # Frees of memory allocated before the step (a previous loss, say) lower the counter
-        # below its entry value; never report less than nothing.
-        return max(0, self.baseline_bytes + now - self._entry_counter)
+        # Pages released in place are still allocated for the heap counter (NOTE [release in
+        # place] in io/pages.py). Frees of memory allocated before the step (a previous loss,
+        # say) lower the counter below its entry value; never report less than nothing.
+        released = self.store.released_bytes - self._entry_released
+        return max(0, self.baseline_bytes + now - self._entry_counter - released)
 
     def _sample(self, live: int) -> None:
         if live > self.policy.budget_bytes + self.overshoot_bytes:
@@ -173,11 +176,12 @@ class Iteration:
         """Make room for the bytes of ``record`` that must come back."""
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
         resident = record.storage.nbytes() if record.storage is not None else 0
-        if incoming and resident:
-            # NOTE [growing a partial vTensor]: growing a storage reallocates it, so the resident
-            # prefix and the full size coexist while the prefix is copied. Make room for the
-            # whole size; if that is impossible, send the prefix out as well, which trades a
-            # write and a read of the prefix for the transient.
+        if incoming and resident and not record.in_place:
+            # NOTE [growing a partial vTensor]: on the copy path growing a storage reallocates
+            # it, so the resident prefix and the full size coexist while the prefix is copied.
+            # Make room for the whole size; if that is impossible, send the prefix out as well,
+            # which trades a write and a read of the prefix for the transient. Released in
+            # place, only the incoming bytes are allocated.
             self.enforce(incoming_bytes=record.nbytes, pinned=record, judge=False)
             too_big = self.live_bytes() + record.nbytes > self.policy.budget_bytes
             if too_big and self.store.evictable(record):

@@ -97,6 +97,9 @@ class IterationReport:
         predicted_stall_s: the plan's predicted stall (None without a plan).
         planning_s: time spent planning after this iteration.
         cache_load_s: time spent loading the plan from the cache before it.
+        copied_bytes: resident prefixes copied by ``resize_`` when a partly evicted storage
+            shrank or grew (the copy path: CUDA, shared-memory storages); 0 where chunks are
+            released in place (NOTE [release in place] in ``io/pages.py``).
         one_time_bytes: process memory the iteration allocated for good that is no tensor
             (MKL's GEMM buffer pool, NOTE [MKL buffer pool] in ``measure/trackers.py``): left
             out of the tracked bytes and the budget, reported here. Mostly the first iteration
@@ -125,6 +128,7 @@ class IterationReport:
     planning_s: float = 0.0
     cache_load_s: float = 0.0
     one_time_bytes: int = 0
+    copied_bytes: int = 0
 
     @property
     def bytes_moved(self) -> int:

@@ -312,7 +312,7 @@ class MemoryManager:
         chosen: IterationPlan,
         device: torch.device,
         started: float,
-        before: tuple[int, int, float, float],
+        before: tuple[int, int, float, float, int],
         rss_start: int,
         joint: JointStep | None = None,
         pending_state_bytes: int = 0,
@@ -349,6 +349,7 @@ class MemoryManager:
             bytes_in=stats.bytes_in - before[1],
             transfer_s=stats.transfer_s - before[2],
             stall_s=stats.stall_s - before[3],
+            copied_bytes=stats.copied_bytes - before[4],
             wall_s=time.perf_counter() - started,
             steps=tuple(books.steps),
             predicted_peak_bytes=plan.predicted_peak_bytes if plan is not None else None,
@@ -399,6 +400,6 @@ class MemoryManager:
         return self._trace
 
 
-def _snapshot(store: ChunkStore) -> tuple[int, int, float, float]:
+def _snapshot(store: ChunkStore) -> tuple[int, int, float, float, int]:
     s = store.stats
-    return s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s
+    return s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s, s.copied_bytes

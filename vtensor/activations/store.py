@@ -9,6 +9,7 @@ import torch
 
 from vtensor.errors import SwapAuthenticationError, VTensorError
 from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks
+from vtensor.io.pages import PAGE_BYTES, release
 from vtensor.io.transfer import CudaTransferEngine, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,15 @@ class VTensor:
 
     Attributes:
         vid: identity within the session, in pack order.
-        storage: the storage; its size is the resident prefix of the chunks.
+        storage: the storage. Released in place (NOTE [release in place] in ``io/pages.py``)
+            it keeps its full size; on the copy path its size is the resident prefix.
         nbytes: full size of the storage.
         chunks: its chunks; the resident ones always form a prefix (eviction takes the tail).
         saved_step: step index at which it was first packed.
         handles: live pack handles (autograd's references to it).
+        prefix_bytes: bytes of the resident prefix (the chunks before the first one away).
+        released_bytes: bytes of the whole pages handed back to the kernel in place.
+        in_place: evicted chunks release their pages in place instead of shrinking the storage.
     """
 
     vid: int
@@ -48,6 +53,9 @@ class VTensor:
     pending: Pending | None = None
     dead: bool = False
     uses: list[int] = field(default_factory=list)
+    prefix_bytes: int = 0
+    released_bytes: int = 0
+    in_place: bool = False
 
     def device_chunks(self) -> list[Chunk]:
         """Chunks resident and idle on the device."""
@@ -70,6 +78,7 @@ class StoreStats:
     bytes_in: int = 0
     transfer_s: float = 0.0
     stall_s: float = 0.0
+    copied_bytes: int = 0  # resident prefixes copied by resize_ (the copy path only)
 
 
 class ChunkStore:
@@ -80,6 +89,12 @@ class ChunkStore:
         # Where evicted chunks land: pinned host memory on CUDA, the swap file otherwise.
         cuda = isinstance(engine, CudaTransferEngine)
         self._offloaded = ChunkState.HOST if cuda else ChunkState.STORAGE
+        # NOTE [release in place]: CPU storages release evicted pages where they lie; chunks
+        # smaller than a page hold no whole page to release and take the copy path.
+        self._in_place = not cuda and (chunk_bytes is None or chunk_bytes >= PAGE_BYTES)
+        # Bytes of pages released in place and not yet restored or freed, over all records:
+        # the heap counter still counts them as allocated, so the tracked bytes subtract them.
+        self.released_bytes = 0
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}
         self._by_storage: dict[int, VTensor] = {}
@@ -101,12 +116,16 @@ class ChunkStore:
         record = self._by_storage.get(storage._cdata)
         if record is not None and not record.dead:
             return record
+        nbytes = storage.nbytes()
         record = VTensor(
             self._next_vid,
             storage,
-            storage.nbytes(),
-            split_into_chunks(storage.nbytes(), self.chunk_bytes),
+            nbytes,
+            split_into_chunks(nbytes, self.chunk_bytes),
             step,
+            prefix_bytes=nbytes,
+            # Shared-memory and file-backed pages are not private: they take the copy path.
+            in_place=self._in_place and not storage.is_shared(),
         )
         self._next_vid += 1
         self.records[record.vid] = record
@@ -137,6 +156,8 @@ class ChunkStore:
         if record.storage is not None:
             self._by_storage.pop(record.storage._cdata, None)
         record.storage = None
+        self.released_bytes -= record.released_bytes
+        record.released_bytes = 0
         self.memory_epoch += 1
         self.records.pop(record.vid, None)
 
@@ -160,13 +181,13 @@ class ChunkStore:
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
-        # With nothing in flight the storage's size is its resident prefix, which is exactly
-        # its DEVICE chunks; reading it is O(1). This is asked of every record at every hook
-        # point, so the checks of ``evictable`` and ``own_references`` are written out here.
+        # With nothing in flight the resident prefix is exactly its DEVICE chunks; reading it
+        # is O(1). This is asked of every record at every hook point, so the checks of
+        # ``evictable`` and ``own_references`` are written out here.
         storage = record.storage
         if storage is None or record.dead or record.pending is not None:
             return 0
-        nbytes: int = storage.nbytes()
+        nbytes = record.prefix_bytes
         # Only the store's own references (the record and one alias per handle, see
         # ``own_references``): the temporary reference of this call's own ``_cdata`` lookup
         # is not counted, but the record's Python storage object is.
@@ -176,7 +197,11 @@ class ChunkStore:
 
     def device_bytes(self) -> int:
         """Bytes the managed storages occupy on the device now."""
-        return sum(r.storage.nbytes() for r in self.records.values() if r.storage is not None)
+        return sum(
+            r.storage.nbytes() - r.released_bytes
+            for r in self.records.values()
+            if r.storage is not None
+        )
 
     def in_flight(self) -> list[VTensor]:
         """Records with a transfer in flight, in vid order."""
@@ -226,7 +251,15 @@ class ChunkStore:
         if not chunks or record.pending is not None:
             return
         assert record.storage is not None
-        record.storage.resize_(record.nbytes)
+        if record.in_place:
+            # The released pages come back as the reads fill them: counted from now, as a
+            # grown storage would be.
+            self.released_bytes -= record.released_bytes
+            record.released_bytes = 0
+        else:
+            self.stats.copied_bytes += record.prefix_bytes  # growing copies the prefix
+            record.storage.resize_(record.nbytes)
+        record.prefix_bytes = record.nbytes
         self.memory_epoch += 1
         for chunk in chunks:
             chunk.move(ChunkState.RESTORING)
@@ -285,7 +318,18 @@ class ChunkStore:
             return
         for chunk in pending.chunks:
             chunk.move(self._offloaded)
-        record.storage.resize_(pending.chunks[0].offset_bytes)
+        prefix = pending.chunks[0].offset_bytes
+        if record.in_place:
+            # NOTE [release in place]: every page of the tail from the new prefix on; pages of
+            # an earlier cut are released again (harmless) and counted once.
+            storage = record.storage
+            released = release(storage.data_ptr() + prefix, record.nbytes - prefix)
+            self.released_bytes += released - record.released_bytes
+            record.released_bytes = released
+        else:
+            self.stats.copied_bytes += prefix  # shrinking copies the prefix
+            record.storage.resize_(prefix)
+        record.prefix_bytes = prefix
         self.memory_epoch += 1
         self.stats.bytes_out += pending.transfer.nbytes
 

@@ -1,0 +1,123 @@
+"""Chunks leave memory in place (NOTE [release in place] in vtensor/io/pages.py): no copies."""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import vtensor
+from vtensor.activations.hooks import SavedHandle
+from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.io.chunk import ChunkState
+from vtensor.io.pages import PAGE_BYTES, release, whole_pages
+from vtensor.io.tiers import StorageTier
+from vtensor.io.transfer import FileTransferEngine
+from vtensor.measure.rss import RssMeter, rss_is_honest
+
+MIB = 1 << 20
+
+
+def test_whole_pages_are_only_those_strictly_inside_the_range() -> None:
+    assert whole_pages(PAGE_BYTES, 3 * PAGE_BYTES) == (PAGE_BYTES, 3 * PAGE_BYTES)
+    assert whole_pages(PAGE_BYTES + 1, 3 * PAGE_BYTES) == (2 * PAGE_BYTES, 2 * PAGE_BYTES)
+    assert whole_pages(PAGE_BYTES + 1, PAGE_BYTES) == (2 * PAGE_BYTES, 0)
+
+
+def test_released_pages_read_as_zeros_and_the_rest_is_untouched() -> None:
+    data = torch.full((4 * MIB,), 7, dtype=torch.uint8)
+    address = data.data_ptr() + 12345
+    released = release(address, 2 * MIB)
+    start, length = whole_pages(address, 2 * MIB)
+    assert released == length > 2 * MIB - 2 * PAGE_BYTES
+    first = start - data.data_ptr()
+    assert torch.all(data[first : first + length] == 0)  # never the old bytes
+    assert torch.all(data[:first] == 7) and torch.all(data[first + length :] == 7)
+
+
+def _store(tmp_path: Path) -> ChunkStore:
+    return ChunkStore(FileTransferEngine(StorageTier(tmp_path)), 1 * MIB)
+
+
+def _adopted(store: ChunkStore, data: torch.Tensor) -> tuple[VTensor, SavedHandle]:
+    """``data``'s storage in ``store``, referenced only as autograd would (one handle)."""
+    record = store.adopt(data.untyped_storage(), step=0)
+    return record, SavedHandle(store, record, data[:1])
+
+
+def _bytes_of(record: VTensor) -> torch.Tensor:
+    assert record.storage is not None
+    return torch.empty(0, dtype=torch.uint8).set_(record.storage)
+
+
+def test_eviction_releases_pages_in_place_and_restore_reads_them_back(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    try:
+        data = torch.randint(0, 256, (8 * MIB + 100,), dtype=torch.uint8)
+        expected, address = data.clone(), data.data_ptr()
+        record, handle = _adopted(store, data)
+        del data
+        store.evict(record, 3 * MIB)
+        store.reap(block=True)
+        away = [c for c in record.chunks if c.state is ChunkState.STORAGE]
+        assert len(away) == 4 and record.prefix_bytes == away[0].offset_bytes  # 100 B + 3 MiB
+        assert _bytes_of(record).numel() == record.nbytes  # no resize_, no copy
+        tail = record.nbytes - record.prefix_bytes
+        assert record.released_bytes == whole_pages(address + record.prefix_bytes, tail)[1]
+        assert store.released_bytes == record.released_bytes
+        assert store.device_bytes() == record.nbytes - record.released_bytes
+        start, length = whole_pages(address + record.prefix_bytes, tail)
+        view = _bytes_of(record)[start - address : start - address + length]
+        assert torch.all(view == 0)  # a use before the restore reads zeros, never old bytes
+        del view
+        store.evict(record, 2 * MIB)  # a second cut: the page between the cuts goes too
+        store.reap(block=True)
+        tail = record.nbytes - record.prefix_bytes
+        assert record.released_bytes == whole_pages(address + record.prefix_bytes, tail)[1]
+        store.ensure_resident(record)
+        restored = _bytes_of(record)
+        assert restored.data_ptr() == address  # the same addresses
+        assert torch.equal(restored, expected)
+        assert store.released_bytes == 0 and store.stats.copied_bytes == 0
+        del restored, handle
+    finally:
+        store.close()
+        store.engine.close()
+
+
+def test_rss_drops_by_the_released_pages(tmp_path: Path) -> None:
+    assert rss_is_honest(), "scripts/test.sh runs the suite with MALLOC_MMAP_THRESHOLD_=65536"
+    store = _store(tmp_path)
+    meter = RssMeter()
+    try:
+        record, handle = _adopted(store, torch.ones(64 * MIB, dtype=torch.uint8))
+        before = meter.current_rss_bytes()
+        store.evict(record, record.nbytes)
+        store.reap(block=True)
+        dropped = before - meter.current_rss_bytes()
+        assert dropped >= record.released_bytes - 4 * MIB  # the I/O thread's buffers aside
+        store.ensure_resident(record)
+        assert torch.all(_bytes_of(record) == 1)
+        del handle
+    finally:
+        meter.close()
+        store.close()
+        store.engine.close()
+
+
+def test_a_managed_step_copies_no_prefix(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(1024, 512)
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path) as probe:
+        with probe.step(model, inputs=(x,)):
+            model(x).sum().backward()
+    # Halfway between the smallest workable budget and the peak, measured in this process.
+    budget = (probe.report().peak_device_bytes + probe.report().min_budget_bytes) // 2
+    model.zero_grad(set_to_none=True)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, policy="reactive") as mm:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with mm.step(model, inputs=(x,)):
+                model(x).sum().backward()
+            report = mm.report()
+            assert report.bytes_out > 0 and report.copied_bytes == 0

@@ -1,0 +1,57 @@
+"""Releasing the physical pages of a byte range in place, and the whole pages a range holds.
+
+NOTE [release in place]
+On CPU a chunk leaves memory without a copy: once its bytes are written to the swap tier, the
+whole pages inside its byte range are handed back to the kernel with
+``madvise(MADV_DONTNEED)``. The virtual range stays mapped and owned by the storage; the
+process's RSS drops at once, and the next touch of a released page maps a fresh zero page, so a
+restore reads the bytes back into the same addresses (no ``resize_``, no copy either way) and a
+use before the restore reads zeros, never stale data.
+
+Why this is safe for the allocator: only whole pages strictly inside the storage's own byte
+range are released, never the partial pages at its ends, which may hold the allocator's chunk
+headers or a neighbour's bytes. Inside a live allocation the allocator keeps nothing of its
+own, so it never notices. Under glibc, allocations below the mmap threshold live in a heap
+arena (private anonymous memory, like the rest of the heap); larger ones are served by their
+own ``mmap``; with ``MALLOC_MMAP_THRESHOLD_=65536`` (the project's test and benchmark setting)
+every chunk-sized storage is of the second kind. Either way the pages are private and
+anonymous, so ``MADV_DONTNEED`` drops them and zero-fills them on the next touch; when the
+storage is freed, glibc may write its free-list links into the first bytes (heap) or unmap the
+block (mmap), which works on released pages as on any other. The copy path (``resize_``) is
+kept where release in place is impossible: on CUDA (device memory has no pages to hand back;
+docs/vtensor.md says what the CUDA virtual memory API would need), and for shared-memory or
+file-backed storages, whose pages are not private.
+"""
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def whole_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """The start and length of the whole pages inside ``[address, address + nbytes)``."""
+    start = -(-address // PAGE_BYTES) * PAGE_BYTES
+    stop = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+    return start, max(0, stop - start)
+
+
+def release(address: int, nbytes: int) -> int:
+    """Hand the whole pages inside the range back to the kernel; returns the bytes released.
+
+    Raises:
+        OSError: the kernel refused (the range is not mapped memory of this process).
+    """
+    start, length = whole_pages(address, nbytes)
+    if length and _madvise(start, length, _MADV_DONTNEED) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise(MADV_DONTNEED) of {length} bytes: {os.strerror(errno)}")
+    return length
