@@ -212,7 +212,9 @@ def _reference(w: Workload, base: nn.Module, ckpt: bool, storage_dir: str) -> di
     _run_step(probe, w, x, y)  # warm-up: one-time allocations (oneDNN caches, optimizer state)
     probe.optimizer.step()
     dispatch = _dispatch_peak(probe, w, x, y)
-    probe.manager = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, policy="reactive")
+    probe.manager = vtensor.MemoryManager(
+        HUGE_BUDGET, storage_dir=storage_dir, policy="reactive", measure_peaks=True
+    )
     tracked = rss = 0
     try:
         for _ in range(2):
@@ -250,6 +252,7 @@ def _make_variants(
                 granularity=granularity,
                 policy=policy,
                 plan_cache_dir=v.cache_dir,
+                measure_peaks=True,  # the RSS column (resets VmHWM: a benchmark may)
             )
             variants.append(v)
     return variants

@@ -60,7 +60,7 @@ def offloaded(
     peak = independent = first_independent = out = 0.0
     with (
         vtensor.ParamOffload(model, optimizer, param_budget) as po,
-        vtensor.MemoryManager(budget, count_workspaces=count_workspaces) as mm,
+        vtensor.MemoryManager(budget, count_workspaces=count_workspaces, measure_peaks=True) as mm,
     ):
         for i in range(steps):
             x, y = w.batch(i)

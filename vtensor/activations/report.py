@@ -84,8 +84,9 @@ class IterationReport:
             ``torch.cuda.memory_allocated`` on CUDA), sampled at every hook point.
         peak_independent_bytes: independent peak: on CPU, baseline + growth of the process's
             peak RSS (VmHWM) over the iteration; on CUDA, ``torch.cuda.max_memory_allocated``.
-            None when it could not be measured.
-        independent_kind: how the independent figure was measured.
+            None unless the manager measures peaks (``measure_peaks``: it resets those
+            process-wide counters).
+        independent_kind: how the independent figure was measured (None: not measured).
         min_budget_bytes: the smallest budget that would have worked for this iteration.
         bytes_out: bytes moved to the slower tier.
         bytes_in: bytes moved back.
@@ -115,7 +116,7 @@ class IterationReport:
     chunk_bytes: int | None
     peak_device_bytes: int
     peak_independent_bytes: int | None
-    independent_kind: PeakSource
+    independent_kind: PeakSource | None
     min_budget_bytes: int
     bytes_out: int
     bytes_in: int

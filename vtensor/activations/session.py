@@ -76,6 +76,13 @@ class MemoryManager:
             workspaces, short-lived tensors between hook points), measured per step from the
             process's RSS while profiling (CPU). The budget then holds for the process's RSS,
             at the price of smaller usable budgets; off, it holds for the tracked tensor bytes.
+            It measures with the process's peak RSS, so it turns ``measure_peaks`` on.
+        measure_peaks: measure an independent peak per iteration
+            (``report().peak_independent_bytes``; on CPU also each profiled step's transient
+            bytes). It resets process-wide high-water marks that other tools read: VmHWM
+            through ``/proc/self/clear_refs`` on CPU (``/usr/bin/time -v`` and outside
+            monitors see it), ``torch.cuda``'s peak statistics on CUDA. Off by default: vtensor
+            then leaves every process-wide counter alone.
         policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
             ``"reactive"`` (no planning).
     """
@@ -96,6 +103,7 @@ class MemoryManager:
         plan_cache_dir: str | PathLike[str] | None = None,
         policy: str | Policy = Policy.PLANNED,
         count_workspaces: bool = False,
+        measure_peaks: bool = False,
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -113,6 +121,7 @@ class MemoryManager:
         self.encrypt_storage = encrypt_storage
         self.host_capacity_bytes = host_capacity_bytes
         self.count_workspaces = count_workspaces
+        self.measure_peaks = measure_peaks or count_workspaces
         try:
             self.policy = Policy(policy)
         except ValueError:
@@ -223,12 +232,12 @@ class MemoryManager:
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         baseline = self._baseline(model, optimizer, inputs, device, params, pending)
-        if self._rss is None and device.type == "cpu":
+        if self._rss is None and device.type == "cpu" and self.measure_peaks:
             self._rss = RssMeter()
         with contextlib.ExitStack() as stack:
             if device.type == "cpu":
                 stack.enter_context(quiet_heap())  # NOTE [quiet heap]
-            rss_start = independent_start(device, self._rss)
+            rss_start = independent_start(device, self._rss) if self.measure_peaks else 0
             signature = params.plan_signature() if params is not None else ""
             chosen = self._plans.for_iteration(model, inputs, device, store, signature)
             executor = chosen.executor
@@ -340,9 +349,15 @@ class MemoryManager:
             peak_device_bytes=books.peak_bytes,
             peak_independent_bytes=independent_peak(
                 device, self._rss, iteration.baseline_bytes, rss_start, iteration.rss_peak_bytes
-            ),
+            )
+            if self.measure_peaks
+            else None,
             independent_kind=(
-                PeakSource.CUDA_MAX_ALLOCATED if device.type == "cuda" else PeakSource.RSS_VMHWM
+                None
+                if not self.measure_peaks
+                else PeakSource.CUDA_MAX_ALLOCATED
+                if device.type == "cuda"
+                else PeakSource.RSS_VMHWM
             ),
             min_budget_bytes=books.min_budget_bytes + pending_state_bytes,
             bytes_out=stats.bytes_out - before[0],

@@ -17,6 +17,7 @@ from torch import nn
 
 from vtensor.activations.session import MemoryManager
 from vtensor.errors import InfeasibleBudgetError
+from vtensor.measure.rss import rss_is_honest
 from vtensor.sizes import format_bytes, parse_bytes
 
 
@@ -119,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         managed_s = time.perf_counter() - begin
 
+    honest = rss_is_honest()
+
+    def independent(nbytes: int | None) -> str:
+        return format_bytes(nbytes) if honest and nbytes is not None else "-"
+
     print(
         f"{'iter':>4} {'source':>9} {'peak':>10} {'predicted':>10} {'indep.':>10} {'out':>10} "
         f"{'in':>10} {'stall s':>8} {'wall s':>7}"
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = format_bytes(rep.predicted_peak_bytes) if rep.predicted_peak_bytes else "-"
         print(
             f"{rep.iteration:>4} {rep.plan_source:>9} {format_bytes(rep.peak_device_bytes):>10} "
-            f"{predicted:>10} {format_bytes(rep.peak_independent_bytes or 0):>10} "
+            f"{predicted:>10} {independent(rep.peak_independent_bytes):>10} "
             f"{format_bytes(rep.bytes_out):>10} {format_bytes(rep.bytes_in):>10} "
             f"{rep.stall_s:>8.3f} {rep.wall_s:>7.2f}"
         )
@@ -141,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         "peak = tracked device bytes (heap counter at every hook point); predicted = the plan's "
         "peak (with the op workspaces measured while profiling); indep. = baseline + growth of "
         "the process's peak RSS"
+        + (
+            ""
+            if honest
+            else " (not shown: RSS follows the live bytes only in a process started with "
+            "MALLOC_MMAP_THRESHOLD_=65536)"
+        )
     )
     return 0 if same else 1
 
