@@ -125,6 +125,26 @@ class PlanBook:
                 )
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
 
+    def _plan(self, trace: Trace, reserve_bytes: int) -> Plan | None:
+        """The plan of ``trace`` that leaves the guard its headroom; None if there is none.
+
+        NOTE [plan within the guard]: the plan leaves the guard ``reserve_bytes`` (the largest
+        growth between two hook points) free, so that the guard moves no bytes of its own and
+        the bytes an iteration moves are the plan's. Where that is infeasible the plan fills
+        the whole budget and the guard keeps its headroom as it can.
+        """
+        plan: Plan | None = None
+        for budget_bytes in (self.budget_bytes - reserve_bytes, self.budget_bytes):
+            try:
+                plan = plan_lgm(trace, budget_bytes, chunk_bytes=self.chunk_bytes)
+                break
+            except InfeasibleBudgetError as err:
+                if budget_bytes == self.budget_bytes:
+                    logger.warning("no swap plan at this budget, staying reactive: %s", err)
+        if plan is None:
+            return None
+        return dataclasses.replace(plan, reserve_bytes=reserve_bytes)
+
     def plan_for(
         self,
         model: nn.Module,
@@ -154,13 +174,7 @@ class PlanBook:
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
             begin = time.perf_counter()
-            try:
-                plan: Plan | None = plan_lgm(trace, self.budget_bytes, chunk_bytes=self.chunk_bytes)
-                if plan is not None:
-                    plan = dataclasses.replace(plan, reserve_bytes=reserve_bytes)
-            except InfeasibleBudgetError as err:
-                logger.warning("no swap plan at this budget, staying reactive: %s", err)
-                plan = None
+            plan = self._plan(trace, reserve_bytes)
             chosen.planning_s = time.perf_counter() - begin
             self._plans[chosen.signature] = plan
             if plan is not None and self.cache is not None and chosen.key is not None:

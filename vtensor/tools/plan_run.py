@@ -163,7 +163,7 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
             plan_cache_dir=request.plan_cache_dir,
         )
         with mm:
-            managed, failure = _train_managed(
+            managed, failure, replayed = _train_managed(
                 build, batch, classes, request.steps, mm, progress, request.offload_params
             )
     if failure is not None and not mm.reports:
@@ -172,7 +172,7 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
         raise failure
     same = all(map(torch.equal, reference.state_dict().values(), managed.state_dict().values()))
     trace = mm.trace or probe.trace
-    plan = _plan_at(trace, budget, mm.chunk_size)
+    plan = replayed if replayed is not None else _plan_at(trace, budget, mm.chunk_size)
     return Outcome(
         probe.report(),
         probe.trace,
@@ -195,8 +195,11 @@ def _train_managed(
     mm: MemoryManager,
     progress: Progress,
     offload_params: bool = False,
-) -> tuple[nn.Module, InfeasibleBudgetError | None]:
-    """Train under ``mm``; stops at the first iteration that breaks the budget and returns why."""
+) -> tuple[nn.Module, InfeasibleBudgetError | None, Plan | None]:
+    """Train under ``mm``; stops at the first iteration that breaks the budget and returns why.
+
+    Also returns the plan the last iterations replayed (None if none).
+    """
     model = build().to(batch[0].device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     with contextlib.ExitStack() as stack:
@@ -218,8 +221,9 @@ def _train_managed(
                 _progress_line(mm, progress)
         except InfeasibleBudgetError as err:
             progress(f"  stopped: {err}")
-            return model, err
-    return model, None
+            return model, err, None
+        replayed = mm.plan_for(model, batch, offload)
+    return model, None, replayed
 
 
 def _progress_line(mm: MemoryManager, progress: Progress) -> None:
