@@ -3,7 +3,6 @@
 from vtensor.activations.report import (
     Granularity,
     IterationReport,
-    PeakSource,
     PlanSource,
     Policy,
     StepStats,
@@ -29,6 +28,7 @@ from vtensor.errors import (
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, ChunkState
 from vtensor.layering.demand import DemandLayering, LayeringReport
 from vtensor.layering.weightfile import WeightFile, evict_page_cache, write_weights
+from vtensor.measure.independent import PeakSource
 from vtensor.offload.param_offload import ParamOffload
 from vtensor.offload.report import ParamOffloadReport
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.sizes import format_bytes
+
 
 def device_of(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (CPU for a model with neither)."""
@@ -47,3 +50,32 @@ def baseline_bytes(
             storage = tensor.untyped_storage()
             seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def start_bytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    inputs: Sequence[torch.Tensor],
+    device: torch.device,
+    budget_bytes: int,
+    pending_state_bytes: int,
+    held_bytes: int = 0,
+) -> int:
+    """Device bytes before any activation is saved; raises if they alone break the budget.
+
+    ``held_bytes`` are held elsewhere (a parameter offloading's optimizer state); the stated
+    minimum counts ``pending_state_bytes``, the optimizer's state to come.
+
+    Raises:
+        InfeasibleBudgetError: the state and the inputs alone exceed ``budget_bytes``.
+    """
+    baseline = baseline_bytes(model, optimizer, inputs, device) + held_bytes
+    if baseline > budget_bytes:
+        raise InfeasibleBudgetError(
+            budget_bytes,
+            baseline + pending_state_bytes,
+            "start",
+            f"parameters, gradients, optimizer state and inputs alone take "
+            f"{format_bytes(baseline)} before any activation is saved",
+        )
+    return baseline

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from enum import StrEnum
 
+from vtensor.measure.independent import PeakSource
 from vtensor.planner.trace import Phase
 
 
@@ -28,13 +29,6 @@ class PlanSource(StrEnum):
     CACHED = "cached"  # a plan loaded from the plan cache: no profiling in this process
     FALLBACK = "fallback"  # the run diverged from its plan: reactive for the rest
     REACTIVE = "reactive"  # reactive only (policy="reactive", or the planner found no plan)
-
-
-class PeakSource(StrEnum):
-    """How the independent peak of a report was measured."""
-
-    CUDA_MAX_ALLOCATED = "cuda-max-allocated"  # torch.cuda.max_memory_allocated
-    RSS_VMHWM = "rss-vmhwm"  # the process's peak RSS (VmHWM) over the iteration
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,20 @@ from torch import nn
 
 from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
-from vtensor.activations.model_state import baseline_bytes, device_of, storages_of
+from vtensor.activations.model_state import device_of, start_bytes, storages_of
 from vtensor.activations.planning import IterationPlan, PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import (
     Granularity,
     IterationReport,
-    PeakSource,
     Policy,
 )
 from vtensor.activations.store import ChunkStore
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import engine_for
-from vtensor.measure.independent import independent_peak, independent_start
+from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
-from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import make_device_tracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
 from vtensor.planner.plan import Plan
@@ -137,7 +135,7 @@ class MemoryManager:
         )
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
-        self._rss: RssMeter | None = None
+        self._peaks: IndependentPeak | None = None
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
         self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
@@ -161,9 +159,9 @@ class MemoryManager:
             self._store.close()
             self._store.engine.close()
             self._store = None
-        if self._rss is not None:
-            self._rss.close()
-            self._rss = None
+        if self._peaks is not None:
+            self._peaks.close()
+            self._peaks = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing more can be done
@@ -231,13 +229,15 @@ class MemoryManager:
         # The state the optimizer's first step creates: every later iteration holds it, so a
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
-        baseline = self._baseline(model, optimizer, inputs, device, params, pending)
-        if self._rss is None and device.type == "cpu" and self.measure_peaks:
-            self._rss = RssMeter()
+        held = held_outside(params.pool, model) if params is not None else 0
+        baseline = start_bytes(model, optimizer, inputs, device, self.budget_bytes, pending, held)
+        if self._peaks is None:
+            self._peaks = IndependentPeak(device, enabled=self.measure_peaks)
+        peaks = self._peaks
         with contextlib.ExitStack() as stack:
             if device.type == "cpu":
                 stack.enter_context(quiet_heap())  # NOTE [quiet heap]
-            rss_start = independent_start(device, self._rss) if self.measure_peaks else 0
+            peaks.start()
             signature = params.plan_signature() if params is not None else ""
             chosen = self._plans.for_iteration(model, inputs, device, store, signature)
             executor = chosen.executor
@@ -261,7 +261,7 @@ class MemoryManager:
                 self.min_tensor_bytes,
                 record_trace=chosen.record_trace,
                 executor=executor,
-                rss=self._rss,
+                rss=peaks.rss,
                 count_workspaces=self.count_workspaces,
                 params=joint.side if joint is not None else None,
             )
@@ -284,36 +284,10 @@ class MemoryManager:
             raise InfeasibleBudgetError(
                 self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
             )
-        self._record(iteration, chosen, device, started, stats_before, rss_start, joint, pending)
+        self._record(iteration, chosen, device, started, stats_before, joint, pending)
 
     def _deactivate(self) -> None:
         self._active = False
-
-    def _baseline(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        inputs: Sequence[torch.Tensor],
-        device: torch.device,
-        params: "ParamOffload | None",
-        pending_state_bytes: int,
-    ) -> int:
-        """Device bytes before any activation is saved; raises if they alone break the budget.
-
-        The stated minimum counts ``pending_state_bytes``, the optimizer's state to come.
-        """
-        baseline = baseline_bytes(model, optimizer, inputs, device)
-        if params is not None:
-            baseline += held_outside(params.pool, model)
-        if baseline > self.budget_bytes:
-            raise InfeasibleBudgetError(
-                self.budget_bytes,
-                baseline + pending_state_bytes,
-                "start",
-                f"parameters, gradients, optimizer state and inputs alone take "
-                f"{format_bytes(baseline)} before any activation is saved",
-            )
-        return baseline
 
     def _record(
         self,
@@ -322,11 +296,10 @@ class MemoryManager:
         device: torch.device,
         started: float,
         before: tuple[int, int, float, float, int],
-        rss_start: int,
         joint: JointStep | None = None,
         pending_state_bytes: int = 0,
     ) -> None:
-        assert self._store is not None and self._policy is not None
+        assert self._store is not None and self._policy is not None and self._peaks is not None
         stats = self._store.stats
         books = iteration.books
         trace = None
@@ -347,18 +320,10 @@ class MemoryManager:
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_size,
             peak_device_bytes=books.peak_bytes,
-            peak_independent_bytes=independent_peak(
-                device, self._rss, iteration.baseline_bytes, rss_start, iteration.rss_peak_bytes
-            )
-            if self.measure_peaks
-            else None,
-            independent_kind=(
-                None
-                if not self.measure_peaks
-                else PeakSource.CUDA_MAX_ALLOCATED
-                if device.type == "cuda"
-                else PeakSource.RSS_VMHWM
+            peak_independent_bytes=self._peaks.peak(
+                iteration.baseline_bytes, iteration.rss_peak_bytes
             ),
+            independent_kind=self._peaks.kind,
             min_budget_bytes=books.min_budget_bytes + pending_state_bytes,
             bytes_out=stats.bytes_out - before[0],
             bytes_in=stats.bytes_in - before[1],

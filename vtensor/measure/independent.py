@@ -1,30 +1,66 @@
 """The independent peak of an iteration: what the OS (CPU) or the CUDA allocator saw at most."""
 
+from enum import StrEnum
+
 import torch
 
 from vtensor.measure.rss import RssMeter
 
 
-def independent_start(device: torch.device, rss: RssMeter | None) -> int:
-    """Start measuring an iteration's peak; returns the level it rises from (RSS on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return 0
-    assert rss is not None
-    rss.reset_peak()
-    return rss.current_rss_bytes()
+class PeakSource(StrEnum):
+    """How the independent peak of a report was measured."""
+
+    CUDA_MAX_ALLOCATED = "cuda-max-allocated"  # torch.cuda.max_memory_allocated
+    RSS_VMHWM = "rss-vmhwm"  # the process's peak RSS (VmHWM) over the iteration
 
 
-def independent_peak(
-    device: torch.device, rss: RssMeter | None, baseline: int, start: int, seen_peak: int
-) -> int:
-    """The iteration's peak: ``baseline`` plus the rise above ``start`` (CPU), or CUDA's max.
+class IndependentPeak:
+    """Measures each iteration's independent peak, when asked to (``enabled``).
 
-    ``seen_peak`` is the highest RSS a profiling iteration read per step (it resets the
-    high-water mark at every step and keeps the maximum).
+    Measuring resets process-wide high-water marks that other tools read (VmHWM through
+    ``/proc/self/clear_refs`` on CPU, ``torch.cuda``'s peak statistics on CUDA); disabled, it
+    touches nothing and every peak is None.
     """
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    assert rss is not None
-    peak = max(rss.peak_rss_bytes(), seen_peak)
-    return baseline + max(0, peak - start)
+
+    def __init__(self, device: torch.device, *, enabled: bool) -> None:
+        self.device = device
+        self.enabled = enabled
+        self.rss = RssMeter() if enabled and device.type == "cpu" else None
+        self._start = 0
+
+    @property
+    def kind(self) -> PeakSource | None:
+        """What the peaks measure (None: not measured)."""
+        if not self.enabled:
+            return None
+        return PeakSource.CUDA_MAX_ALLOCATED if self.device.type == "cuda" else PeakSource.RSS_VMHWM
+
+    def start(self) -> None:
+        """An iteration begins: reset the high-water mark and note the level it rises from."""
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        assert self.rss is not None
+        self.rss.reset_peak()
+        self._start = self.rss.current_rss_bytes()
+
+    def peak(self, baseline_bytes: int, seen_peak_bytes: int) -> int | None:
+        """The iteration's peak: ``baseline_bytes`` plus the RSS rise (CPU), or CUDA's max.
+
+        ``seen_peak_bytes`` is the highest RSS a profiling iteration read per step (it resets
+        the high-water mark at every step and keeps the maximum).
+        """
+        if not self.enabled:
+            return None
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        assert self.rss is not None
+        peak = max(self.rss.peak_rss_bytes(), seen_peak_bytes)
+        return baseline_bytes + max(0, peak - self._start)
+
+    def close(self) -> None:
+        """Stop the RSS meter's sampling thread, if any."""
+        if self.rss is not None:
+            self.rss.close()
