@@ -185,7 +185,7 @@ class ParamOffload:
         total = None
         if self.max_grad_norm is not None:
             total = passes.clip_and_update(self.max_grad_norm)
-        passes.backwards_done = 0
+        passes.end_step()
         self.pool.reap()
         self._step_peaks.append(self.meter.peak_bytes)
         self.meter.reset_peak()

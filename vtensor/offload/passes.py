@@ -69,6 +69,10 @@ class OffloadPasses:
         self._plan_driven = False
         self._joint_step = False  # inside a MemoryManager step that shares the budget
 
+    def end_step(self) -> None:
+        """The optimizer step is done: the next backward pass is the first of a new step."""
+        self.backwards_done = 0
+
     def close_guard(self) -> None:
         """End a first forward's use guard if one is open."""
         if self._guard is not None:
@@ -153,7 +157,7 @@ class OffloadPasses:
             record = self.params[name]
             if record.param.requires_grad and name not in self._expected:
                 self._expected[name] = record.entry.nbytes
-                self.pool.reserved_bytes += record.entry.nbytes
+                self.pool.expect(record.entry.nbytes)
         self._prefetch(Phase.BACKWARD, self._backward_calls, 0)
         self._backward_calls += 1
 
@@ -186,7 +190,7 @@ class OffloadPasses:
     def _end_backward(self) -> None:
         for name in list(self._bwd_pins):
             self._unpin_backward(name)
-        self.pool.reserved_bytes -= sum(self._expected.values())
+        self.pool.arrived(sum(self._expected.values()))
         self._expected.clear()
         self.in_backward = False
         self.backwards_done += 1
@@ -204,7 +208,7 @@ class OffloadPasses:
         record.param.grad = None
         assert grad is not None
         pins = self._bwd_pins.pop(record.name, [])
-        self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
+        self.pool.arrived(self._expected.pop(record.name, 0))
         self._keep_gradient(record, grad)
         for entry in pins:  # after the update: the parameter must not leave before it
             self.pool.release(entry)
