@@ -43,7 +43,7 @@ fi
 run_pytest "$PY" -m pytest -q tests/vtensor "$@"
 run_pytest "$PY" -m pytest -q tests --ignore=tests/vtensor "$@"
 
-EQUIVALENCE=tests/vtensor/test_equivalence.py
+EQUIVALENCE=tests/vtensor/activations/test_equivalence.py
 if [[ -f "$EQUIVALENCE" ]]; then
     # 165 = 0xa5: glibc fills freed (and new) malloc memory with this byte pattern.
     echo "test: rerunning $EQUIVALENCE with MALLOC_PERTURB_=165" >&2

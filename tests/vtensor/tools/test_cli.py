@@ -16,7 +16,7 @@ from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 from vtensor.tools import cli, workload
 from vtensor.tools.timeline import phase_spans, plot_timeline
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # Written into a module under tmp_path: tests/vtensor must never be on sys.path (its name would

@@ -2,8 +2,9 @@
 
 The child trains a model none of the other tests use under a budget of half its unmanaged
 peak, counting op workspaces (``count_workspaces=True``: the budget then holds for the
-process's RSS, not only for tensor bytes), with chunks released in place (NOTE [release in place] in vtensor/io/pages.py). The parent
-samples the child's resident set from ``/proc/<pid>/statm`` every millisecond while it steps.
+process's RSS, not only for tensor bytes), with chunks released in place (NOTE [release in
+place] in vtensor/io/pages.py). The parent samples the child's resident set from
+``/proc/<pid>/statm`` every millisecond while it steps.
 The rise over the RSS at the start of the managed steps (which already holds the parameters, the
 batch, the optimizer state and what the first iteration kept for good) must stay within the
 budget less that baseline, plus ``SLACK_BYTES``: the swap path's own buffers (a 4 MiB staging
