@@ -1,10 +1,12 @@
 """Tests of vtensor.measure: every tracker measured against tensors of known size."""
 
 import ctypes
+import gc
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,29 @@ import vtensor
 from vtensor.errors import VTensorError
 from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
-from vtensor.measure.trackers import CudaTracker, DeviceTracker, MallocTracker, make_device_tracker
+from vtensor.measure.trackers import (
+    CudaTracker,
+    DeviceTracker,
+    MallocTracker,
+    make_device_tracker,
+    quiet_heap,
+)
 
 MB = 1_000_000
 MALLOC_TOLERANCE_BYTES = 64 * 1024
 REPO_ROOT = Path(vtensor.__file__).resolve().parents[1]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_heap() -> Iterator[None]:
+    # The heap counter is process-wide: garbage of earlier tests freed by the cycle collector
+    # in the middle of a measurement would look like the measured code freeing memory
+    # (NOTE [quiet heap] in vtensor/measure/trackers.py).
+    gc.collect()
+    with quiet_heap():
+        yield
 
 
 def _conv_net() -> nn.Module:
