@@ -88,7 +88,7 @@ class ReactivePolicy:
             if available == 0:
                 continue
             # NOTE [guard takes whole remainders]: a victim already cut goes whole.
-            cut = available < record.nbytes
+            cut = available < record.movable_bytes
             whole = self.store.chunk_bytes is None or (not self.early_eviction and cut)
             want = available if whole else deficit - scheduled
             scheduled += self.store.evict(record, min(want, available))

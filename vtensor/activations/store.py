@@ -3,12 +3,13 @@
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from vtensor.errors import SwapAuthenticationError, VTensorError
-from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks
+from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks, split_on_pages
 from vtensor.io.pages import PAGE_BYTES, release
 from vtensor.io.transfer import CudaTransferEngine, Transfer, TransferEngine
 
@@ -36,11 +37,14 @@ class VTensor:
         storage: the storage. Released in place (NOTE [release in place] in ``io/pages.py``)
             it keeps its full size; on the copy path its size is the resident prefix.
         nbytes: full size of the storage.
-        chunks: its chunks; the resident ones always form a prefix (eviction takes the tail).
+        chunks: the chunks that can leave. Released in place they are the whole pages inside
+            the storage, any of which can leave; on the copy path they cover the storage and
+            the resident ones form a prefix (eviction takes the tail).
         saved_step: step index at which it was first packed.
         handles: live pack handles (autograd's references to it).
-        prefix_bytes: bytes of the resident prefix (the chunks before the first one away).
-        released_bytes: bytes of the whole pages handed back to the kernel in place.
+        resident_bytes: bytes of the chunks on the device and idle (what an eviction can take).
+        movable_bytes: bytes of all chunks (``nbytes`` less the partial end pages in place).
+        released_bytes: bytes of the pages handed back to the kernel in place.
         in_place: evicted chunks release their pages in place instead of shrinking the storage.
     """
 
@@ -53,7 +57,8 @@ class VTensor:
     pending: Pending | None = None
     dead: bool = False
     uses: list[int] = field(default_factory=list)
-    prefix_bytes: int = 0
+    resident_bytes: int = 0
+    movable_bytes: int = 0
     released_bytes: int = 0
     in_place: bool = False
 
@@ -117,15 +122,22 @@ class ChunkStore:
         if record is not None and not record.dead:
             return record
         nbytes = storage.nbytes()
+        # Shared-memory and file-backed pages are not private: they take the copy path.
+        in_place = self._in_place and not storage.is_shared()
+        if in_place:
+            chunks, _ = split_on_pages(storage.data_ptr(), nbytes, self.chunk_bytes, PAGE_BYTES)
+        else:
+            chunks = split_into_chunks(nbytes, self.chunk_bytes)
+        movable = sum(c.nbytes for c in chunks)
         record = VTensor(
             self._next_vid,
             storage,
             nbytes,
-            split_into_chunks(nbytes, self.chunk_bytes),
+            chunks,
             step,
-            prefix_bytes=nbytes,
-            # Shared-memory and file-backed pages are not private: they take the copy path.
-            in_place=self._in_place and not storage.is_shared(),
+            resident_bytes=movable,
+            movable_bytes=movable,
+            in_place=in_place,
         )
         self._next_vid += 1
         self.records[record.vid] = record
@@ -181,13 +193,13 @@ class ChunkStore:
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
-        # With nothing in flight the resident prefix is exactly its DEVICE chunks; reading it
+        # With nothing in flight ``resident_bytes`` is exactly its DEVICE chunks; reading it
         # is O(1). This is asked of every record at every hook point, so the checks of
         # ``evictable`` and ``own_references`` are written out here.
         storage = record.storage
         if storage is None or record.dead or record.pending is not None:
             return 0
-        nbytes = record.prefix_bytes
+        nbytes = record.resident_bytes
         # Only the store's own references (the record and one alias per handle, see
         # ``own_references``): the temporary reference of this call's own ``_cdata`` lookup
         # is not counted, but the record's Python storage object is.
@@ -228,7 +240,11 @@ class ChunkStore:
 
     # -- moves --------------------------------------------------------------------------------
     def evict(self, record: VTensor, nbytes: int) -> int:
-        """Start evicting tail chunks of ``record`` covering at least ``nbytes``; returns bytes."""
+        """Start evicting tail chunks of ``record`` covering at least ``nbytes``; returns bytes.
+
+        Which chunks leave does not change when they are needed (backward uses the whole
+        vTensor); the tail is the one choice the copy path can also make.
+        """
         tail: list[Chunk] = []
         covered = 0
         for chunk in reversed(record.device_chunks()):
@@ -236,13 +252,40 @@ class ChunkStore:
                 break
             tail.append(chunk)
             covered += chunk.nbytes
-        if not tail:
-            return 0
         tail.reverse()
-        for chunk in tail:
+        return self.evict_chunks(record, tail)
+
+    def evict_chunks(self, record: VTensor, chunks: Sequence[Chunk]) -> int:
+        """Start evicting exactly ``chunks`` of ``record`` (resident and idle); returns bytes.
+
+        Released in place any chunks can leave; the copy path can only cut a tail.
+
+        Raises:
+            VTensorError: a chunk is not resident and idle, or is not a tail on the copy path.
+        """
+        if not chunks:
+            return 0
+        if record.pending is not None or any(c.state != ChunkState.DEVICE for c in chunks):
+            raise VTensorError(
+                f"vTensor {record.vid}: only resident, idle chunks can be evicted "
+                f"(asked for chunks {[c.index for c in chunks]} with a transfer in flight or "
+                "away); wait for its transfer or restore it first"
+            )
+        if not record.in_place:
+            resident = record.device_chunks()
+            if list(chunks) != resident[len(resident) - len(chunks) :]:
+                raise VTensorError(
+                    f"vTensor {record.vid} is shrunk by copying its prefix, so only a tail of "
+                    f"its resident chunks can leave, not chunks {[c.index for c in chunks]}"
+                )
+        covered = 0
+        for chunk in chunks:
             chunk.move(ChunkState.EVICTING)
+            covered += chunk.nbytes
         assert record.storage is not None
-        self._start(record, Pending(self.engine.evict(record.storage, tail), tail, outgoing=True))
+        transfer = self.engine.evict(record.storage, list(chunks))
+        self._start(record, Pending(transfer, list(chunks), outgoing=True))
+        record.resident_bytes -= covered
         return covered
 
     def restore(self, record: VTensor) -> None:
@@ -257,9 +300,8 @@ class ChunkStore:
             self.released_bytes -= record.released_bytes
             record.released_bytes = 0
         else:
-            self.stats.copied_bytes += record.prefix_bytes  # growing copies the prefix
+            self.stats.copied_bytes += record.resident_bytes  # growing copies the prefix
             record.storage.resize_(record.nbytes)
-        record.prefix_bytes = record.nbytes
         self.memory_epoch += 1
         for chunk in chunks:
             chunk.move(ChunkState.RESTORING)
@@ -307,6 +349,7 @@ class ChunkStore:
             for chunk in pending.chunks:
                 chunk.move(ChunkState.DEVICE)
             self.engine.release(pending.chunks)
+            record.resident_bytes += sum(c.nbytes for c in pending.chunks)
             self.stats.bytes_in += pending.transfer.nbytes
             return
         assert record.storage is not None
@@ -318,18 +361,15 @@ class ChunkStore:
             return
         for chunk in pending.chunks:
             chunk.move(self._offloaded)
-        prefix = pending.chunks[0].offset_bytes
         if record.in_place:
-            # NOTE [release in place]: every page of the tail from the new prefix on; pages of
-            # an earlier cut are released again (harmless) and counted once.
-            storage = record.storage
-            released = release(storage.data_ptr() + prefix, record.nbytes - prefix)
-            self.released_bytes += released - record.released_bytes
-            record.released_bytes = released
+            # NOTE [release in place]: the chunks are whole pages, so exactly their bytes go.
+            released = _release_chunks(record.storage.data_ptr(), pending.chunks)
+            self.released_bytes += released
+            record.released_bytes += released
         else:
+            prefix = pending.chunks[0].offset_bytes
             self.stats.copied_bytes += prefix  # shrinking copies the prefix
             record.storage.resize_(prefix)
-        record.prefix_bytes = prefix
         self.memory_epoch += 1
         self.stats.bytes_out += pending.transfer.nbytes
 
@@ -341,6 +381,7 @@ class ChunkStore:
             for chunk in pending.chunks:
                 chunk.move(ChunkState.DEVICE)
             self.engine.release(pending.chunks)
+            record.resident_bytes += sum(c.nbytes for c in pending.chunks)
             return
         if isinstance(error, SwapAuthenticationError):
             raise error  # already names the chunk and the cause
@@ -362,3 +403,18 @@ class ChunkStore:
 
 def _vid(record: VTensor) -> int:
     return record.vid
+
+
+def _release_chunks(address: int, chunks: list[Chunk]) -> int:
+    """Release the pages of ``chunks``, one call per contiguous run."""
+    released = 0
+    start = end = -1
+    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
+        if chunk.offset_bytes != end:
+            if end > start:
+                released += release(address + start, end - start)
+            start = chunk.offset_bytes
+        end = chunk.offset_bytes + chunk.nbytes
+    if end > start:
+        released += release(address + start, end - start)
+    return released

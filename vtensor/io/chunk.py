@@ -78,3 +78,26 @@ def split_into_chunks(nbytes: int, chunk_bytes: int | None) -> list[Chunk]:
     size = nbytes if chunk_bytes is None else chunk_bytes
     count = math.ceil(nbytes / size)
     return [Chunk(i, i * size, min(size, nbytes - i * size)) for i in range(count)]
+
+
+def split_on_pages(
+    address: int, nbytes: int, chunk_bytes: int | None, page_bytes: int
+) -> tuple[list[Chunk], int]:
+    """Cut the whole pages of ``[address, address + nbytes)`` into page-aligned chunks.
+
+    NOTE [release in place] in ``io/pages.py``: a chunk released in place must be whole pages,
+    so the chunks cover only the pages strictly inside the range, starting on a page boundary,
+    each ``chunk_bytes`` rounded up to whole pages (None: the interior is one chunk). The partial
+    pages at the two ends never leave: they may share a page with the allocator or a neighbour.
+
+    Returns:
+        The chunks (offsets relative to ``address``) and the bytes that never leave.
+    """
+    lead = -address % page_bytes
+    interior = max(0, (nbytes - lead) // page_bytes * page_bytes)
+    if interior == 0:
+        return [], nbytes
+    size = interior if chunk_bytes is None else -(-chunk_bytes // page_bytes) * page_bytes
+    count = math.ceil(interior / size)
+    chunks = [Chunk(i, lead + i * size, min(size, interior - i * size)) for i in range(count)]
+    return chunks, nbytes - interior

@@ -8,16 +8,18 @@ process's RSS drops at once, and the next touch of a released page maps a fresh 
 restore reads the bytes back into the same addresses (no ``resize_``, no copy either way) and a
 use before the restore reads zeros, never stale data.
 
-Why this is safe for the allocator: only whole pages strictly inside the storage's own byte
-range are released, never the partial pages at its ends, which may hold the allocator's chunk
-headers or a neighbour's bytes. Inside a live allocation the allocator keeps nothing of its
-own, so it never notices. Under glibc, allocations below the mmap threshold live in a heap
-arena (private anonymous memory, like the rest of the heap); larger ones are served by their
-own ``mmap``; with ``MALLOC_MMAP_THRESHOLD_=65536`` (the project's test and benchmark setting)
-every chunk-sized storage is of the second kind. Either way the pages are private and
-anonymous, so ``MADV_DONTNEED`` drops them and zero-fills them on the next touch; when the
-storage is freed, glibc may write its free-list links into the first bytes (heap) or unmap the
-block (mmap), which works on released pages as on any other. The copy path (``resize_``) is
+Why this is safe for the allocator: only whole pages strictly inside the storage's own byte range
+are released, never the partial pages at its ends, which may hold the allocator's chunk headers or a
+neighbour's bytes. So a storage released in place is cut into chunks on the page grid
+(``split_on_pages`` in ``io/chunk.py``): every chunk is whole pages, any of them can leave, the
+bytes written are the bytes released, and the two partial end pages stay. Inside a live allocation
+the allocator keeps nothing of its own, so it never notices. Under glibc, allocations below the mmap
+threshold live in a heap arena (private anonymous memory, like the rest of the heap); larger ones
+are served by their own ``mmap``; with ``MALLOC_MMAP_THRESHOLD_=65536`` (the project's test and
+benchmark setting) every chunk-sized storage is of the second kind. Either way the pages are private
+and anonymous, so ``MADV_DONTNEED`` drops them and zero-fills them on the next touch; when the
+storage is freed, glibc may write its free-list links into the first bytes (heap) or unmap the block
+(mmap), which works on released pages as on any other. The copy path (``resize_``) is
 kept where release in place is impossible: on CUDA (device memory has no pages to hand back;
 docs/vtensor.md says what the CUDA virtual memory API would need), and for shared-memory or
 file-backed storages, whose pages are not private.

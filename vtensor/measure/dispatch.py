@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from vtensor.errors import VTensorError
+from vtensor.measure.residency import absent_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,13 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     their base's storage); tensors that already exist are counted once passed to ``track`` (or once
     an op returns them). A storage leaves the count when it is freed. ``UntypedStorage.resize_``
     calls made from Python while the mode is active are seen, so bytes the manager swaps out by
-    shrinking a storage leave the count too. Tensors made without an op (``torch.from_numpy``) are
-    not seen until an op returns them. Dispatch modes are per thread: ops run on other Python
-    threads (a transfer worker) are not seen, while their ``resize_`` calls and frees are.
+    shrinking a storage leave the count too. On CPU, pages released in place (NOTE [release in
+    place] in ``io/pages.py``) are seen through the page tables (``mincore``): a storage counts
+    only its resident bytes (so fresh pages, of a ``torch.empty`` say, count once touched). That
+    check runs only when the count could make a new peak, so it costs little while the count
+    stays below it. Tensors made without an op (``torch.from_numpy``) are not seen until an op
+    returns them. Dispatch modes are per thread: ops run on other Python threads (a transfer
+    worker) are not seen, while their ``resize_`` calls and frees are.
 
     Usage::
 
@@ -63,6 +68,8 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device = torch.device(device)
+        # Device memory has no pages to release in place: only CPU storages are asked.
+        self._pages = self.device.type == "cpu"
         # Keyed by StorageImpl address; see NOTE [storage keys].
         self._live: dict[int, _LiveStorage] = {}
         # Reentrant: a storage may die (and run _forget) in the middle of our own bookkeeping.
@@ -76,8 +83,9 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     @property
     def current_bytes(self) -> int:
-        """Bytes of the live storages counted now."""
-        return self._current_bytes
+        """Bytes of the live storages counted now (resident bytes on CPU)."""
+        with self._lock:
+            return self._resident_bytes()
 
     @property
     def peak_bytes(self) -> int:
@@ -92,14 +100,13 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def reset_peak(self) -> None:
         """Starts new peak windows (overall and per mark) at the current count."""
         with self._lock:
-            self._peak_bytes = self._current_bytes
-            self._window_peak_bytes = self._current_bytes
+            self._peak_bytes = self._window_peak_bytes = self._resident_bytes()
 
     def mark(self, name: str) -> None:
         """Records the peak since the previous mark (or start) as ``name``; starts a new window."""
         with self._lock:
             self._marks.append((name, self._window_peak_bytes))
-            self._window_peak_bytes = self._current_bytes
+            self._window_peak_bytes = self._resident_bytes()
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Counts the storages of tensors made before tracking (parameters, inputs, ...)."""
@@ -175,10 +182,23 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _add(self, delta_bytes: int) -> None:
         self._current_bytes += delta_bytes
-        if self._current_bytes > self._peak_bytes:
-            self._peak_bytes = self._current_bytes
-        if self._current_bytes > self._window_peak_bytes:
-            self._window_peak_bytes = self._current_bytes
+        # The resident bytes never exceed the counted ones: only a count above a peak can
+        # make a new one, so only then are the page tables asked.
+        if self._current_bytes > min(self._peak_bytes, self._window_peak_bytes):
+            now = self._resident_bytes()
+            self._peak_bytes = max(self._peak_bytes, now)
+            self._window_peak_bytes = max(self._window_peak_bytes, now)
+
+    def _resident_bytes(self) -> int:
+        """The counted bytes less the whole pages of live storages that are not resident."""
+        if not self._pages:
+            return self._current_bytes
+        absent = 0
+        for record in list(self._live.values()):
+            storage = record.alive()
+            if storage is not None and record.nbytes:
+                absent += absent_bytes(storage.data_ptr(), record.nbytes)
+        return self._current_bytes - absent
 
     def _install_resize_hook(self) -> None:
         # UntypedStorage.resize_ does not go through the dispatcher, so the mode never sees it;

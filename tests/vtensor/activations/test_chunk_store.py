@@ -11,7 +11,7 @@ from vtensor.activations.hooks import SavedHandle
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.store import ChunkStore
 from vtensor.io.chunk import LEGAL_MOVES, Chunk, ChunkState, split_into_chunks
-from vtensor.io.pages import PAGE_BYTES, whole_pages
+from vtensor.io.pages import PAGE_BYTES
 from vtensor.io.tiers import ExtentAllocator, StorageTier
 from vtensor.io.transfer import FileTransferEngine
 
@@ -103,12 +103,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.device_bytes() - self._partial_pages() <= self.capacity
 
     def _partial_pages(self) -> int:
-        """Bytes of evicted chunks left resident: the partial pages at an evicted range's ends."""
-        return sum(
-            r.nbytes - r.prefix_bytes - r.released_bytes
-            for r in self.store.records.values()
-            if r.in_place
-        )
+        """Bytes that never leave: the partial pages at the ends of storages released in place."""
+        return sum(r.nbytes - r.movable_bytes for r in self.store.records.values() if r.in_place)
 
     @rule(index=st.integers(0, 50), nbytes=st.integers(1, 40_000))
     def evict(self, index, nbytes):
@@ -150,22 +146,25 @@ class StoreMachine(RuleBasedStateMachine):
         self.seen = now
 
     @invariant()
-    def resident_prefix_matches_the_released_pages(self):
+    def resident_bytes_match_the_released_pages(self):
         released = 0
         for record in self.store.records.values():
             if record.pending is None and record.storage is not None:
                 resident = [c for c in record.chunks if c.state == ChunkState.DEVICE]
-                assert record.prefix_bytes == sum(c.nbytes for c in resident)
-                assert resident == record.chunks[: len(resident)]
-                if not record.in_place:  # chunks under a page: the copy path
-                    assert record.storage.nbytes() == record.prefix_bytes
+                away = [c for c in record.chunks if c.state == ChunkState.STORAGE]
+                assert record.resident_bytes == sum(c.nbytes for c in resident)
+                if not record.in_place:  # chunks under a page: the copy path, tails only
+                    assert resident == record.chunks[: len(resident)]
+                    assert record.storage.nbytes() == record.resident_bytes
                     continue
-                # NOTE [release in place]: the storage keeps its size; exactly the whole pages
-                # of the tail are released, and nothing is copied.
+                # NOTE [release in place]: the storage keeps its size; its chunks are whole
+                # pages, exactly those of the chunks away are released, and nothing is copied.
                 assert record.storage.nbytes() == record.nbytes
-                tail = record.nbytes - record.prefix_bytes
-                start = record.storage.data_ptr() + record.prefix_bytes
-                assert record.released_bytes == (whole_pages(start, tail)[1] if tail else 0)
+                base = record.storage.data_ptr()
+                for chunk in record.chunks:
+                    assert (base + chunk.offset_bytes) % PAGE_BYTES == 0
+                    assert chunk.nbytes % PAGE_BYTES == 0
+                assert record.released_bytes == sum(c.nbytes for c in away)
             released += record.released_bytes
         assert self.store.released_bytes == released
         if self.store.chunk_bytes is None or self.store.chunk_bytes >= PAGE_BYTES:

@@ -2,13 +2,15 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import vtensor
 from vtensor.activations.hooks import SavedHandle
 from vtensor.activations.store import ChunkStore, VTensor
-from vtensor.io.chunk import ChunkState
+from vtensor.errors import VTensorError
+from vtensor.io.chunk import ChunkState, split_on_pages
 from vtensor.io.pages import PAGE_BYTES, release, whole_pages
 from vtensor.io.tiers import StorageTier
 from vtensor.io.transfer import FileTransferEngine
@@ -49,36 +51,82 @@ def _bytes_of(record: VTensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(record.storage)
 
 
-def test_eviction_releases_pages_in_place_and_restore_reads_them_back(tmp_path: Path) -> None:
+def test_chunks_are_the_whole_pages_inside_the_storage() -> None:
+    chunks, fixed = split_on_pages(PAGE_BYTES - 100, 3 * MIB, MIB, PAGE_BYTES)
+    assert chunks[0].offset_bytes == 100 and all(c.nbytes == MIB for c in chunks[:-1])
+    assert sum(c.nbytes for c in chunks) + fixed == 3 * MIB
+    assert fixed == 100 + (3 * MIB - 100) % PAGE_BYTES  # the two partial pages
+    assert split_on_pages(PAGE_BYTES - 100, PAGE_BYTES, MIB, PAGE_BYTES) == ([], PAGE_BYTES)
+    odd, _ = split_on_pages(0, 10 * PAGE_BYTES, PAGE_BYTES + 1, PAGE_BYTES)  # rounded up
+    assert [c.nbytes for c in odd] == [2 * PAGE_BYTES] * 5
+
+
+def test_any_chunk_leaves_in_place_and_restore_reads_it_back(tmp_path: Path) -> None:
     store = _store(tmp_path)
     try:
         data = torch.randint(0, 256, (8 * MIB + 100,), dtype=torch.uint8)
         expected, address = data.clone(), data.data_ptr()
         record, handle = _adopted(store, data)
         del data
-        store.evict(record, 3 * MIB)
+        middle = record.chunks[2:4]  # not a tail: released in place, any chunk can leave
+        assert store.evict_chunks(record, middle) == 2 * MIB
         store.reap(block=True)
-        away = [c for c in record.chunks if c.state is ChunkState.STORAGE]
-        assert len(away) == 4 and record.prefix_bytes == away[0].offset_bytes  # 100 B + 3 MiB
+        assert [c.state for c in record.chunks].count(ChunkState.STORAGE) == 2
         assert _bytes_of(record).numel() == record.nbytes  # no resize_, no copy
-        tail = record.nbytes - record.prefix_bytes
-        assert record.released_bytes == whole_pages(address + record.prefix_bytes, tail)[1]
-        assert store.released_bytes == record.released_bytes
-        assert store.device_bytes() == record.nbytes - record.released_bytes
-        start, length = whole_pages(address + record.prefix_bytes, tail)
-        view = _bytes_of(record)[start - address : start - address + length]
-        assert torch.all(view == 0)  # a use before the restore reads zeros, never old bytes
-        del view
-        store.evict(record, 2 * MIB)  # a second cut: the page between the cuts goes too
+        # Bytes out are exactly the bytes released: the chunks are whole pages.
+        assert record.released_bytes == store.stats.bytes_out == 2 * MIB
+        assert store.device_bytes() == record.nbytes - 2 * MIB
+        first = middle[0].offset_bytes
+        assert torch.all(_bytes_of(record)[first : first + 2 * MIB] == 0)  # zeros, never stale
+        head = _bytes_of(record)[:first]
+        assert torch.equal(head, expected[:first])  # the rest is untouched
+        del head
+        tail = store.evict(record, 3 * MIB)  # a second cut, from the tail
+        assert 3 * MIB <= tail < 4 * MIB  # the last chunk ends at the last whole page
         store.reap(block=True)
-        tail = record.nbytes - record.prefix_bytes
-        assert record.released_bytes == whole_pages(address + record.prefix_bytes, tail)[1]
+        assert record.released_bytes == store.stats.bytes_out == 2 * MIB + tail
         store.ensure_resident(record)
+        assert store.stats.bytes_in == 2 * MIB + tail
         restored = _bytes_of(record)
         assert restored.data_ptr() == address  # the same addresses
         assert torch.equal(restored, expected)
         assert store.released_bytes == 0 and store.stats.copied_bytes == 0
         del restored, handle
+    finally:
+        store.close()
+        store.engine.close()
+
+
+def test_a_chunk_in_flight_or_away_cannot_be_evicted_again(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    try:
+        record, handle = _adopted(store, torch.ones(4 * MIB, dtype=torch.uint8))
+        store.evict_chunks(record, record.chunks[:1])
+        store.reap(block=True)
+        with pytest.raises(VTensorError, match="resident, idle"):
+            store.evict_chunks(record, record.chunks[:2])
+        assert record.chunks[1].state is ChunkState.DEVICE  # nothing moved
+        store.ensure_resident(record)
+        assert torch.all(_bytes_of(record) == 1)
+        del handle
+    finally:
+        store.close()
+        store.engine.close()
+
+
+def test_the_copy_path_cuts_only_tails(tmp_path: Path) -> None:
+    store = ChunkStore(FileTransferEngine(StorageTier(tmp_path)), PAGE_BYTES // 2)
+    try:
+        record, handle = _adopted(store, torch.ones(4 * PAGE_BYTES, dtype=torch.uint8))
+        assert not record.in_place
+        with pytest.raises(VTensorError, match="only a tail"):
+            store.evict_chunks(record, record.chunks[:1])
+        assert store.evict_chunks(record, record.chunks[-2:]) == PAGE_BYTES
+        store.reap(block=True)
+        assert store.stats.copied_bytes == 3 * PAGE_BYTES  # the prefix, copied by resize_
+        store.ensure_resident(record)
+        assert torch.all(_bytes_of(record) == 1)
+        del handle
     finally:
         store.close()
         store.engine.close()

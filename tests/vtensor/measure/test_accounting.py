@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vtensor
 from vtensor.errors import VTensorError
+from vtensor.io.pages import PAGE_BYTES, release
 from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
 from vtensor.measure.trackers import (
@@ -27,6 +28,7 @@ from vtensor.measure.trackers import (
     quiet_heap,
 )
 
+MIB = 1 << 20
 MB = 1_000_000
 MALLOC_TOLERANCE_BYTES = 64 * 1024
 REPO_ROOT = Path(vtensor.__file__).resolve().parents[1]
@@ -207,10 +209,12 @@ def test_live_storage_tracker_sees_storage_resize() -> None:
         t.untyped_storage().resize_(0)  # how the manager swaps a chunk's bytes out
         assert tracker.current_bytes == 0
         t.untyped_storage().resize_(4 * MB)
+        t.fill_(1.0)  # on CPU fresh pages count once touched (the tracker reads page tables)
         assert tracker.current_bytes == 4 * MB
         t.resize_(2 * MB // 4 + 1)  # aten resize_ within capacity keeps the storage as it is
         assert tracker.current_bytes == 4 * MB
         t.resize_(8 * MB // 4)  # aten resize_ beyond capacity grows it through the dispatcher
+        t.fill_(1.0)
         assert tracker.current_bytes == 8 * MB
 
 
@@ -463,3 +467,19 @@ def test_rss_is_honest_reads_glibc_settings(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4096")
     assert rss_is_honest()
+
+
+def test_live_storage_tracker_sees_pages_released_in_place() -> None:
+    # NOTE [release in place]: the storage keeps its size; the tracker reads the page tables.
+    tracker = LiveStorageTracker()
+    with tracker:
+        t = torch.ones(8 * MIB, dtype=torch.uint8).add(1)
+        full = tracker.current_bytes
+        released = release(t.data_ptr(), t.nbytes)
+        assert released > 8 * MIB - 2 * PAGE_BYTES
+        assert tracker.current_bytes == full - released
+        tracker.mark("released")
+        t.fill_(3)  # the pages come back (resident again) on touch
+        u = torch.ones(MIB, dtype=torch.uint8).add(1)  # an op that grows the count
+        assert tracker.current_bytes == full + u.nbytes
+    assert tracker.peak_bytes >= full + u.nbytes
