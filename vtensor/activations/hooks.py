@@ -17,6 +17,7 @@ class HookTarget(Protocol):
 
     store: ChunkStore
     step_index: int
+    recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` may be virtualized."""
@@ -181,9 +182,12 @@ def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable
         name = qualname or "model"
 
         def pre(_module: nn.Module, _args: Any, name: str = name) -> None:
-            target.begin_step(f"forward:{name}")
+            if not target.recomputing:
+                target.begin_step(f"forward:{name}")
 
         def post(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
+            if target.recomputing:
+                return
             tensors = tensors_in(output)
             sampler.add_graph_of(tensors)
             for tensor in tensors:

@@ -1,5 +1,6 @@
 """One managed training iteration: routes hook events to the store and policy, keeps the books."""
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -12,9 +13,10 @@ from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, StoreStats, VTensor
+from vtensor.activations.units import UnitRecorder
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
-from vtensor.planner.trace import Trace, TraceTensor
+from vtensor.planner.trace import Trace, TraceTensor, TraceUnit
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,11 @@ class Iteration:
     ) -> None:
         self.store = store
         self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
+        # Above 0 while a forward runs again (NOTE [recompute] in activations/recompute.py):
+        # module hooks then ignore it. ``units`` records the candidates while profiling.
+        self.recomputing = 0
+        self.units: UnitRecorder | None = None
+        self.recomputed: tuple[str, ...] = ()
         self.policy = policy
         self.tracker = tracker
         self.device = device
@@ -340,13 +347,24 @@ class Iteration:
         self._close_step()
         self.one_time_bytes = max(0, self.tracker.pool_bytes() - self._entry_pool)
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` (a check the profiler ran) out of the open step's duration."""
+        if self._open is not None:
+            self._open.started += seconds
+
     def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
         """The iteration as a ``Trace``."""
         n_activations, n_steps = len(self.books.tensors), len(self.books.trace_steps)
         extra = [] if self.params is None else self.params.trace_tensors(n_activations, n_steps)
-        return self.books.trace(
+        trace = self.books.trace(
             extra, self.baseline_bytes, budget_bytes, chunk_bytes, self.device.type
         )
+        units: tuple[TraceUnit, ...] = ()
+        if self.units is not None:
+            position = {vid: i for i, vid in enumerate(sorted(self.books.tensors))}
+            names = [s.name for s in trace.steps]
+            units = self.units.units(position, trace.tensors, names)
+        return dataclasses.replace(trace, units=units, recomputed=self.recomputed)
 
 
 def _copy(stats: StoreStats) -> StoreStats:

@@ -24,6 +24,7 @@ from vtensor.planner.keys import (
 )
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
+from vtensor.planner.recompute import choose_recompute, predicted_step_s
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class IterationPlan:
     key: PlanKey | None
     planning_s: float = 0.0
     cache_load_s: float = 0.0
+    recompute: tuple[str, ...] = ()  # modules recomputed in this iteration (NOTE [recompute])
+    find_units: bool = False  # profile which modules could be recomputed
+    abandoned: bool = False  # a trial of recomputation that broke the budget
 
 
 class PlanBook:
@@ -50,6 +54,8 @@ class PlanBook:
         chunk_bytes: chunk size (None: tensor granularity).
         cache_dir: plan cache directory shared by processes (None: no cache).
         planned: False to run the reactive policy only.
+        count_workspaces: plans budget op workspaces.
+        recompute: plans may recompute modules as well as swap (NOTE [hybrid plan]).
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class PlanBook:
         cache_dir: str | PathLike[str] | None,
         planned: bool = True,
         count_workspaces: bool = False,
+        recompute: bool = False,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
@@ -68,6 +75,12 @@ class PlanBook:
         self.planner_version = PLANNER_VERSION + ("+workspaces" if count_workspaces else "")
         self.count_workspaces = count_workspaces
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
+        self.recompute = recompute
+        if recompute:
+            self.planner_version += "+recompute"
+        # Signatures whose next iteration is profiled with modules recomputed: the modules,
+        # and the swap-only plan to compare with (NOTE [hybrid plan]).
+        self._trial: dict[str, tuple[tuple[str, ...], Plan | None, float]] = {}
 
     def _key(
         self,
@@ -111,6 +124,9 @@ class PlanBook:
             return IterationPlan(
                 signature, PlanSource.PLANNED, self._executor(plan, store), False, key
             )
+        if signature in self._trial:
+            names = self._trial[signature][0]
+            return IterationPlan(signature, PlanSource.PROFILED, None, True, key, recompute=names)
         if self.cache is not None:
             cached = self.cache.get(key)
             if cached is not None:
@@ -123,7 +139,9 @@ class PlanBook:
                     key,
                     cache_load_s=self.cache.last_load_s,
                 )
-        return IterationPlan(signature, PlanSource.PROFILED, None, True, key)
+        # Recomputing is planned for activations alone, not with parameter offloading.
+        find_units = self.recompute and not params
+        return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=find_units)
 
     def _plan(self, trace: Trace, reserve_bytes: int) -> Plan | None:
         """The plan of ``trace`` that leaves the guard its headroom; None if there is none.
@@ -158,6 +176,26 @@ class PlanBook:
     def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
 
+    def abandon_trial(self, chosen: IterationPlan) -> bool:
+        """Keep to the swap-only plan after a trial of recomputation broke the budget.
+
+        Returns False if ``chosen`` was no trial.
+        """
+        trial = self._trial.pop(chosen.signature, None)
+        if trial is None or chosen.executor is not None:
+            return False
+        chosen.abandoned = True
+        self._store(chosen, trial[1])
+        return True
+
+    def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
+        self._plans[chosen.signature] = plan
+        if plan is not None and self.cache is not None and chosen.key is not None:
+            try:
+                self.cache.put(chosen.key, plan)
+            except VTensorError as err:
+                logger.warning("plan not cached: %s", err)
+
     def after_iteration(
         self, chosen: IterationPlan, trace: Trace | None, reserve_bytes: int
     ) -> PlanSource:
@@ -166,6 +204,8 @@ class PlanBook:
         ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
         so that a process replaying a cached plan guards the budget from its first step.
         """
+        if chosen.abandoned:
+            return PlanSource.FALLBACK
         if chosen.executor is not None and not chosen.executor.active:
             self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
             return PlanSource.FALLBACK
@@ -174,12 +214,42 @@ class PlanBook:
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
             begin = time.perf_counter()
-            plan = self._plan(trace, reserve_bytes)
+            plan = self._choose(chosen.signature, trace, reserve_bytes)
             chosen.planning_s = time.perf_counter() - begin
-            self._plans[chosen.signature] = plan
-            if plan is not None and self.cache is not None and chosen.key is not None:
-                try:
-                    self.cache.put(chosen.key, plan)
-                except VTensorError as err:
-                    logger.warning("plan not cached: %s", err)
+            if chosen.signature in self._trial:
+                return chosen.source  # the next iteration tries the recomputation
+            self._store(chosen, plan)
         return chosen.source
+
+    def _choose(self, signature: str, trace: Trace, reserve_bytes: int) -> Plan | None:
+        """The plan of a profiled trace; with recomputation, first a trial (NOTE [hybrid plan])."""
+        plan = self._plan(trace, reserve_bytes)
+        if plan is not None:
+            plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
+        trial = self._trial.pop(signature, None)
+        if trial is not None:
+            names, swap_only, swap_only_s = trial
+            if plan is not None:
+                plan = dataclasses.replace(plan, recompute=names)
+            hybrid_s = predicted_step_s(trace, plan)
+            if hybrid_s <= swap_only_s:
+                logger.info(
+                    "plan recomputes %d modules (predicted %.3f s per step, swap only %.3f s): %s",
+                    len(names),
+                    hybrid_s,
+                    swap_only_s,
+                    ", ".join(names),
+                )
+                return plan
+            logger.info(
+                "recomputing %d modules predicted %.3f s per step, swap only %.3f s: swap only",
+                len(names),
+                hybrid_s,
+                swap_only_s,
+            )
+            return swap_only
+        if trace.units:
+            names = choose_recompute(trace, self.budget_bytes - reserve_bytes)
+            if names:
+                self._trial[signature] = (names, plan, predicted_step_s(trace, plan))
+        return plan

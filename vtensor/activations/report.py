@@ -99,6 +99,7 @@ class IterationReport:
             (MKL's GEMM buffer pool, NOTE [MKL buffer pool] in ``measure/trackers.py``): left
             out of the tracked bytes and the budget, reported here. Mostly the first iteration
             of a process, or the first to meet a new matrix shape.
+        recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
     """
 
     iteration: int
@@ -124,6 +125,7 @@ class IterationReport:
     cache_load_s: float = 0.0
     one_time_bytes: int = 0
     copied_bytes: int = 0
+    recomputed: tuple[str, ...] = ()
 
     @property
     def bytes_moved(self) -> int:

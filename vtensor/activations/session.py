@@ -18,12 +18,14 @@ from vtensor.activations.iteration import Iteration
 from vtensor.activations.model_state import device_of, start_bytes, storages_of
 from vtensor.activations.planning import IterationPlan, PlanBook
 from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.report import (
     Granularity,
     IterationReport,
     Policy,
 )
 from vtensor.activations.store import ChunkStore
+from vtensor.activations.units import UnitRecorder
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import engine_for
@@ -83,6 +85,11 @@ class MemoryManager:
             then leaves every process-wide counter alone.
         policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
             ``"reactive"`` (no planning).
+        recompute: plans may also recompute modules in backward instead of keeping or swapping
+            what they save (NOTE [hybrid plan] in ``vtensor/planner/recompute.py``): the
+            profiled iteration finds the modules that are safe to recompute, the next one is
+            profiled with the chosen ones recomputed, and the faster plan is kept. Training
+            stays bit-identical. Planned policy only, and not with parameter offloading.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class MemoryManager:
         policy: str | Policy = Policy.PLANNED,
         count_workspaces: bool = False,
         measure_peaks: bool = False,
+        recompute: bool = False,
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -132,7 +140,9 @@ class MemoryManager:
             plan_cache_dir,
             planned=self.policy is Policy.PLANNED,
             count_workspaces=count_workspaces,
+            recompute=recompute,
         )
+        self.recompute = recompute
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
         self._peaks: IndependentPeak | None = None
@@ -273,6 +283,14 @@ class MemoryManager:
                 stack.enter_context(joint.connected_to(iteration))
             for hook in install_module_hooks(model, iteration):
                 stack.callback(hook.remove)
+            recompute = executor.plan.recompute if executor is not None else chosen.recompute
+            if recompute:
+                iteration.recomputed = recompute
+                stack.enter_context(recompute_modules(model, recompute, iteration))
+            elif chosen.find_units:
+                iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
+                for hook in iteration.units.install():
+                    stack.callback(hook.remove)
             started = time.perf_counter()
             stats_before = _snapshot(store)
             self._active = True
@@ -281,8 +299,15 @@ class MemoryManager:
                 yield
         books = iteration.books
         if books.violated:
-            raise InfeasibleBudgetError(
-                self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
+            if not self._plans.abandon_trial(chosen):
+                raise InfeasibleBudgetError(
+                    self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
+                )
+            # Its gradients are right; only the trial's working set did not fit.
+            logger.warning(
+                "recomputing %d modules broke the budget at step %r: swapping only from now on",
+                len(chosen.recompute),
+                books.min_budget_step,
             )
         self._record(iteration, chosen, device, started, stats_before, joint, pending)
 
@@ -337,6 +362,7 @@ class MemoryManager:
             planning_s=chosen.planning_s,
             cache_load_s=chosen.cache_load_s,
             one_time_bytes=iteration.one_time_bytes,
+            recomputed=iteration.recomputed,
         )
         self._reports.append(report)
         logger.debug(

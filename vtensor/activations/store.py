@@ -183,6 +183,11 @@ class ChunkStore:
             self._free(record)
 
     # -- queries ------------------------------------------------------------------------------
+    @property
+    def next_vid(self) -> int:
+        """The vid the next adopted storage will get (vids rise in order of adoption)."""
+        return self._next_vid
+
     def own_references(self, record: VTensor) -> int:
         """References to the storage held by this store: the record and one alias per handle."""
         return 1 + record.handles

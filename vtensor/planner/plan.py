@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class Plan:
         reserve_bytes: the headroom the budget guard kept when the plan was made (the
             largest growth between two hook points): a process replaying the plan keeps it
             from its first iteration.
+        recompute: modules (qualified names) whose forward runs again in backward instead of
+            keeping or swapping what it saves (NOTE [recompute]); the moves are planned for the
+            iteration with them recomputed.
+        predicted_step_s: the step time the planner predicts: measured compute, recomputation
+            included, plus the predicted stall.
     """
 
     budget_bytes: int
@@ -63,6 +68,8 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     reserve_bytes: int = 0
     tensor_names: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
+    predicted_step_s: float = 0.0
 
     @property
     def activation_count(self) -> int:
@@ -96,6 +103,7 @@ class Plan:
             step_names=tuple(raw.pop("step_names")),
             tensor_bytes=tuple(raw.pop("tensor_bytes")),
             tensor_names=tuple(raw.pop("tensor_names", ())),
+            recompute=tuple(raw.pop("recompute", ())),
             **raw,
         )
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 5
+TRACE_SCHEMA_VERSION = 6
 
 
 class TensorKind(StrEnum):
@@ -94,6 +94,35 @@ class TraceTensor:
 
 
 @dataclass(frozen=True)
+class TraceUnit:
+    """A module whose forward the manager could run again in backward (NOTE [recompute]).
+
+    Attributes:
+        name: the module's qualified name in the model.
+        first_step: index of the forward step its forward began with.
+        last_step: index of the last forward step inside its forward.
+        forward_s: measured wall time of its forward (what recomputing it costs).
+        inner_vids: the vTensors (trace vids) saved inside its forward, made there and used
+            only by its own backward steps: the bytes recomputing it would not keep.
+        input_vids: vTensors saved inside its forward that are its inputs: a recomputed unit
+            holds them from its forward to its backward, where no swap can take them.
+        safe: its forward reproduced its outputs bit for bit when run again, and it modified no
+            input in place, called no custom autograd Function and changed no module attribute
+            (NOTE [safe to recompute]); an unsafe unit is never recomputed.
+        why_unsafe: the first reason it is not safe ("" when safe).
+    """
+
+    name: str
+    first_step: int
+    last_step: int
+    forward_s: float
+    inner_vids: tuple[int, ...]
+    input_vids: tuple[int, ...]
+    safe: bool
+    why_unsafe: str = ""
+
+
+@dataclass(frozen=True)
 class Trace:
     """A profiled iteration, the input of the planner.
 
@@ -108,6 +137,9 @@ class Trace:
         schema_version: bumped when fields change meaning.
         incomplete: not a steady-state iteration (its first update created optimizer state):
             a plan is made from a later one.
+        units: the modules that could be recomputed, outermost first (profiled with
+            ``recompute=True`` only; empty otherwise).
+        recomputed: the modules recomputed while this iteration ran.
     """
 
     steps: tuple[TraceStep, ...]
@@ -119,6 +151,8 @@ class Trace:
     device: str
     schema_version: int = TRACE_SCHEMA_VERSION
     incomplete: bool = False
+    units: tuple[TraceUnit, ...] = ()
+    recomputed: tuple[str, ...] = ()
 
     def live_curve(self) -> list[tuple[int, int]]:
         """(step index, peak tracked device bytes) per step."""
@@ -149,4 +183,15 @@ class Trace:
             )
             for t in raw.pop("tensors")
         )
-        return cls(steps=steps, tensors=tensors, **raw)
+        units = tuple(
+            TraceUnit(
+                **{
+                    **u,
+                    "inner_vids": tuple(u["inner_vids"]),
+                    "input_vids": tuple(u["input_vids"]),
+                }
+            )
+            for u in raw.pop("units", ())
+        )
+        recomputed = tuple(raw.pop("recomputed", ()))
+        return cls(steps=steps, tensors=tensors, units=units, recomputed=recomputed, **raw)

@@ -1,0 +1,105 @@
+"""Recomputation at run time: chosen modules run their forward again in backward.
+
+NOTE [recompute]
+A recomputed module saves nothing for backward but its inputs; backward runs its forward again
+right before it needs what that forward saved. The mechanism is torch's non-reentrant
+``torch.utils.checkpoint`` (``use_reentrant=False``, ``preserve_rng_state=True``), wrapped
+around the module's ``forward`` for the managed step only: it restores the RNG state, so
+dropout masks come out the same, and its own saved-tensor hooks sit inside the manager's, so
+the tensors saved inside the module never reach the manager. Two things checkpointing leaves to
+its caller are done here, in the recomputation's context:
+
+- the manager's module hooks ignore the recomputed forward (``target.recomputing``), so the
+  steps of the iteration stay those of its forward and backward;
+- the module's buffers are put back after the recomputation: BatchNorm would otherwise update
+  its running statistics twice, and training would not be bit-identical.
+
+Which modules are recomputed is the plan's choice (``Plan.recompute``); which may be is decided
+while profiling (NOTE [safe to recompute] in ``activations/units.py``).
+"""
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vtensor.errors import VTensorError
+
+
+class RecomputeTarget(Protocol):
+    """What is told that a forward is being run again (the iteration)."""
+
+    recomputing: int
+
+
+@contextlib.contextmanager
+def recomputing(target: RecomputeTarget, module: nn.Module) -> Iterator[None]:
+    """Run again the forward of ``module``: hooks ignore it, its buffers come back unchanged."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    target.recomputing += 1
+    try:
+        yield
+    finally:
+        target.recomputing -= 1
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def recompute_modules(
+    model: nn.Module, names: Sequence[str], target: RecomputeTarget
+) -> Iterator[None]:
+    """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
+
+    Raises:
+        VTensorError: a name is not a module of ``model``.
+    """
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise VTensorError(
+            f"the plan recomputes modules {missing} that the model does not have; the plan is "
+            "of another model: clear the plan cache or profile again"
+        )
+    wrapped: list[nn.Module] = []
+    try:
+        for name in names:
+            module = modules[name]
+            if "forward" in module.__dict__:
+                raise VTensorError(
+                    f"module {name!r} has its own forward attribute (patched or already "
+                    "wrapped): it cannot be recomputed"
+                )
+            module.forward = _checkpointed(module, module.forward, target)
+            wrapped.append(module)
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward
+
+
+def _checkpointed(
+    module: nn.Module, forward: Callable[..., Any], target: RecomputeTarget
+) -> Callable[..., Any]:
+    def contexts() -> tuple[contextlib.AbstractContextManager[None], Any]:
+        return contextlib.nullcontext(), recomputing(target, module)
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)  # nothing is saved: nothing to recompute
+        return checkpoint(
+            forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=contexts,
+            **kwargs,
+        )
+
+    return run

@@ -1,0 +1,285 @@
+"""While profiling: which modules could be recomputed, what each saves, and whether it is safe.
+
+NOTE [safe to recompute]
+A recomputed forward must give back exactly what the first one saved, or backward computes a
+silently wrong gradient. While an iteration is profiled, each candidate module (every module
+with children, below the root) is checked as it runs, and marked unsafe, never to be
+recomputed, when it:
+
+- modifies an input in place (its inputs' version counters moved): a second forward would
+  start from other values;
+- calls a custom autograd ``Function`` (a ``BackwardCFunction`` node in the graph it built):
+  its ``forward`` may have side effects that a second run repeats;
+- changes a plain attribute of itself or a submodule (a call counter, a cached flag): a second
+  run would see or change other state;
+- does not reproduce its outputs bit for bit when run again at once from the same inputs, the
+  same RNG state and the same buffers (randomness outside torch's generators, state outside the
+  module, data-dependent behaviour that the inputs do not determine);
+- runs more than once per iteration (a shared module): its saved tensors have no one span.
+
+The check runs its forward a second time (without autograd) and excludes that time from the
+step's measured duration. Control flow that depends only on the inputs is safe: a second run
+takes the same branch. What no check can see (a side effect outside Python attributes and
+tensors, such as a write to a file) stays the user's to exclude.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from vtensor.activations.hooks import Removable
+from vtensor.activations.recompute import RecomputeTarget
+from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.outputs import tensors_in
+from vtensor.planner.trace import TraceTensor, TraceUnit
+
+_SIMPLE = (int, float, bool, str, type(None))
+_MAX_GRAPH_NODES = 100_000
+
+
+class UnitTarget(RecomputeTarget, Protocol):
+    """What the recorder reads of the iteration it profiles."""
+
+    step_index: int
+    store: ChunkStore
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the open step's measured duration."""
+        ...
+
+
+@dataclass
+class _Open:
+    first_step: int
+    first_vid: int
+    started: float
+    input_storages: set[int]
+    versions: list[tuple[torch.Tensor, int]]
+    input_nodes: set[int]
+    rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    buffers: list[torch.Tensor]
+    attributes: dict[tuple[int, str], object]
+
+
+@dataclass
+class _Seen:
+    name: str
+    first_step: int
+    last_step: int
+    forward_s: float
+    vids: list[int]
+    input_vids: list[int]
+    why_unsafe: str = ""
+    calls: int = 1
+
+
+@dataclass
+class UnitRecorder:
+    """Forward hooks on the candidate modules of ``model`` for one profiled iteration."""
+
+    model: nn.Module
+    target: UnitTarget
+    records: dict[int, VTensor]
+    seen: dict[str, _Seen] = field(default_factory=dict)
+    _open: dict[int, list[_Open]] = field(default_factory=dict)
+
+    def install(self) -> list[Removable]:
+        """Hook every module with children below the root."""
+        handles: list[Removable] = []
+        for name, module in self.model.named_modules():
+            if not name or not any(True for _ in module.children()):
+                continue
+
+            def pre(m: nn.Module, args: Any, kwargs: Any) -> None:
+                self._pre(m, args, kwargs)
+
+            def post(m: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+                self._post(name, m, args, kwargs, output)
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
+        return handles
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.target.recomputing:
+            return
+        inputs = tensors_in((args, kwargs))
+        self._open.setdefault(id(module), []).append(
+            _Open(
+                first_step=self.target.step_index,
+                first_vid=self.target.store.next_vid,
+                started=time.perf_counter(),
+                input_storages={t.untyped_storage().data_ptr() for t in inputs},
+                versions=[(t, t._version) for t in inputs],
+                input_nodes={id(t.grad_fn) for t in inputs if t.grad_fn is not None},
+                rng=torch.get_rng_state(),
+                cuda_rng=_cuda_rng(),
+                buffers=[b.detach().clone() for b in module.buffers()],
+                attributes=_attributes(module),
+            )
+        )
+
+    def _post(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.target.recomputing:
+            return
+        opened = self._open[id(module)].pop()
+        forward_s = time.perf_counter() - opened.started
+        vids = list(range(opened.first_vid, self.target.store.next_vid))
+        inputs = [
+            v
+            for v in vids
+            if v in self.records
+            and self.records[v].storage is not None
+            and self.records[v].storage.data_ptr() in opened.input_storages  # type: ignore[union-attr]
+        ]
+        if name in self.seen:
+            self.seen[name].calls += 1
+            self.seen[name].why_unsafe = "it runs more than once per iteration"
+            return
+        began = time.perf_counter()
+        why = _why_unsafe(module, opened, args, kwargs, output, self.target)
+        self.target.exclude_time(time.perf_counter() - began)
+        self.seen[name] = _Seen(
+            name, opened.first_step, self.target.step_index, forward_s, vids, inputs, why
+        )
+
+    def units(
+        self, position: dict[int, int], tensors: Sequence[TraceTensor], step_names: Sequence[str]
+    ) -> tuple[TraceUnit, ...]:
+        """The candidates as trace units (``position``: store vid -> trace vid).
+
+        A unit's inner tensors are those saved inside its forward, not its inputs, and used
+        only by backward steps of itself or its submodules; units without any are left out.
+        """
+        units = []
+        for seen in self.seen.values():
+            own = {
+                i
+                for i, step in enumerate(step_names)
+                if step == f"backward:{seen.name}" or step.startswith(f"backward:{seen.name}.")
+            }
+            inputs = {position[v] for v in seen.input_vids if v in position}
+            inner = tuple(
+                position[v]
+                for v in seen.vids
+                if v in position
+                and position[v] not in inputs
+                and tensors[position[v]].use_steps
+                and all(u in own for u in tensors[position[v]].use_steps)
+            )
+            if not inner:
+                continue
+            units.append(
+                TraceUnit(
+                    name=seen.name,
+                    first_step=seen.first_step,
+                    last_step=seen.last_step,
+                    forward_s=seen.forward_s,
+                    inner_vids=inner,
+                    input_vids=tuple(sorted(inputs)),
+                    safe=not seen.why_unsafe,
+                    why_unsafe=seen.why_unsafe,
+                )
+            )
+        return tuple(units)
+
+
+def _cuda_rng() -> torch.Tensor | None:
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return torch.cuda.get_rng_state() if initialized else None
+
+
+def _attributes(module: nn.Module) -> dict[tuple[int, str], object]:
+    """The plain public attributes of ``module`` and its submodules (not tensors or modules)."""
+    found: dict[tuple[int, str], object] = {}
+    for index, m in enumerate(module.modules()):
+        for key, value in vars(m).items():
+            if not key.startswith("_") and isinstance(value, _SIMPLE):
+                found[(index, key)] = value
+    return found
+
+
+def _why_unsafe(
+    module: nn.Module,
+    opened: _Open,
+    args: Any,
+    kwargs: Any,
+    output: Any,
+    target: RecomputeTarget,
+) -> str:
+    """Why recomputing ``module`` might not reproduce its forward; "" if it would."""
+    if any(t._version != version for t, version in opened.versions):
+        return "it modifies an input in place"
+    outputs = tensors_in(output)
+    if _calls_custom_function(outputs, opened.input_nodes):
+        return "it calls a custom autograd Function"
+    if _attributes(module) != opened.attributes:
+        return "it changes a module attribute in its forward"
+    if not _reproduces(module, opened, args, kwargs, outputs, target):
+        return "a second forward from the same inputs gave other outputs"
+    return ""
+
+
+def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> bool:
+    stack: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    visited: set[int] = set()
+    while stack and len(visited) < _MAX_GRAPH_NODES:
+        node = stack.pop()
+        if node is None or id(node) in visited or id(node) in stop:
+            continue
+        visited.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def _reproduces(
+    module: nn.Module,
+    opened: _Open,
+    args: Any,
+    kwargs: Any,
+    outputs: Sequence[torch.Tensor],
+    target: RecomputeTarget,
+) -> bool:
+    """Run the forward again from the state it began with; True if the outputs are the same."""
+    rng_after = torch.get_rng_state()
+    cuda_after = torch.cuda.get_rng_state() if opened.cuda_rng is not None else None
+    buffers = list(module.buffers())
+    buffers_after = [b.detach().clone() for b in buffers]
+    target.recomputing += 1
+    try:
+        with torch.no_grad():
+            torch.set_rng_state(opened.rng)
+            if opened.cuda_rng is not None:
+                torch.cuda.set_rng_state(opened.cuda_rng)
+            for buffer, value in zip(buffers, opened.buffers, strict=True):
+                buffer.copy_(value)
+            again = tensors_in(module.forward(*args, **kwargs))
+    finally:
+        target.recomputing -= 1
+        torch.set_rng_state(rng_after)
+        if cuda_after is not None:
+            torch.cuda.set_rng_state(cuda_after)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, buffers_after, strict=True):
+                buffer.copy_(value)
+    return len(again) == len(outputs) and all(
+        _same_bits(a, b) for a, b in zip(again, outputs, strict=True)
+    )
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        # NaNs equal as bits; compare the bytes.
+        return torch.equal(
+            a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8)
+        )
+    return torch.equal(a, b)
