@@ -10,6 +10,8 @@ fractions of each model's unmanaged tracked peak, with these variants:
   profiled (reactive), planned by the LGM planner, and the plan is replayed afterwards;
 - ``lgm-tensor``: the same planner at ``granularity="tensor"`` (whole tensors, the prior-work
   baseline);
+- ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
+  (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning.
 
 Per variant it measures the median step time over round-robin interleaved rounds after the
@@ -67,10 +69,11 @@ from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 MIB = 1 << 20
 HUGE_BUDGET = 1 << 40
-MANAGED = {  # variant -> (policy, granularity)
-    "lgm-chunk": ("planned", "chunk"),
-    "lgm-tensor": ("planned", "tensor"),
-    "reactive-chunk": ("reactive", "chunk"),
+MANAGED = {  # variant -> (policy, granularity, recompute)
+    "lgm-chunk": ("planned", "chunk", False),
+    "lgm-tensor": ("planned", "tensor", False),
+    "lgm-hybrid": ("planned", "chunk", True),
+    "reactive-chunk": ("reactive", "chunk", False),
 }
 
 
@@ -240,7 +243,7 @@ def _make_variants(
         model.checkpoint_blocks = name == "checkpoint"
         variants.append(Variant(name, None, model, _make_opt(model)))
     for frac in args.budgets:
-        for name, (policy, granularity) in MANAGED.items():
+        for name, (policy, granularity, recompute) in MANAGED.items():
             model = copy.deepcopy(base)
             v = Variant(name, frac, model, _make_opt(model))
             if policy == "planned":
@@ -251,6 +254,7 @@ def _make_variants(
                 storage_dir=storage_dir,
                 granularity=granularity,
                 policy=policy,
+                recompute=recompute,
                 plan_cache_dir=v.cache_dir,
                 measure_peaks=True,  # the RSS column (resets VmHWM: a benchmark may)
             )
@@ -285,9 +289,11 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
         else:
             v.grads_identical.append(_same_grads(v.model, ref))
         v.optimizer.step()
+        profiled = False
         if v.manager is not None:
             v.reports.append(v.manager.report())
-        if r > 0:
+            profiled = v.reports[-1].plan_source == "profiled"  # a hybrid's trial round too
+        if r > 0 and not profiled:
             v.step_s.append(dt)
             v.cpu_s.append(dc)
 
@@ -322,6 +328,7 @@ def _after_rounds(
             v.extra["cache_load_s_median"] = statistics.median(loads)
             if hit:
                 v.extra["cache_entry_bytes"] = cache.path_for(key).stat().st_size
+        v.extra["recomputed_modules"] = len(v.reports[-1].recomputed) if v.reports else 0
         if v.manager.trace is not None:
             v.extra["trace_steps"] = len(v.manager.trace.steps)
             v.extra["trace_tensors"] = len(v.manager.trace.tensors)
@@ -375,7 +382,7 @@ def _row(
     machine: dict[str, Any],
     unmanaged_s: float,
 ) -> dict[str, Any]:
-    timed = v.reports[1:]  # after the profiling round
+    timed = [rep for rep in v.reports[1:] if rep.plan_source != "profiled"]
     row: dict[str, Any] = {
         "model": w.name,
         "model_description": w.describe,
@@ -537,6 +544,17 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
                 chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"],
             )
+        hybrid = by.get(("lgm-hybrid", frac))
+        if hybrid and not hybrid["error"] and hybrid["step_s_median"] is not None:
+            unmanaged = by[("unmanaged", None)]["step_s_median"]
+            c.update(
+                hybrid_vs_unmanaged=hybrid["step_s_median"] / unmanaged,
+                hybrid_recomputed=hybrid["extra"].get("recomputed_modules", 0),
+            )
+            if chunk and not chunk["error"]:
+                c["hybrid_vs_chunk"] = hybrid["step_s_median"] / chunk["step_s_median"]
+            if ckpt and ckpt["tracked_peak_bytes"] <= hybrid["budget_bytes"]:
+                c["hybrid_vs_checkpoint"] = hybrid["step_s_median"] / ckpt["step_s_median"]
         out.append(c)
     return out
 
@@ -558,6 +576,15 @@ def _print_comparisons(comps: list[dict[str, Any]]) -> None:
                 f"; chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
                 f"(checkpoint peak {fits} the budget)"
             )
+        if "hybrid_vs_unmanaged" in c:
+            line += (
+                f"; hybrid ({c['hybrid_recomputed']} modules recomputed) "
+                f"{c['hybrid_vs_unmanaged']:.2f}x unmanaged"
+            )
+            if "hybrid_vs_chunk" in c:
+                line += f", {c['hybrid_vs_chunk']:.2f}x LGM-chunk"
+            if "hybrid_vs_checkpoint" in c:
+                line += f", {c['hybrid_vs_checkpoint']:.2f}x checkpoint"
         print(line)
 
 

@@ -1,0 +1,148 @@
+"""The choice of what to recompute (NOTE [hybrid plan] in vtensor/planner/recompute.py)."""
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
+from vtensor.planner.memory_model import check_plan, simulate
+from vtensor.planner.plan import Plan
+from vtensor.planner.recompute import choose_recompute, inner_bytes, with_recompute
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
+
+KB = 1000
+
+
+def _trace(units: list[tuple[str, float, int, bool]], unmanaged: int = 0) -> Trace:
+    """Forward over units in order, backward in reverse; each unit saves an input and inner.
+
+    ``units``: (name, forward_s, inner bytes, safe). Unit i's input (1 KB) and its inner tensor
+    are saved at forward step i and used at its backward step.
+    """
+    n = len(units)
+    names = [f"forward:{u[0]}" for u in units] + [f"backward:{u[0]}" for u in reversed(units)]
+    steps = tuple(
+        TraceStep(i, name, Phase(name.split(":")[0]), 0.01, 0, 0, unmanaged)
+        for i, name in enumerate(names)
+    )
+    tensors, trace_units = [], []
+    for i, (name, forward_s, nbytes, safe) in enumerate(units):
+        back = 2 * n - 1 - i
+        tensors.append(TraceTensor(2 * i, KB, ("float32",), i, i + 1, (back,)))
+        tensors.append(TraceTensor(2 * i + 1, nbytes, ("float32",), i, i + 1, (back,)))
+        trace_units.append(
+            TraceUnit(name, i, i, forward_s, (2 * i + 1,), (2 * i,), safe, "" if safe else "x")
+        )
+    return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=tuple(trace_units))
+
+
+def _demand(trace: Trace) -> int:
+    return max(simulate(empty_plan(trace, 0, None), trace))
+
+
+def test_nothing_is_recomputed_where_the_budget_does_not_bind() -> None:
+    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 100 * KB, True)])
+    assert choose_recompute(trace, _demand(trace)) == ()
+
+
+def test_the_cheapest_units_per_byte_cover_the_deficit_and_no_more() -> None:
+    trace = _trace(
+        [("a", 0.05, 100 * KB, True), ("b", 0.01, 100 * KB, True), ("c", 0.02, 100 * KB, True)]
+    )
+    assert choose_recompute(trace, _demand(trace) - 50 * KB) == ("b",)
+    assert choose_recompute(trace, _demand(trace) - 150 * KB) == ("b", "c")
+
+
+def test_an_unsafe_unit_is_never_recomputed() -> None:
+    trace = _trace(
+        [("a", 0.01, 100 * KB, False), ("b", 0.02, 100 * KB, True), ("c", 0.09, 100 * KB, True)]
+    )
+    assert choose_recompute(trace, _demand(trace) - 150 * KB) == ("b", "c")
+
+
+def test_nested_units_are_never_both_recomputed() -> None:
+    trace = _trace(
+        [("a", 0.01, 100 * KB, True), ("a.x", 0.001, 100 * KB, True), ("c", 0.05, 100 * KB, True)]
+    )
+    assert choose_recompute(trace, _demand(trace) - 150 * KB) == ("a.x", "c")
+
+
+def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
+    # "big" saves four 100 KB pieces over four forward steps, each evictable from the next
+    # step on: swapping brings them back one by one, recomputation all at once in its backward.
+    names = [f"forward:big.{i}" for i in range(4)] + ["forward:small"]
+    names += ["backward:small"] + [f"backward:big.{i}" for i in reversed(range(4))]
+    steps = tuple(
+        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
+    )
+    tensors = [TraceTensor(i, 100 * KB, ("float32",), i, i + 1, (9 - i,)) for i in range(4)]
+    tensors += [TraceTensor(4, 50 * KB, ("float32",), 4, 5, (5,))]
+    units = (
+        TraceUnit("big", 0, 3, 0.001, (0, 1, 2, 3), (), True),
+        TraceUnit("small", 4, 4, 0.01, (4,), (), True),
+    )
+    trace = Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+    budget = 250 * KB
+    assert min_budget(build_lgm(trace, None))[0] <= budget  # swapping alone fits
+    assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
+    assert choose_recompute(trace, budget) == ("small",)
+
+
+def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_set() -> None:
+    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
+    after = with_recompute(trace, ["b"])
+    assert [t.nbytes for t in after.tensors] == [KB, 100 * KB, KB]
+    assert [t.vid for t in after.tensors] == [0, 1, 2]
+    assert after.tensors[2].evictable_step == -1  # b's input: held by the checkpoint
+    held = [s.unmanaged_peak_bytes for s in after.steps]
+    assert held == [0, 0, 200 * KB, 0]  # b's backward step holds its inner bytes
+    assert inner_bytes(trace, trace.units[1]) == 200 * KB
+
+
+def test_trace_units_and_plan_recompute_round_trip_through_json() -> None:
+    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.02, 200 * KB, False)])
+    trace = dataclasses.replace(trace, recomputed=("a",))
+    assert Trace.from_json(trace.to_json()) == trace
+    plan = dataclasses.replace(
+        plan_lgm(trace, _demand(trace) - 50 * KB), recompute=("a",), predicted_step_s=0.5
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+@st.composite
+def _unit_traces(draw: st.DrawFn) -> tuple[Trace, int]:
+    count = draw(st.integers(1, 6))
+    units = []
+    for i in range(count):
+        parent = draw(st.one_of(st.none(), st.integers(0, max(0, i - 1))))
+        name = f"u{i}" if parent is None or parent >= i else f"u{parent}.s{i}"
+        units.append(
+            (
+                name,
+                draw(st.floats(1e-4, 0.1)),
+                draw(st.integers(1, 300)) * KB,
+                draw(st.booleans()),
+            )
+        )
+    trace = _trace(units, draw(st.integers(0, 100)) * KB)
+    demand = _demand(trace)
+    return trace, int(demand * draw(st.floats(0.2, 1.1)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_unit_traces())
+def test_any_choice_is_safe_unnested_deterministic_and_plannable(case: tuple[Trace, int]) -> None:
+    trace, budget = case
+    chosen = choose_recompute(trace, budget)
+    assert chosen == choose_recompute(trace, budget)
+    units = {u.name: u for u in trace.units}
+    assert all(units[n].safe for n in chosen)
+    assert not any(a != b and b.startswith(a + ".") for a in chosen for b in chosen)
+    if chosen:
+        after = with_recompute(trace, chosen)
+        floor = min_budget(build_lgm(after, None))[0]
+        assert floor <= budget
+        plan = plan_lgm(after, budget)  # every needed tensor present when used, budget kept
+        assert check_plan(plan, after, budget) == []
