@@ -24,6 +24,7 @@ from vtensor.activations.report import (
     IterationReport,
     Policy,
 )
+from vtensor.activations.reporting import StoreCounters, iteration_report
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.units import UnitRecorder
 from vtensor.errors import InfeasibleBudgetError, VTensorError
@@ -292,7 +293,7 @@ class MemoryManager:
                 for hook in iteration.units.install():
                     stack.callback(hook.remove)
             started = time.perf_counter()
-            stats_before = _snapshot(store)
+            stats_before = StoreCounters.of(store)
             self._active = True
             stack.callback(self._deactivate)
             with torch.autograd.graph.saved_tensors_hooks(*make_saved_tensor_hooks(iteration)):
@@ -320,13 +321,11 @@ class MemoryManager:
         chosen: IterationPlan,
         device: torch.device,
         started: float,
-        before: tuple[int, int, float, float, int],
+        before: StoreCounters,
         joint: JointStep | None = None,
         pending_state_bytes: int = 0,
     ) -> None:
         assert self._store is not None and self._policy is not None and self._peaks is not None
-        stats = self._store.stats
-        books = iteration.books
         trace = None
         if chosen.record_trace:
             trace = iteration.trace(self.budget_bytes, self.chunk_size)
@@ -334,35 +333,17 @@ class MemoryManager:
                 trace = dataclasses.replace(trace, incomplete=True)
             self._trace = trace
         source = self._plans.after_iteration(chosen, trace, self._policy.reserve_bytes)
-        executor = chosen.executor
-        plan = executor.plan if executor is not None else None
-        report = IterationReport(
-            iteration=len(self._reports),
-            policy=Policy.PLANNED if executor is not None and executor.active else Policy.REACTIVE,
-            granularity=self.granularity,
-            plan_source=source,
-            device=device.type,
-            budget_bytes=self.budget_bytes,
-            chunk_bytes=self.chunk_size,
-            peak_device_bytes=books.peak_bytes,
-            peak_independent_bytes=self._peaks.peak(
-                iteration.baseline_bytes, iteration.rss_peak_bytes
-            ),
-            independent_kind=self._peaks.kind,
-            min_budget_bytes=books.min_budget_bytes + pending_state_bytes,
-            bytes_out=stats.bytes_out - before[0],
-            bytes_in=stats.bytes_in - before[1],
-            transfer_s=stats.transfer_s - before[2],
-            stall_s=stats.stall_s - before[3],
-            copied_bytes=stats.copied_bytes - before[4],
-            wall_s=time.perf_counter() - started,
-            steps=tuple(books.steps),
-            predicted_peak_bytes=plan.predicted_peak_bytes if plan is not None else None,
-            predicted_stall_s=plan.predicted_stall_s if plan is not None else None,
-            planning_s=chosen.planning_s,
-            cache_load_s=chosen.cache_load_s,
-            one_time_bytes=iteration.one_time_bytes,
-            recomputed=iteration.recomputed,
+        report = iteration_report(
+            len(self._reports),
+            iteration,
+            chosen,
+            source,
+            self.granularity,
+            device,
+            self._peaks,
+            before,
+            started,
+            pending_state_bytes,
         )
         self._reports.append(report)
         logger.debug(
@@ -404,8 +385,3 @@ class MemoryManager:
     def trace(self) -> Trace | None:
         """The trace of the last profiled iteration."""
         return self._trace
-
-
-def _snapshot(store: ChunkStore) -> tuple[int, int, float, float, int]:
-    s = store.stats
-    return s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s, s.copied_bytes

@@ -1,0 +1,74 @@
+"""The report of a finished iteration: its books, its plan and the store's counters."""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vtensor.activations.iteration import Iteration
+from vtensor.activations.planning import IterationPlan
+from vtensor.activations.report import Granularity, IterationReport, PlanSource, Policy
+from vtensor.activations.store import ChunkStore
+from vtensor.measure.independent import IndependentPeak
+
+
+@dataclass(frozen=True)
+class StoreCounters:
+    """The store's transfer counters at one moment, to report an iteration's share of them."""
+
+    bytes_out: int
+    bytes_in: int
+    transfer_s: float
+    stall_s: float
+    copied_bytes: int
+
+    @classmethod
+    def of(cls, store: ChunkStore) -> "StoreCounters":
+        """The counters of ``store`` now."""
+        s = store.stats
+        return cls(s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s, s.copied_bytes)
+
+
+def iteration_report(
+    index: int,
+    iteration: Iteration,
+    chosen: IterationPlan,
+    source: PlanSource,
+    granularity: Granularity,
+    device: torch.device,
+    peaks: IndependentPeak,
+    before: StoreCounters,
+    started: float,
+    pending_state_bytes: int,
+) -> IterationReport:
+    """The report of ``iteration``, the ``index``-th of its manager."""
+    now = StoreCounters.of(iteration.store)
+    books = iteration.books
+    executor = chosen.executor
+    plan = executor.plan if executor is not None else None
+    return IterationReport(
+        iteration=index,
+        policy=Policy.PLANNED if executor is not None and executor.active else Policy.REACTIVE,
+        granularity=granularity,
+        plan_source=source,
+        device=device.type,
+        budget_bytes=iteration.policy.budget_bytes,
+        chunk_bytes=iteration.store.chunk_bytes,
+        peak_device_bytes=books.peak_bytes,
+        peak_independent_bytes=peaks.peak(iteration.baseline_bytes, iteration.rss_peak_bytes),
+        independent_kind=peaks.kind,
+        min_budget_bytes=books.min_budget_bytes + pending_state_bytes,
+        bytes_out=now.bytes_out - before.bytes_out,
+        bytes_in=now.bytes_in - before.bytes_in,
+        transfer_s=now.transfer_s - before.transfer_s,
+        stall_s=now.stall_s - before.stall_s,
+        copied_bytes=now.copied_bytes - before.copied_bytes,
+        wall_s=time.perf_counter() - started,
+        steps=tuple(books.steps),
+        predicted_peak_bytes=plan.predicted_peak_bytes if plan is not None else None,
+        predicted_stall_s=plan.predicted_stall_s if plan is not None else None,
+        planning_s=chosen.planning_s,
+        cache_load_s=chosen.cache_load_s,
+        one_time_bytes=iteration.one_time_bytes,
+        recomputed=iteration.recomputed,
+    )
