@@ -6,6 +6,9 @@ fractions of each model's unmanaged tracked peak, with these variants:
 
 - ``unmanaged``: plain PyTorch, the reference;
 - ``checkpoint``: ``torch.utils.checkpoint`` per block (takes no budget: run once, as is);
+- ``selective``: selective activation checkpointing per block (torch's
+  ``create_selective_checkpoint_contexts``): convolution and matrix-product outputs are saved,
+  the rest recomputed;
 - ``lgm-chunk``: ``MemoryManager(policy="planned", granularity="chunk")``: the first iteration is
   profiled (reactive), planned by the LGM planner, and the plan is replayed afterwards;
 - ``lgm-tensor``: the same planner at ``granularity="tensor"`` (whole tensors, the prior-work
@@ -69,6 +72,11 @@ from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 MIB = 1 << 20
 HUGE_BUDGET = 1 << 40
+BASELINES: dict[str, bool | str] = {  # variant -> the models' checkpoint_blocks
+    "unmanaged": False,
+    "checkpoint": True,
+    "selective": "selective",
+}
 MANAGED = {  # variant -> (policy, granularity, recompute)
     "lgm-chunk": ("planned", "chunk", False),
     "lgm-tensor": ("planned", "tensor", False),
@@ -206,7 +214,7 @@ def planner_benchmark(repeats: int) -> list[dict[str, Any]]:
 
 
 # -- one model ------------------------------------------------------------------------------------
-def _reference(w: Workload, base: nn.Module, ckpt: bool, storage_dir: str) -> dict[str, Any]:
+def _reference(w: Workload, base: nn.Module, ckpt: bool | str, storage_dir: str) -> dict[str, Any]:
     """Tracked, RSS and dispatch-mode peaks of one unmanaged (or checkpointed) step."""
     model = copy.deepcopy(base)
     model.checkpoint_blocks = ckpt
@@ -238,9 +246,9 @@ def _make_variants(
     cache_root: str,
 ) -> list[Variant]:
     variants = []
-    for name in ("unmanaged", "checkpoint"):
+    for name, mode in BASELINES.items():
         model = copy.deepcopy(base)
-        model.checkpoint_blocks = name == "checkpoint"
+        model.checkpoint_blocks = mode
         variants.append(Variant(name, None, model, _make_opt(model)))
     for frac in args.budgets:
         for name, (policy, granularity, recompute) in MANAGED.items():
@@ -299,7 +307,7 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
 
 
 def _after_rounds(
-    variants: list[Variant], w: Workload, ref: dict[str, Any], ref_ckpt: dict[str, Any], r: int
+    variants: list[Variant], w: Workload, refs: dict[str, dict[str, Any]], r: int
 ) -> None:
     """Dispatch-mode peaks on one extra step; plan-cache load time of the LGM variants."""
     x, y = w.batch(r)
@@ -307,7 +315,7 @@ def _after_rounds(
         if v.error is not None:
             continue
         if v.manager is None:
-            v.dispatch_peak = (ref_ckpt if v.name == "checkpoint" else ref)["dispatch"]
+            v.dispatch_peak = refs[v.name]["dispatch"]
             continue
         # The tracker reads the page tables, so it sees pages released in place too.
         v.dispatch_peak = _dispatch_peak(v, w, x, y)
@@ -342,8 +350,8 @@ def run_model(
     load_before, ticks_before, started = os.getloadavg(), _cpu_ticks(), time.perf_counter()
     print(f"# {w.name}: {w.describe}", flush=True)
     base = w.build()
-    ref = _reference(w, base, False, storage_dir)
-    ref_ckpt = _reference(w, base, True, storage_dir)
+    refs = {name: _reference(w, base, mode, storage_dir) for name, mode in BASELINES.items()}
+    ref = refs["unmanaged"]
     p0 = ref["tracked"]
     print(
         f"#   unmanaged peak: tracked {p0 / MIB:.1f} MiB, dispatch {ref['dispatch'] / MIB:.1f} "
@@ -354,7 +362,7 @@ def run_model(
     for r in range(args.steps + 1):
         _timed_round(variants, w, r)
         print(f"#   round {r} done at {time.perf_counter() - started:.0f} s", flush=True)
-    _after_rounds(variants, w, ref, ref_ckpt, args.steps + 1)
+    _after_rounds(variants, w, refs, args.steps + 1)
     for v in variants:
         if v.manager is not None:
             v.manager.close()
@@ -365,7 +373,7 @@ def run_model(
         **_tick_fracs(ticks_before, _cpu_ticks()),
     }
     unmanaged_s = statistics.median(variants[0].step_s)
-    return [_row(v, w, p0, ref, ref_ckpt, args, machine, unmanaged_s) for v in variants]
+    return [_row(v, w, p0, refs, args, machine, unmanaged_s) for v in variants]
 
 
 def _median(values: list[float]) -> float | None:
@@ -376,8 +384,7 @@ def _row(
     v: Variant,
     w: Workload,
     p0: int,
-    ref: dict[str, Any],
-    ref_ckpt: dict[str, Any],
+    refs: dict[str, dict[str, Any]],
     args: argparse.Namespace,
     machine: dict[str, Any],
     unmanaged_s: float,
@@ -407,7 +414,7 @@ def _row(
         "machine": machine,
     }
     if v.manager is None:
-        r = ref_ckpt if v.name == "checkpoint" else ref
+        r = refs[v.name]
         row.update(
             tracked_peak_bytes=r["tracked"],
             rss_peak_bytes=r["rss"],
@@ -555,6 +562,20 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 c["hybrid_vs_chunk"] = hybrid["step_s_median"] / chunk["step_s_median"]
             if ckpt and ckpt["tracked_peak_bytes"] <= hybrid["budget_bytes"]:
                 c["hybrid_vs_checkpoint"] = hybrid["step_s_median"] / ckpt["step_s_median"]
+            # The fastest alternative whose peak fits the same budget.
+            fitting = [
+                r
+                for r in rows
+                if r["variant"] in ("checkpoint", "selective")
+                and r["tracked_peak_bytes"] <= hybrid["budget_bytes"]
+            ]
+            tensor = by.get(("lgm-tensor", frac))
+            if tensor and not tensor["error"] and tensor["step_s_median"] is not None:
+                fitting.append(tensor)
+            if fitting:
+                best = min(fitting, key=lambda r: r["step_s_median"])
+                c["best_baseline"] = best["variant"]
+                c["hybrid_vs_best_baseline"] = hybrid["step_s_median"] / best["step_s_median"]
         out.append(c)
     return out
 
@@ -585,6 +606,11 @@ def _print_comparisons(comps: list[dict[str, Any]]) -> None:
                 line += f", {c['hybrid_vs_chunk']:.2f}x LGM-chunk"
             if "hybrid_vs_checkpoint" in c:
                 line += f", {c['hybrid_vs_checkpoint']:.2f}x checkpoint"
+            if "best_baseline" in c:
+                line += (
+                    f", {c['hybrid_vs_best_baseline']:.2f}x the fastest alternative that fits "
+                    f"({c['best_baseline']})"
+                )
         print(line)
 
 
