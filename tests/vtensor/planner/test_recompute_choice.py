@@ -2,11 +2,19 @@
 
 import dataclasses
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.vtensor.planner.exact import exact_hybrid_cost
 from vtensor.planner.belady import plan_lgm
-from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
+from vtensor.planner.lgm import (
+    DEFAULT_READ_BYTES_PER_S,
+    DEFAULT_WRITE_BYTES_PER_S,
+    build_lgm,
+    empty_plan,
+    min_budget,
+)
 from vtensor.planner.memory_model import check_plan, simulate
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import choose_recompute, inner_bytes, with_recompute
@@ -146,3 +154,59 @@ def test_any_choice_is_safe_unnested_deterministic_and_plannable(case: tuple[Tra
         assert floor <= budget
         plan = plan_lgm(after, budget)  # every needed tensor present when used, budget kept
         assert check_plan(plan, after, budget) == []
+
+
+# -- against an exact solver -------------------------------------------------------------------
+
+# A byte moved (out or in) costs half a write and half a read at the planner's default
+# bandwidths: the modelled price of swapping that the exact solver weighs against recomputing.
+SWAP_S_PER_BYTE = (1 / DEFAULT_WRITE_BYTES_PER_S + 1 / DEFAULT_READ_BYTES_PER_S) / 2
+HYBRID_GAP_FACTOR = 2.5  # per case, greedy cost <= exact x this (figures in docs/lgm.md)
+HYBRID_MEAN_GAP_FACTOR = 1.15
+
+
+def _hybrid_cost(trace: Trace, budget: int) -> float:
+    """The modelled cost of what the manager keeps: the cheaper of swap-only and the choice."""
+    costs = []
+    for chosen in {(), choose_recompute(trace, budget)}:
+        after = with_recompute(trace, chosen)
+        forward = sum(u.forward_s for u in trace.units if u.name in chosen)
+        costs.append(forward + SWAP_S_PER_BYTE * plan_lgm(after, budget).bytes_moved)
+    return min(costs)
+
+
+def _gap_cases(count: int, seed: int) -> list[tuple[Trace, int]]:
+    rng = np.random.default_rng(seed)
+    cases = []
+    while len(cases) < count:
+        units = [
+            (
+                f"u{i}",
+                float(rng.uniform(1e-5, 2e-3)),
+                int(rng.integers(1, 300)) * KB,
+                bool(rng.random() < 0.8),
+            )
+            for i in range(int(rng.integers(1, 5)))
+        ]
+        trace = _trace(units, int(rng.integers(0, 100)) * KB)
+        floor = min_budget(build_lgm(trace, None))[0]
+        demand = _demand(trace)
+        if demand <= floor:
+            continue
+        cases.append((trace, int(floor + rng.uniform(0.0, 0.9) * (demand - floor))))
+    return cases
+
+
+def test_the_hybrid_choice_is_near_the_exact_optimum() -> None:
+    ratios = []
+    for trace, budget in _gap_cases(40, seed=3):
+        exact, _ = exact_hybrid_cost(trace, budget, SWAP_S_PER_BYTE)
+        greedy = _hybrid_cost(trace, budget)
+        assert exact <= greedy * (1 + 1e-9), (trace, budget)
+        assert greedy <= HYBRID_GAP_FACTOR * exact, (trace, budget, greedy, exact)
+        ratios.append(greedy / exact if exact else 1.0)
+    assert np.mean(ratios) <= HYBRID_MEAN_GAP_FACTOR
+    print(
+        f"hybrid greedy / exact modelled cost: mean {np.mean(ratios):.4f}, "
+        f"max {max(ratios):.4f}, optimal in {sum(r <= 1 + 1e-9 for r in ratios)}/{len(ratios)}"
+    )
