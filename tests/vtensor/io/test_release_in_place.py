@@ -1,5 +1,7 @@
 """Chunks leave memory in place (NOTE [release in place] in vtensor/io/pages.py): no copies."""
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,16 @@ def _store(tmp_path: Path) -> ChunkStore:
     return ChunkStore(FileTransferEngine(StorageTier(tmp_path)), 1 * MIB)
 
 
+@contextlib.contextmanager
+def _opened(store: ChunkStore) -> Iterator[ChunkStore]:
+    """``store``, closed with its engine afterwards."""
+    try:
+        yield store
+    finally:
+        store.close()
+        store.engine.close()
+
+
 def _adopted(store: ChunkStore, data: torch.Tensor) -> tuple[VTensor, SavedHandle]:
     """``data``'s storage in ``store``, referenced only as autograd would (one handle)."""
     record = store.adopt(data.untyped_storage(), step=0)
@@ -62,8 +74,7 @@ def test_chunks_are_the_whole_pages_inside_the_storage() -> None:
 
 
 def test_any_chunk_leaves_in_place_and_restore_reads_it_back(tmp_path: Path) -> None:
-    store = _store(tmp_path)
-    try:
+    with _opened(ChunkStore(FileTransferEngine(StorageTier(tmp_path)), MIB)) as store:
         data = torch.randint(0, 256, (8 * MIB + 100,), dtype=torch.uint8)
         expected, address = data.clone(), data.data_ptr()
         record, handle = _adopted(store, data)
@@ -92,14 +103,10 @@ def test_any_chunk_leaves_in_place_and_restore_reads_it_back(tmp_path: Path) -> 
         assert torch.equal(restored, expected)
         assert store.released_bytes == 0 and store.stats.copied_bytes == 0
         del restored, handle
-    finally:
-        store.close()
-        store.engine.close()
 
 
 def test_a_chunk_in_flight_or_away_cannot_be_evicted_again(tmp_path: Path) -> None:
-    store = _store(tmp_path)
-    try:
+    with _opened(ChunkStore(FileTransferEngine(StorageTier(tmp_path)), MIB)) as store:
         record, handle = _adopted(store, torch.ones(4 * MIB, dtype=torch.uint8))
         store.evict_chunks(record, record.chunks[:1])
         store.reap(block=True)
@@ -109,14 +116,10 @@ def test_a_chunk_in_flight_or_away_cannot_be_evicted_again(tmp_path: Path) -> No
         store.ensure_resident(record)
         assert torch.all(_bytes_of(record) == 1)
         del handle
-    finally:
-        store.close()
-        store.engine.close()
 
 
 def test_the_copy_path_cuts_only_tails(tmp_path: Path) -> None:
-    store = ChunkStore(FileTransferEngine(StorageTier(tmp_path)), PAGE_BYTES // 2)
-    try:
+    with _opened(ChunkStore(FileTransferEngine(StorageTier(tmp_path)), PAGE_BYTES // 2)) as store:
         record, handle = _adopted(store, torch.ones(4 * PAGE_BYTES, dtype=torch.uint8))
         assert not record.in_place
         with pytest.raises(VTensorError, match="only a tail"):
@@ -127,9 +130,6 @@ def test_the_copy_path_cuts_only_tails(tmp_path: Path) -> None:
         store.ensure_resident(record)
         assert torch.all(_bytes_of(record) == 1)
         del handle
-    finally:
-        store.close()
-        store.engine.close()
 
 
 def test_rss_drops_by_the_released_pages(tmp_path: Path) -> None:
