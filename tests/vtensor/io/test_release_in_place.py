@@ -74,7 +74,7 @@ def test_chunks_are_the_whole_pages_inside_the_storage() -> None:
 
 
 def test_any_chunk_leaves_in_place_and_restore_reads_it_back(tmp_path: Path) -> None:
-    with _opened(ChunkStore(FileTransferEngine(StorageTier(tmp_path)), MIB)) as store:
+    with _opened(_store(tmp_path)) as store:
         data = torch.randint(0, 256, (8 * MIB + 100,), dtype=torch.uint8)
         expected, address = data.clone(), data.data_ptr()
         record, handle = _adopted(store, data)
@@ -106,7 +106,7 @@ def test_any_chunk_leaves_in_place_and_restore_reads_it_back(tmp_path: Path) -> 
 
 
 def test_a_chunk_in_flight_or_away_cannot_be_evicted_again(tmp_path: Path) -> None:
-    with _opened(ChunkStore(FileTransferEngine(StorageTier(tmp_path)), MIB)) as store:
+    with _opened(_store(tmp_path)) as store:
         record, handle = _adopted(store, torch.ones(4 * MIB, dtype=torch.uint8))
         store.evict_chunks(record, record.chunks[:1])
         store.reap(block=True)
