@@ -18,6 +18,7 @@ class HookTarget(Protocol):
     store: ChunkStore
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
+    light: bool  # a light replay: no adoption, no node samples (NOTE [light replay])
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` may be virtualized."""
@@ -189,7 +190,8 @@ def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable
             if target.recomputing:
                 return
             tensors = tensors_in(output)
-            sampler.add_graph_of(tensors)
+            if not target.light:
+                sampler.add_graph_of(tensors)
             for tensor in tensors:
                 node = tensor.grad_fn
                 if node is None or id(node) in seen_nodes:
