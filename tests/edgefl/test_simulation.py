@@ -90,6 +90,9 @@ def test_simulation_runs_rounds_and_writes_results(
         "client_memory.png",
         "settings.json",
     } <= names
+    summary = (outcome["output_dir"] / "summary.txt").read_text()
+    assert "tight" in summary and "could not train (budget < unmanaged peak)" in summary
+    assert "x unmanaged" in summary and "reference" in summary
     with (outcome["output_dir"] / "clients.csv").open() as f:
         sources = {row["plan-source"] for row in csv.DictReader(f) if row["phase"] == "train"}
     assert sources and sources <= {s.value for s in vtensor.PlanSource}  # names, not codes
