@@ -1,5 +1,6 @@
 """The one bridge to Hydra/OmegaConf: compose conf/, turn it into RunSettings, build strategies."""
 
+import dataclasses
 import functools
 import os
 import shlex
@@ -105,7 +106,48 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         raise ConfigError(f"bad configuration value: {exc!r}") from exc
 
 
+# The keys each fixed-schema section accepts; groups whose options differ in their keys
+# (strategy, pacing, secagg, privacy) are checked where they are built.
+_KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset({"seed", "num_rounds", "num_supernodes", "output_dir", *GROUPS[:-2]})
+    | {"train", "server", "simulation"},
+    "train": frozenset(f.name for f in dataclasses.fields(TrainSettings)),
+    "simulation": frozenset(f.name for f in dataclasses.fields(SimulationSettings)),
+    "vtensor": frozenset(f.name for f in dataclasses.fields(VTensorSettings)),
+    "server": frozenset(
+        {"central_eval", "save_plots", "round_timeout_s", "checkpoint", "resume_from"}
+    ),
+    "dataset": frozenset(
+        {f.name for f in dataclasses.fields(DataSettings)}
+        - {"partitioner", "alpha", "min_partition_size"}
+    ),
+    "partitioner": frozenset({"name", "alpha", "min_partition_size"}),
+    "model": frozenset({"name", "options"}),
+    "fleet": frozenset({"plan_cache_root", "classes"}),
+}
+
+
+def check_known_keys(raw: Mapping[str, Any]) -> None:
+    """Refuse a key that no setting reads (a typo or ``+key=...`` would else be ignored).
+
+    Raises:
+        ConfigError: naming the unknown key and the known keys of its section.
+    """
+    for section, known in _KNOWN_KEYS.items():
+        values = raw if not section else raw.get(section)
+        if not isinstance(values, Mapping):
+            continue
+        unknown = sorted(set(values) - known)
+        if unknown:
+            where = f"{section}." if section else ""
+            raise ConfigError(
+                f"unknown config key {where}{unknown[0]}; the known keys of "
+                f"{section or 'the top level'} are {', '.join(sorted(known))}"
+            )
+
+
 def _settings(raw: dict[str, Any]) -> RunSettings:
+    check_known_keys(raw)
     privacy = privacy_settings(raw["privacy"])
     resume_from = raw["server"].get("resume_from")
     output_dir = raw["output_dir"] or resume_from or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -216,9 +258,13 @@ def _choice(value: Any, choices: type[_Choice], what: str) -> _Choice:
 
 
 def _positive(value: Any, what: str) -> int:
-    if int(value) < 1:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}={value!r} is not a whole number; set e.g. {what}=5") from None
+    if number < 1:
         raise ConfigError(f"{what}={value} must be at least 1")
-    return int(value)
+    return number
 
 
 # -- flwr run: [tool.flwr.app.config] keys -> Hydra overrides --------------------------------
