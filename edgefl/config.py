@@ -76,18 +76,56 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose conf/config.yaml with Hydra command-line style ``overrides``."""
+def compose_config(overrides: Sequence[str] = (), *, with_hydra: bool = False) -> DictConfig:
+    """Compose conf/config.yaml with Hydra command-line style ``overrides``.
+
+    ``with_hydra`` keeps Hydra's own ``hydra`` node (for ``--cfg hydra`` and ``--info``).
+    """
     with _LOCK:
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-                cfg = compose(config_name="config", overrides=list(overrides))
+                cfg = compose(
+                    config_name="config",
+                    overrides=list(overrides),
+                    return_hydra_config=with_hydra,
+                )
         except (HydraException, OmegaConfBaseException) as exc:
             raise ConfigError(f"config overrides {list(overrides)} do not compose: {exc}") from exc
         finally:
             GlobalHydra.instance().clear()
     return cfg
+
+
+CFG_PARTS = ("job", "hydra", "all")
+
+
+def config_text(overrides: Sequence[str] = (), part: str = "job") -> str:
+    """The composed config as YAML, like Hydra's ``--cfg job|hydra|all``.
+
+    Raises:
+        ConfigError: ``part`` is none of ``CFG_PARTS``, or the overrides do not compose.
+    """
+    if part not in CFG_PARTS:
+        raise ConfigError(f"--cfg {part!r} is not one of {', '.join(CFG_PARTS)}")
+    cfg = compose_config(overrides, with_hydra=part != "job")
+    if part == "hydra":
+        return OmegaConf.to_yaml(cfg.hydra)
+    return OmegaConf.to_yaml(cfg)
+
+
+def config_info(overrides: Sequence[str] = ()) -> str:
+    """Where the config comes from and what it is made of, like Hydra's ``--info``."""
+    cfg = compose_config(overrides, with_hydra=True)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    assert isinstance(choices, dict)
+    lines = [f"config folder: {conf_dir()}", "config groups (chosen option; all options):"]
+    lines += [
+        f"  {group}: {choices.get(group, '-')}; {', '.join(group_options(group))}"
+        for group in GROUPS
+    ]
+    lines.append(f"overrides: {' '.join(overrides) or '(none)'}")
+    return "\n".join(lines)
 
 
 def load_run_settings(overrides: Sequence[str] = ()) -> RunSettings:

@@ -21,7 +21,7 @@ import torch
 
 from edgefl.client_app import build_client_app
 from edgefl.client_data import client_split
-from edgefl.config import GROUPS, group_options, load_run_settings
+from edgefl.config import GROUPS, config_info, config_text, group_options, load_run_settings
 from edgefl.errors import EdgeFLError
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     configure_logging()
+    if "--info" in args or any(a in ("-c", "--cfg") or a.startswith("--cfg=") for a in args):
+        return _show_config(args)
     if is_multirun(args):
         return _multirun(args)
     try:
@@ -201,6 +203,28 @@ def _simulate_job(settings: RunSettings) -> None:
     simulate(settings, peak=measure_peak(settings), reference=time_reference(settings))
 
 
+def _show_config(args: list[str]) -> int:
+    """Hydra's ``--cfg job|hydra|all`` and ``--info``: print the config, run nothing."""
+    overrides, part, info = [], None, False
+    words = iter(args)
+    for word in words:
+        if word == "--info":
+            info = True
+        elif word in ("-c", "--cfg"):
+            part = next(words, "")
+        elif word.startswith("--cfg="):
+            part = word.split("=", 1)[1]
+        else:
+            overrides.append(word)
+    try:
+        text = config_info(overrides) + "\n" if info else config_text(overrides, part or "job")
+        print(text, end="")
+    except EdgeFLError as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
+
+
 def _usage() -> str:
     lines = [
         "usage: edgefl-sim [key=value ...]   (Hydra overrides of conf/config.yaml)",
@@ -209,6 +233,7 @@ def _usage() -> str:
     lines += [f"  {g}: {', '.join(group_options(g))}" for g in GROUPS]
     lines.append("examples: edgefl-sim experiment=hapt   edgefl-sim num_rounds=10 vtensor=disabled")
     lines.append("sweeps (Hydra multirun): edgefl-sim -m strategy=fedavg,fedprox (docs/sweeps.md)")
+    lines.append("show the config, run nothing: --cfg job|hydra|all, --info (as Hydra's)")
     return "\n".join(lines)
 
 
