@@ -37,6 +37,7 @@ from edgefl.privacy import (
     num_sampled_clients,
     wrap_strategy,
 )
+from edgefl.progress import TrainProgress
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
 from edgefl.records import BATCH_SIZE, CENTRAL_ACC, CENTRAL_LOSS, LOCAL_EPOCHS, LR, SEED
 from edgefl.reference import ReferenceRound, time_unmanaged_round
@@ -100,7 +101,9 @@ def run_federation(
     started = time.perf_counter()
     result = run_rounds(
         start.strategy,
-        RecordingGrid(grid, [start.history.on_exchange, _log_errors, *observers]),
+        RecordingGrid(
+            grid, [start.history.on_exchange, _log_errors, *observers], TrainProgress().update
+        ),
         ArrayRecord(model.state_dict()),
         _round_plan(s, start.first_round),
         evaluate_fn=hooks.central_eval,
