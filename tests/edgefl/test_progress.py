@@ -1,4 +1,4 @@
-"""Train-phase progress: a bar in a terminal, a line per client otherwise, counted as replies come."""
+"""Train-phase progress: a bar in a terminal, a line per client otherwise, as replies come."""
 
 import io
 import logging
