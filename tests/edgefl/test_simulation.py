@@ -79,6 +79,9 @@ def test_simulation_runs_rounds_and_writes_results(
         if c.phase == "train":
             assert c.metrics["bytes-swapped-out"] > 0  # the budget forced swapping
             assert c.metrics["peak-device-bytes"] <= c.metrics["budget-bytes"]
+            # the clients' own peak (their 75 % budget) agrees with the run's stated peak
+            stated = 0.75 * outcome["unmanaged_peak_bytes"]
+            assert abs(c.metrics["budget-bytes"] - stated) <= 0.02 * stated
     names = {p.name for p in outcome["output_dir"].iterdir()}
     assert {
         "rounds.json",
