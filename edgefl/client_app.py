@@ -8,10 +8,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp import ClientApp
 from torch import nn
 
+import vtensor
 from edgefl.client_data import client_split
 from edgefl.config import settings_from_run_config
 from edgefl.data import DatasetInfo
 from edgefl.errors import ClientBudgetError
+from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
 from edgefl.node import NodeProfile, resolve_node
 from edgefl.peak import resolve_budget
@@ -34,6 +36,7 @@ from edgefl.secagg import SECAGG_ACTION, secagg_mod, secagg_query
 from edgefl.settings import ClientSettings
 from edgefl.train import (
     LocalRound,
+    TrainOutcome,
     evaluate_within_budget,
     seed_everything,
     train_within_budget,
@@ -56,6 +59,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
     # messages through); the privacy mods follow the run's settings (docs/privacy.md).
     @app.train(mods=[secagg_mod, train_privacy_mod(lambda context: resolve(context).privacy)])
     def train(msg: Message, context: Context) -> Message:
+        configure_logging()  # this process's: a Ray actor or a deployed node's ClientApp
         s = resolve(context)
         node = resolve_node(context.node_config, s)
         config = _config(msg)
@@ -80,13 +84,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
             )
         except ClientBudgetError as exc:
             return _budget_error(msg, node, exc)
-        logger.debug(
-            "client %d (%s) round %d: loss %.4f",
-            node.partition_id,
-            node.device_class,
-            server_round,
-            outcome.loss,
-        )
+        _log_round(node, server_round, budget_bytes, outcome)
         content = RecordDict(
             {
                 ARRAYS: ArrayRecord(model.state_dict()),
@@ -97,6 +95,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
 
     @app.evaluate(mods=[evaluate_privacy_mod(lambda context: resolve(context).privacy)])
     def evaluate_local(msg: Message, context: Context) -> Message:
+        configure_logging()
         s = resolve(context)
         node = resolve_node(context.node_config, s)
         info, _, test_set = client_split(
@@ -170,12 +169,41 @@ def _round_seed(seed: int, server_round: int, partition_id: int) -> int:
     return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
 
 
+def _deployed(node: NodeProfile) -> bool:
+    """A real node (its budget from its node config), not a simulated client of a fleet."""
+    return node.class_index < 0
+
+
+def _log_round(
+    node: NodeProfile, server_round: int, budget_bytes: int, outcome: TrainOutcome
+) -> None:
+    """The node's own line per round; simulated clients keep it at DEBUG (the server reports)."""
+    logger.log(
+        logging.INFO if _deployed(node) else logging.DEBUG,
+        "client %d (%s) round %d: budget %s, peak %s, swapped %s out + %s in, stall %.1f s, "
+        "plan %s, %d examples in %.1f s, loss %.4f",
+        node.partition_id,
+        node.device_class,
+        server_round,
+        vtensor.format_bytes(budget_bytes),
+        vtensor.format_bytes(outcome.peak_device_bytes),
+        vtensor.format_bytes(outcome.bytes_out),
+        vtensor.format_bytes(outcome.bytes_in),
+        outcome.stall_s,
+        outcome.plan_source or "unmanaged (vtensor off)",
+        outcome.examples_processed,
+        outcome.train_s,
+        outcome.loss,
+    )
+
+
 def _budget_error(msg: Message, node: NodeProfile, exc: ClientBudgetError) -> Message:
     reason = (
         f"client {node.partition_id} (device class {node.device_class!r}) cannot train "
         f"within its budget: {exc}"
     )
-    logger.warning("%s", reason)
+    # The server logs every error reply once; a deployed node also says it in its own log.
+    logger.log(logging.WARNING if _deployed(node) else logging.DEBUG, "%s", reason)
     return Message(Error(code=ERROR_CODE_BUDGET, reason=reason), reply_to=msg)
 
 

@@ -1,5 +1,6 @@
 """The one bridge to Hydra/OmegaConf: compose conf/, turn it into RunSettings, build strategies."""
 
+import dataclasses
 import functools
 import os
 import shlex
@@ -75,18 +76,56 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose conf/config.yaml with Hydra command-line style ``overrides``."""
+def compose_config(overrides: Sequence[str] = (), *, with_hydra: bool = False) -> DictConfig:
+    """Compose conf/config.yaml with Hydra command-line style ``overrides``.
+
+    ``with_hydra`` keeps Hydra's own ``hydra`` node (for ``--cfg hydra`` and ``--info``).
+    """
     with _LOCK:
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-                cfg = compose(config_name="config", overrides=list(overrides))
+                cfg = compose(
+                    config_name="config",
+                    overrides=list(overrides),
+                    return_hydra_config=with_hydra,
+                )
         except (HydraException, OmegaConfBaseException) as exc:
             raise ConfigError(f"config overrides {list(overrides)} do not compose: {exc}") from exc
         finally:
             GlobalHydra.instance().clear()
     return cfg
+
+
+CFG_PARTS = ("job", "hydra", "all")
+
+
+def config_text(overrides: Sequence[str] = (), part: str = "job") -> str:
+    """The composed config as YAML, like Hydra's ``--cfg job|hydra|all``.
+
+    Raises:
+        ConfigError: ``part`` is none of ``CFG_PARTS``, or the overrides do not compose.
+    """
+    if part not in CFG_PARTS:
+        raise ConfigError(f"--cfg {part!r} is not one of {', '.join(CFG_PARTS)}")
+    cfg = compose_config(overrides, with_hydra=part != "job")
+    if part == "hydra":
+        return OmegaConf.to_yaml(cfg.hydra)
+    return OmegaConf.to_yaml(cfg)
+
+
+def config_info(overrides: Sequence[str] = ()) -> str:
+    """Where the config comes from and what it is made of, like Hydra's ``--info``."""
+    cfg = compose_config(overrides, with_hydra=True)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    assert isinstance(choices, dict)
+    lines = [f"config folder: {conf_dir()}", "config groups (chosen option; all options):"]
+    lines += [
+        f"  {group}: {choices.get(group, '-')}; {', '.join(group_options(group))}"
+        for group in GROUPS
+    ]
+    lines.append(f"overrides: {' '.join(overrides) or '(none)'}")
+    return "\n".join(lines)
 
 
 def load_run_settings(overrides: Sequence[str] = ()) -> RunSettings:
@@ -105,7 +144,48 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         raise ConfigError(f"bad configuration value: {exc!r}") from exc
 
 
+# The keys each fixed-schema section accepts; groups whose options differ in their keys
+# (strategy, pacing, secagg, privacy) are checked where they are built.
+_KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset({"seed", "num_rounds", "num_supernodes", "output_dir", *GROUPS[:-2]})
+    | {"train", "server", "simulation"},
+    "train": frozenset(f.name for f in dataclasses.fields(TrainSettings)),
+    "simulation": frozenset(f.name for f in dataclasses.fields(SimulationSettings)),
+    "vtensor": frozenset(f.name for f in dataclasses.fields(VTensorSettings)),
+    "server": frozenset(
+        {"central_eval", "save_plots", "round_timeout_s", "checkpoint", "resume_from"}
+    ),
+    "dataset": frozenset(
+        {f.name for f in dataclasses.fields(DataSettings)}
+        - {"partitioner", "alpha", "min_partition_size"}
+    ),
+    "partitioner": frozenset({"name", "alpha", "min_partition_size"}),
+    "model": frozenset({"name", "options"}),
+    "fleet": frozenset({"plan_cache_root", "classes"}),
+}
+
+
+def check_known_keys(raw: Mapping[str, Any]) -> None:
+    """Refuse a key that no setting reads (a typo or ``+key=...`` would else be ignored).
+
+    Raises:
+        ConfigError: naming the unknown key and the known keys of its section.
+    """
+    for section, known in _KNOWN_KEYS.items():
+        values = raw if not section else raw.get(section)
+        if not isinstance(values, Mapping):
+            continue
+        unknown = sorted(set(values) - known)
+        if unknown:
+            where = f"{section}." if section else ""
+            raise ConfigError(
+                f"unknown config key {where}{unknown[0]}; the known keys of "
+                f"{section or 'the top level'} are {', '.join(sorted(known))}"
+            )
+
+
 def _settings(raw: dict[str, Any]) -> RunSettings:
+    check_known_keys(raw)
     privacy = privacy_settings(raw["privacy"])
     resume_from = raw["server"].get("resume_from")
     output_dir = raw["output_dir"] or resume_from or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -216,9 +296,13 @@ def _choice(value: Any, choices: type[_Choice], what: str) -> _Choice:
 
 
 def _positive(value: Any, what: str) -> int:
-    if int(value) < 1:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}={value!r} is not a whole number; set e.g. {what}=5") from None
+    if number < 1:
         raise ConfigError(f"{what}={value} must be at least 1")
-    return int(value)
+    return number
 
 
 # -- flwr run: [tool.flwr.app.config] keys -> Hydra overrides --------------------------------

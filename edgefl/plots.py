@@ -7,6 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -52,21 +53,60 @@ def plot_client_memory(
     unmanaged_peak_bytes: int | None,
     path: Path,
 ) -> Path:
-    """Each client's peak device memory per round, coloured by device class, against budgets."""
+    """Each client's peak device memory per round, by device class, against budgets."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
+    draw_client_memory(ax, history, classes, unmanaged_peak_bytes)
+    return _save(fig, path)
+
+
+_MARKERS = "os^Dv<>PX*"
+_SPREAD = 0.08  # rounds between neighbouring clients of one class, so none hides another
+
+
+def draw_client_memory(
+    ax: Axes,
+    history: RunHistory,
+    classes: Sequence[DeviceClass],
+    unmanaged_peak_bytes: int | None,
+) -> None:
+    """Draw ``plot_client_memory``'s panel on ``ax``.
+
+    Clients of one class often peak at the same bytes: each class has its own marker and a band
+    from its lowest to its highest client per round, and its clients sit side by side around
+    the round's x position.
+    """
     colours = plt.get_cmap("tab10")
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
     partition_of = {c.node_id: c.metrics[PARTITION_ID] for c in rows}
-    for node in sorted(partition_of, key=partition_of.__getitem__):
-        mine = sorted((c for c in rows if c.node_id == node), key=lambda c: c.server_round)
-        index = int(mine[0].metrics.get(DEVICE_CLASS, -1))
-        ax.plot(
-            [c.server_round for c in mine],
-            [c.metrics[PEAK_DEVICE_BYTES] / _MIB for c in mine],
-            "o-",
-            alpha=0.7,
-            color=colours(index % 10),
-            label=f"client {int(mine[0].metrics[PARTITION_ID])}",
+    class_of = {c.node_id: int(c.metrics.get(DEVICE_CLASS, -1)) for c in rows}
+    nodes = sorted(partition_of, key=partition_of.__getitem__)
+    for index in sorted(set(class_of.values())):
+        members = [n for n in nodes if class_of[n] == index]
+        colour, marker = colours(index % 10), _MARKERS[index % len(_MARKERS)]
+        for rank, node in enumerate(members):
+            mine = sorted((c for c in rows if c.node_id == node), key=lambda c: c.server_round)
+            shift = (rank - (len(members) - 1) / 2) * _SPREAD
+            ax.plot(
+                [c.server_round + shift for c in mine],
+                [c.metrics[PEAK_DEVICE_BYTES] / _MIB for c in mine],
+                marker=marker,
+                ls="-",
+                alpha=0.8,
+                color=colour,
+                label=f"client {int(mine[0].metrics[PARTITION_ID])}",
+            )
+        by_round: dict[int, list[float]] = {}
+        for c in rows:
+            if class_of[c.node_id] == index:
+                by_round.setdefault(c.server_round, []).append(c.metrics[PEAK_DEVICE_BYTES] / _MIB)
+        rounds = sorted(by_round)
+        ax.fill_between(
+            rounds,
+            [min(by_round[r]) for r in rounds],
+            [max(by_round[r]) for r in rounds],
+            color=colour,
+            alpha=0.15,
+            lw=0,
         )
     for index, device in enumerate(classes):  # budgets as the clients resolved them
         budgets = [c.metrics[BUDGET_BYTES] for c in rows if c.metrics[DEVICE_CLASS] == index]
@@ -84,7 +124,6 @@ def plot_client_memory(
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
 
 
 def _save(fig: Figure, path: Path) -> Path:

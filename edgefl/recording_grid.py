@@ -1,10 +1,11 @@
 """A Grid that delegates to Flower's and reports every exchange (instructions and replies)."""
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from edgefl.records import PARTITION_ID, SERVER_ROUND
@@ -21,6 +22,8 @@ class Exchange:
 
 
 ExchangeObserver = Callable[[Exchange], None]
+ProgressFn = Callable[[int, int, int], None]  # (server round, replies in, messages sent)
+_PULL_INTERVAL_S = 3.0  # as Flower's HTTP grid; the in-memory grid says its own
 
 
 class RecordingGrid(Grid):
@@ -31,20 +34,47 @@ class RecordingGrid(Grid):
     runs in the last bits. Sorted, a run with fixed seeds is reproducible bit for bit.
     """
 
-    def __init__(self, grid: Grid, observers: Sequence[ExchangeObserver]) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        observers: Sequence[ExchangeObserver],
+        progress: ProgressFn | None = None,
+    ) -> None:
         self._grid = grid
         self._observers = list(observers)
+        self._progress = progress
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Delegate, then report the exchange."""
+        """Push, pull until every reply is in (or ``timeout``), then report the exchange.
+
+        The loop is Flower's ``Grid.send_and_receive``'s, so that each reply of a train phase
+        can be counted as it arrives (``progress(round, done, total)``).
+        """
         sent = list(messages)
-        replies = sorted(self._grid.send_and_receive(sent, timeout=timeout), key=_reply_order)
+        replies = sorted(self._exchange(sent, timeout), key=_reply_order)
         if sent:
             exchange = Exchange(sent[0].metadata.message_type, _round_of(sent[0]), sent, replies)
             for observer in self._observers:
                 observer(exchange)
+        return replies
+
+    def _exchange(self, sent: list[Message], timeout: float | None) -> list[Message]:
+        waiting = set(self._grid.push_messages(sent))
+        total, replies = len(waiting), []
+        counted = bool(sent) and sent[0].metadata.message_type == MessageType.TRAIN
+        server_round = _round_of(sent[0]) if sent else 0
+        interval = float(getattr(self._grid, "pull_interval", _PULL_INTERVAL_S))
+        end = time.monotonic() + (timeout if timeout is not None else 0.0)
+        while waiting and (timeout is None or time.monotonic() < end):
+            arrived = list(self._grid.pull_messages(waiting))
+            replies += arrived
+            waiting -= {m.metadata.reply_to_message_id for m in arrived}
+            if arrived and counted and self._progress is not None:
+                self._progress(server_round, total - len(waiting), total)
+            if waiting:
+                time.sleep(interval)
         return replies
 
     # -- plain delegation ---------------------------------------------------------------------

@@ -37,13 +37,15 @@ from edgefl.privacy import (
     num_sampled_clients,
     wrap_strategy,
 )
+from edgefl.progress import TrainProgress
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
 from edgefl.records import BATCH_SIZE, CENTRAL_ACC, CENTRAL_LOSS, LOCAL_EPOCHS, LR, SEED
+from edgefl.reference import ReferenceRound, time_unmanaged_round
 from edgefl.results import SUMMARY_TXT, write_results
 from edgefl.rounds import RoundPlan, StopRun, run_rounds
 from edgefl.secagg import SecAggPlus
 from edgefl.settings import RunSettings
-from edgefl.summary import round_line, summary_table
+from edgefl.summary import class_table, round_line, summary_table
 from edgefl.train import evaluate
 from strategies.memory_aware import MemoryAware
 
@@ -55,19 +57,21 @@ def build_server_app(
     observers: Sequence[ExchangeObserver] = (),
     outcome: dict[str, Any] | None = None,
     peak: PeakMeasurement | None = None,
+    reference: ReferenceRound | None = None,
 ) -> ServerApp:
     """A ServerApp using ``settings``, or (for ``flwr run``) settings from the run config.
 
     ``observers`` see every exchange; ``outcome`` (if given) receives the run's history, final
     state and output folder; ``peak`` is the model's unmanaged training peak if already
-    measured (else it is measured here).
+    measured (else it is measured here); ``reference`` the unmanaged reference round
+    (NOTE [reference round]; else timed here).
     """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         s = settings if settings is not None else settings_from_run_config(context.run_config)
-        result = run_federation(grid, s, observers, peak)
+        result = run_federation(grid, s, observers, peak, reference)
         if outcome is not None:
             outcome.update(result)
 
@@ -79,6 +83,7 @@ def run_federation(
     s: RunSettings,
     observers: Sequence[ExchangeObserver] = (),
     peak: PeakMeasurement | None = None,
+    reference: ReferenceRound | None = None,
 ) -> dict[str, Any]:
     """Run rounds up to ``num_rounds`` (from a checkpoint if resuming); write results.
 
@@ -90,13 +95,15 @@ def run_federation(
     torch.manual_seed(s.client.seed)
     model = build_model(s.client.model.name, info, s.client.model.options)
     key = run_key(s)
-    start = _starting_state(s, key, model, test_set, peak)
+    start = _starting_state(s, key, model, test_set, peak, reference)
     _log_model(s, model, info.name, start.extra)
     hooks = _RoundHooks(s, model, test_set, start, _privacy_guard(s, start.strategy), key, out_dir)
     started = time.perf_counter()
     result = run_rounds(
         start.strategy,
-        RecordingGrid(grid, [start.history.on_exchange, _log_errors, *observers]),
+        RecordingGrid(
+            grid, [start.history.on_exchange, _log_errors, *observers], TrainProgress().update
+        ),
         ArrayRecord(model.state_dict()),
         _round_plan(s, start.first_round),
         evaluate_fn=hooks.central_eval,
@@ -128,7 +135,7 @@ class _Start:
     strategy: Strategy
     history: RunHistory
     first_round: int
-    extra: dict[str, Any]  # measured once per run: the unmanaged peak and least budget
+    extra: dict[str, Any]  # measured once per run: unmanaged peak, least budget, reference
 
 
 def _starting_state(
@@ -137,6 +144,7 @@ def _starting_state(
     model: nn.Module,
     test_set: ArrayDataset,
     peak: PeakMeasurement | None,
+    reference: ReferenceRound | None,
 ) -> _Start:
     """Resume the checkpoint (loading ``model`` and the RNGs from it), or start a new run."""
     resumed = _resume(s, key)
@@ -149,23 +157,27 @@ def _starting_state(
     if peak is None:  # flwr run: measure here, with the clients' thread count
         torch.set_num_threads(s.client.train.torch_threads)
         peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
+    if reference is None:
+        reference = time_unmanaged_round(s.client, s.server.num_supernodes)
     extra = {
         "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
         "min_budget_bytes": peak.min_budget_bytes,
+        "reference_train_s": reference.train_s,
+        "reference_examples_processed": reference.examples_processed,
     }
     return _Start(strategy, history, 1, extra)
 
 
 def _log_model(s: RunSettings, model: nn.Module, dataset: str, extra: dict[str, Any]) -> None:
     logger.info(
-        "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d; "
-        "simulated fleet budgets %s (a deployed node uses its memory-budget node config)",
+        "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d "
+        "(measured by the server); an unmanaged client trains a round in %.1f s",
         s.client.model.name,
         sum(p.numel() for p in model.parameters()),
         dataset,
         extra["unmanaged_peak_bytes"] / 2**20,
         s.client.train.batch_size,
-        ", ".join(f"{c.name} {c.budget}" for c in s.client.fleet.classes),
+        extra.get("reference_train_s", float("nan")),
     )
 
 
@@ -255,9 +267,20 @@ def _write_outputs(
             )
         )
     table = summary_table(history)
-    (out_dir / SUMMARY_TXT).write_text(table + "\n")
+    classes = class_table(
+        history, s.client.fleet.classes, unmanaged_peak_bytes, _reference(summary)
+    )
+    (out_dir / SUMMARY_TXT).write_text(f"{table}\n\n{classes}\n")
     logger.info("summary of the run:\n%s", table)
+    logger.info("per device class (budget against the unmanaged peak):\n%s", classes)
     logger.info("results in %s: %s", out_dir, ", ".join(p.name for p in paths))
+
+
+def _reference(extra: dict[str, Any]) -> ReferenceRound | None:
+    """The reference round kept in a run's figures (None for a checkpoint of an older run)."""
+    if "reference_train_s" not in extra:
+        return None
+    return ReferenceRound(extra["reference_train_s"], extra["reference_examples_processed"])
 
 
 def build_strategy(s: RunSettings) -> Strategy:

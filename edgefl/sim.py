@@ -21,13 +21,14 @@ import torch
 
 from edgefl.client_app import build_client_app
 from edgefl.client_data import client_split
-from edgefl.config import GROUPS, group_options, load_run_settings
+from edgefl.config import GROUPS, config_info, config_text, group_options, load_run_settings
 from edgefl.errors import EdgeFLError
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
 from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
 from edgefl.ray_cluster import ray_init_args
 from edgefl.recording_grid import ExchangeObserver
+from edgefl.reference import ReferenceRound, time_unmanaged_round
 from edgefl.server_app import build_server_app, resume_point
 from edgefl.settings import RunSettings
 from edgefl.sweep import is_multirun, run_multirun
@@ -105,10 +106,22 @@ def measure_peak(settings: RunSettings) -> PeakMeasurement:
     return peak
 
 
+def time_reference(settings: RunSettings) -> ReferenceRound:
+    """Time client 0's first round unmanaged, before any client starts (NOTE [reference round])."""
+    reference = time_unmanaged_round(settings.client, settings.server.num_supernodes)
+    logger.info(
+        "reference: client 0 trains its round unmanaged in %.1f s (%d examples, vtensor off)",
+        reference.train_s,
+        reference.examples_processed,
+    )
+    return reference
+
+
 def simulate(
     settings: RunSettings,
     observers: Sequence[ExchangeObserver] = (),
     peak: PeakMeasurement | None = None,
+    reference: ReferenceRound | None = None,
 ) -> dict[str, Any]:
     """Run the simulation; return the ServerApp's outcome (history, final_state, output_dir).
 
@@ -124,7 +137,7 @@ def simulate(
     outcome: dict[str, Any] = {}
     sim = settings.simulation
     run_simulation(
-        server_app=build_server_app(settings, observers, outcome, peak),
+        server_app=build_server_app(settings, observers, outcome, peak, reference),
         client_app=build_client_app(settings.client),
         num_supernodes=settings.server.num_supernodes,
         backend_config={
@@ -148,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     configure_logging()
+    if "--info" in args or any(a in ("-c", "--cfg") or a.startswith("--cfg=") for a in args):
+        return _show_config(args)
     if is_multirun(args):
         return _multirun(args)
     try:
@@ -158,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings.server.num_rounds,
             settings.server.output_dir,
         )
-        outcome = simulate(settings, peak=measure_peak(settings))
+        outcome = simulate(
+            settings, peak=measure_peak(settings), reference=time_reference(settings)
+        )
     except EdgeFLError as exc:
         logger.error("%s", exc)
         return 2
@@ -183,7 +200,29 @@ def _simulate_job(settings: RunSettings) -> None:
     """One job of a multirun: the single run's steps on its settings."""
     settings = prepare(settings)
     logger.info("results will go to %s", settings.server.output_dir)
-    simulate(settings, peak=measure_peak(settings))
+    simulate(settings, peak=measure_peak(settings), reference=time_reference(settings))
+
+
+def _show_config(args: list[str]) -> int:
+    """Hydra's ``--cfg job|hydra|all`` and ``--info``: print the config, run nothing."""
+    overrides, part, info = [], None, False
+    words = iter(args)
+    for word in words:
+        if word == "--info":
+            info = True
+        elif word in ("-c", "--cfg"):
+            part = next(words, "")
+        elif word.startswith("--cfg="):
+            part = word.split("=", 1)[1]
+        else:
+            overrides.append(word)
+    try:
+        text = config_info(overrides) + "\n" if info else config_text(overrides, part or "job")
+        print(text, end="")
+    except EdgeFLError as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
 
 
 def _usage() -> str:
@@ -194,6 +233,7 @@ def _usage() -> str:
     lines += [f"  {g}: {', '.join(group_options(g))}" for g in GROUPS]
     lines.append("examples: edgefl-sim experiment=hapt   edgefl-sim num_rounds=10 vtensor=disabled")
     lines.append("sweeps (Hydra multirun): edgefl-sim -m strategy=fedavg,fedprox (docs/sweeps.md)")
+    lines.append("show the config, run nothing: --cfg job|hydra|all, --info (as Hydra's)")
     return "\n".join(lines)
 
 

@@ -1,6 +1,19 @@
-"""Human-readable text of a run: the line logged per round and the table printed at the end."""
+"""Human-readable text of a run: the line logged per round and the tables printed at the end."""
+
+from collections.abc import Sequence
 
 from edgefl.history import RoundRecord, RunHistory
+from edgefl.records import (
+    BUDGET_BYTES,
+    BYTES_SWAPPED_IN,
+    BYTES_SWAPPED_OUT,
+    DEVICE_CLASS,
+    EXAMPLES_PROCESSED,
+    PEAK_DEVICE_BYTES,
+    TRAIN_S,
+)
+from edgefl.reference import ReferenceRound
+from edgefl.settings import DeviceClass
 from vtensor import format_bytes
 
 
@@ -50,3 +63,61 @@ def _num(value: float | None, digits: int) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
+
+
+_WITHOUT = "could not train (budget < unmanaged peak)"
+
+
+def class_table(
+    history: RunHistory,
+    classes: Sequence[DeviceClass],
+    unmanaged_peak_bytes: int,
+    reference: ReferenceRound | None,
+) -> str:
+    """Per device class: budget, peaks, bytes swapped and round time against an unmanaged client.
+
+    Figures are over every successful train reply of the class: the largest peak, the mean bytes
+    swapped (out + in) and the mean round time per client and round; "x unmanaged" is the mean
+    time per example against the reference round's (NOTE [reference round]).
+    """
+    header = (
+        f"{'device class':<14} {'clients':>7} {'budget':>16} {'unmanaged peak':>14} "
+        f"{'measured peak':>13} {'swapped/round':>13} {'round s':>7} {'x unmanaged':>11}  "
+        "without vtensor"
+    )
+    lines = [header, "-" * len(header)]
+    rows = [c for c in history.clients if c.phase == "train" and c.error is None]
+    for index, device in enumerate(classes):
+        mine = [c for c in rows if int(c.metrics.get(DEVICE_CLASS, -1)) == index]
+        if not mine:
+            lines.append(f"{device.name:<14} {0:>7}  (no successful round)")
+            continue
+        budget = int(max(c.metrics[BUDGET_BYTES] for c in mine))
+        share = f"({100 * budget / unmanaged_peak_bytes:.0f}%)" if unmanaged_peak_bytes else ""
+        swapped = _mean([c.metrics[BYTES_SWAPPED_OUT] + c.metrics[BYTES_SWAPPED_IN] for c in mine])
+        ratio = "-"
+        if reference is not None and reference.s_per_example > 0:
+            per_example = [
+                c.metrics[TRAIN_S] / max(1.0, c.metrics[EXAMPLES_PROCESSED]) for c in mine
+            ]
+            ratio = f"{_mean(per_example) / reference.s_per_example:.2f}x"
+        without = _WITHOUT if budget < unmanaged_peak_bytes else "could train unmanaged"
+        lines.append(
+            f"{device.name:<14} {len({c.node_id for c in mine}):>7} "
+            f"{format_bytes(budget) + ' ' + share:>16} {format_bytes(unmanaged_peak_bytes):>14} "
+            f"{format_bytes(int(max(c.metrics[PEAK_DEVICE_BYTES] for c in mine))):>13} "
+            f"{format_bytes(int(swapped)):>13} {_mean([c.metrics[TRAIN_S] for c in mine]):>7.1f} "
+            f"{ratio:>11}  {without}"
+        )
+    if reference is not None:
+        lines.append(
+            f"{'unmanaged':<14} {1:>7} {'-':>16} {format_bytes(unmanaged_peak_bytes):>14} "
+            f"{format_bytes(unmanaged_peak_bytes):>13} {format_bytes(0):>13} "
+            f"{reference.train_s:>7.1f} {'1.00x':>11}  (reference: client 0's round 1 with "
+            "vtensor off, timed alone in this run)"
+        )
+    return "\n".join(lines)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

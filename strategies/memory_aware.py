@@ -99,16 +99,19 @@ class MemoryAware(Strategy):
         )
         self.caps = {}
         paced = [self._paced(m, deadline) for m in messages]
-        capped = {node: cap for node, cap in self.caps.items() if cap}
-        if capped:
-            logger.info(
-                "round %d: deadline %.2f s; capped %d of %d clients: %s",
-                server_round,
-                deadline,
-                len(capped),
-                len(messages),
-                capped,
-            )
+        for node, cap in self.caps.items():
+            if cap:  # one line per capped client: the cap is otherwise seen in clients.csv only
+                speed = self.speeds[node]
+                logger.info(
+                    "round %d: node %d capped at %d of %d examples (its round would take "
+                    "%.1f s, the deadline is %.1f s)",
+                    server_round,
+                    node,
+                    cap,
+                    speed.full_examples,
+                    speed.predicted_full_s,
+                    deadline,
+                )
         return paced
 
     def aggregate_train(

@@ -25,6 +25,7 @@ from edgefl.deploy.errors import DeployError
 from edgefl.deploy.processes import (
     UNAVAILABLE,
     FlowerProcess,
+    announce_superlink,
     check_port_free,
     check_reachable,
     connection_failed,
@@ -156,6 +157,7 @@ def client(opts: ClientOptions) -> int:
     argv = supernode_argv(
         env, opts.superlink, opts.local_port, node_config, opts.ca_cert, opts.private_key
     )
+    announce_superlink(opts.superlink)
     proc = FlowerProcess(argv, env, sys.stdout, watch=[*REFUSED_MARKERS, TLS_FAILED])
     rc = proc.wait()
     if rc != 0 and proc.seen(TLS_FAILED):

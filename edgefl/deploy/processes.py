@@ -3,6 +3,7 @@
 import collections
 import errno
 import ipaddress
+import logging
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from typing import TextIO
 
 from edgefl.deploy.errors import DeployError
 
+logger = logging.getLogger(__name__)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TAIL_LINES = 200
 # The flwr CLI's report of a failed connection (a wrong CA, TLS against an insecure SuperLink).
@@ -83,6 +85,27 @@ def check_reachable(superlink: str) -> None:
             f"no SuperLink answers at {superlink}; start it with: edgefl server (or pass "
             "--superlink HOST:PORT)"
         )
+
+
+def announce_superlink(superlink: str, poll_s: float = 2.0) -> threading.Thread | None:
+    """Say when nothing answers at ``superlink`` yet, and (from a daemon thread) when it does.
+
+    A SuperNode retries a missing SuperLink without a word; this is its node's only sign of
+    what it waits for. Returns the watching thread, or None when the SuperLink answers now.
+    """
+    host, port = parse_address(superlink, "--superlink")
+    if is_listening(host, port, timeout_s=1.0):
+        return None
+    logger.warning("waiting for the SuperLink at %s: nothing answers there yet", superlink)
+
+    def watch() -> None:
+        while not is_listening(host, port, timeout_s=1.0):
+            time.sleep(poll_s)
+        logger.info("the SuperLink at %s answers; the node connects", superlink)
+
+    thread = threading.Thread(target=watch, name="superlink-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def connection_failed(superlink: str) -> DeployError:

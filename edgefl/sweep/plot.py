@@ -27,7 +27,8 @@ def plot_sweep(rows: Sequence[JobRow], path: Path) -> Path:
             ax_time.plot(*zip(*row.round_wall_s, strict=True), "o-", color=colour, label=label)
         if row.max_peak_fraction is not None:
             bars = ax_mem.bar(index, 100 * row.max_peak_fraction, color=colour)
-            ax_mem.bar_label(bars, fmt="%.1f%%", fontsize=8)
+            # inside the bar: at its top the label would sit on the budget line at 100 %
+            ax_mem.bar_label(bars, fmt="%.1f%%", fontsize=8, label_type="center", color="white")
         else:
             text = "no memory figures" if row.status is JobState.OK else str(row.status)
             ax_mem.text(index, 2, text, ha="center", va="bottom", rotation=90, color="tab:red")
@@ -41,7 +42,8 @@ def plot_sweep(rows: Sequence[JobRow], path: Path) -> Path:
     ax_mem.set(ylabel="% of budget", title="max client peak device memory / budget")
     ax_mem.set_xticks(range(len(rows)), [lb.replace(" ", "\n") for lb in labels], fontsize=7)
     ax_mem.set_xlim(-0.75, max(len(rows), 1) - 0.25)
-    ax_mem.set_ylim(bottom=0)
+    fractions = [r.max_peak_fraction for r in rows if r.max_peak_fraction is not None]
+    ax_mem.set_ylim(0, max([115.0, *(100 * f + 10 for f in fractions)]))
     for ax in (ax_acc, ax_time):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         if ax.lines:

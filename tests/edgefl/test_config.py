@@ -97,3 +97,21 @@ def test_swap_granularity_is_vtensors() -> None:
 def test_parameter_offloading_with_a_proximal_term_is_refused() -> None:
     with pytest.raises(ConfigError, match="proximal term"):
         load_run_settings(["strategy=fedprox", "vtensor.offload_params=on"])
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("+vtensor.budget=abc", "vtensor.budget"),
+        ("+train.lrr=0.1", "train.lrr"),
+        ("+num_round=3", "num_round"),
+    ],
+)
+def test_unknown_key_is_an_error_naming_the_known_ones(override: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=f"unknown config key {named}; the known keys"):
+        load_run_settings([override])
+
+
+def test_non_numeric_round_count_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="num_rounds='abc' is not a whole number"):
+        load_run_settings(["num_rounds=abc"])

@@ -40,7 +40,8 @@ EDGEFL = [sys.executable, "-m", "edgefl.deploy"]
 READY = "SuperLink ready"  # edgefl server's line once the SuperLink listens
 FLOWER_REFUSAL = "Failed to activate SuperNode"  # Flower's report of an unknown key [code: 2004]
 EDGEFL_REFUSAL = "refused this node"  # edgefl client's line naming the fix
-WATCH = (READY, FLOWER_REFUSAL, EDGEFL_REFUSAL)
+NODE_LINE = "client 0 (deployed) round 1: budget"  # a node's own line per round
+WATCH = (READY, FLOWER_REFUSAL, EDGEFL_REFUSAL, NODE_LINE)
 
 
 def _free_port() -> int:
@@ -130,7 +131,7 @@ def test_tls_deployment_trains_under_budgets_and_refuses_unregistered_node(
             *extra,
         )  # fmt: skip
 
-    client("node-1", 0, "--data", str(mnist_dir))
+    node_1 = client("node-1", 0, "--data", str(mnist_dir))
     client("node-2", 1, "--device-class", "small")
     stranger = client("stranger", 0)
 
@@ -162,6 +163,8 @@ def test_tls_deployment_trains_under_budgets_and_refuses_unregistered_node(
         assert float(row["peak-device-bytes"]) <= budget
         assert float(row["bytes-swapped-out"]) > 0
 
+    line = node_1.seen(NODE_LINE)  # budget, peak, swapped bytes and plan source
+    assert line is not None and "swapped" in line and "plan " in line, node_1.tail()
     assert stranger.wait(timeout_s=120) == 2
     assert stranger.seen(FLOWER_REFUSAL) is not None
     refusal = stranger.seen(EDGEFL_REFUSAL)

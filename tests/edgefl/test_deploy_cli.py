@@ -1,6 +1,7 @@
 """The ``edgefl`` command line without Flower processes: help texts, one-line errors, formats."""
 
 import argparse
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from edgefl.deploy.commands import CONNECTION, config_arg, flower_env, superlink
 from edgefl.deploy.connection import write_connection
 from edgefl.deploy.errors import DeployError
 from edgefl.deploy.pki import TlsFiles
+from edgefl.deploy.processes import announce_superlink
 
 
 @pytest.fixture
@@ -183,3 +185,26 @@ def test_superlink_has_tls_and_node_auth_unless_insecure(tmp_path: Path) -> None
     insecure = superlink_argv(env, "0.0.0.0", 9092, None, None)
     assert "--insecure" in insecure and "--enable-supernode-auth" not in insecure
     assert env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
+
+
+def test_a_node_says_it_waits_for_a_missing_superlink_and_when_it_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with socket.socket() as probe:  # a port nothing listens on (yet)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        address = f"127.0.0.1:{port}"
+        own = logging.getLogger("edgefl")
+        if not own.propagate:  # configure_logging gives edgefl its own handler
+            own.addHandler(caplog.handler)
+        try:
+            with caplog.at_level(logging.INFO, logger="edgefl.deploy.processes"):
+                watcher = announce_superlink(address, poll_s=0.05)
+                assert watcher is not None
+                assert f"waiting for the SuperLink at {address}" in caplog.text
+                probe.listen()
+                watcher.join(timeout=10)
+        finally:
+            own.removeHandler(caplog.handler)
+    assert not watcher.is_alive()
+    assert f"the SuperLink at {address} answers" in caplog.text

@@ -79,6 +79,9 @@ def test_simulation_runs_rounds_and_writes_results(
         if c.phase == "train":
             assert c.metrics["bytes-swapped-out"] > 0  # the budget forced swapping
             assert c.metrics["peak-device-bytes"] <= c.metrics["budget-bytes"]
+            # the clients' own peak (their 75 % budget) agrees with the run's stated peak
+            stated = 0.75 * outcome["unmanaged_peak_bytes"]
+            assert abs(c.metrics["budget-bytes"] - stated) <= 0.02 * stated
     names = {p.name for p in outcome["output_dir"].iterdir()}
     assert {
         "rounds.json",
@@ -90,6 +93,9 @@ def test_simulation_runs_rounds_and_writes_results(
         "client_memory.png",
         "settings.json",
     } <= names
+    summary = (outcome["output_dir"] / "summary.txt").read_text()
+    assert "tight" in summary and "could not train (budget < unmanaged peak)" in summary
+    assert "x unmanaged" in summary and "reference" in summary
     with (outcome["output_dir"] / "clients.csv").open() as f:
         sources = {row["plan-source"] for row in csv.DictReader(f) if row["phase"] == "train"}
     assert sources and sources <= {s.value for s in vtensor.PlanSource}  # names, not codes

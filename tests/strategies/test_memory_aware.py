@@ -1,5 +1,6 @@
 """Pacing math and the MemoryAware wrapper: caps for slow clients, smaller batches on failure."""
 
+import logging
 from collections.abc import Iterable
 from typing import cast
 
@@ -110,3 +111,24 @@ def test_weights_are_the_examples_each_client_trained() -> None:
     arrays, _ = strategy.aggregate_train(1, replies)
     assert arrays is not None
     assert np.allclose(arrays["w"].numpy(), (300 * 1.0 + 100 * 4.0) / 400)
+
+
+def test_each_capped_client_gets_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    grid = _Nodes([1, 2, 3])
+    strategy = MemoryAware(FedAvg(min_available_nodes=3), deadline_quantile=0.5)
+    first = _round(strategy, grid, 1)
+    seconds = {1: 2.0, 2: 2.5, 3: 8.0}
+    strategy.aggregate_train(
+        1, [_train_reply(m, seconds[m.metadata.dst_node_id], 400) for m in first]
+    )
+    own = logging.getLogger("strategies")
+    if not own.propagate:  # edgefl's configure_logging gives it its own handler
+        own.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="strategies.memory_aware"):
+            _round(strategy, grid, 2)
+    finally:
+        own.removeHandler(caplog.handler)
+    capped = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
+    assert len(capped) == 1 and "round 2: node 3 capped at" in capped[0]
+    assert "of 400 examples" in capped[0]

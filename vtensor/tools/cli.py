@@ -17,19 +17,19 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from vtensor.activations.report import Granularity, IterationReport
-from vtensor.errors import BudgetFormatError, InfeasibleBudgetError
+from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.plan import Plan
 from vtensor.sizes import format_bytes, parse_bytes
 from vtensor.tools import demo
 from vtensor.tools.plan_run import Outcome, PlanRequest, Progress, measure, planner_minimum
 from vtensor.tools.workload import UsageError, load_builder, loss_name
 
-EXIT_INFEASIBLE = 3
+EXIT_INFEASIBLE = demo.EXIT_INFEASIBLE
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -45,37 +45,21 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _size(what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            return parse_bytes(text, what=what)
-        except BudgetFormatError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1], e.g. 0.5")
-    return value
+_size = demo.size_argument
+_fraction = demo.fraction_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m vtensor`` (``demo`` is dispatched before parsing)."""
     parser = argparse.ArgumentParser(
-        prog="python -m vtensor", description=__doc__.splitlines()[0] if __doc__ else None
+        prog="python -m vtensor", description=demo.plain_text(__doc__ or "").splitlines()[0]
     )
     sub = parser.add_subparsers(dest="command", metavar="{demo,plan}")
     sub.add_parser("demo", help="train a small CNN under a budget (the default; see demo --help)")
     p = sub.add_parser(
         "plan",
         help="profile MODEL, plan swaps at a budget, replay and plot them",
-        description=(__doc__ or "").split("\n\n", 1)[-1],
+        description=demo.plain_text(__doc__ or "").split("\n\n", 1)[-1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="zoo name (edgefl.models) or pkg.module:factory")

@@ -1,9 +1,10 @@
 """Demo: train a small CNN under a memory budget below its unmanaged peak, and check the result.
 
-Run with ``python -m vtensor.tools.demo`` (``--help`` for options). It measures the unmanaged peak,
+Run with ``python -m vtensor`` (``--help`` for options). It measures the unmanaged peak,
 trains the same model from the same seed with and without the manager at a fraction of that
 peak, and prints per-iteration memory and transfer figures and whether the weights match bit
-for bit.
+for bit. Exit status: 0 done (1 if the weights differ), 2 usage error, 3 infeasible budget (as
+``python -m vtensor plan``).
 """
 
 import argparse
@@ -11,14 +12,45 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from vtensor.activations.session import MemoryManager
-from vtensor.errors import InfeasibleBudgetError
+from vtensor.errors import BudgetFormatError, InfeasibleBudgetError
 from vtensor.measure.rss import rss_is_honest
 from vtensor.sizes import format_bytes, parse_bytes
+
+EXIT_INFEASIBLE = 3  # a budget below the smallest workable one, for demo and plan alike
+
+
+def plain_text(text: str) -> str:
+    """Help text without the reST markup of docstrings (double backticks)."""
+    return text.replace("``", "")
+
+
+def size_argument(what: str) -> Callable[[str], int]:
+    """An argparse type: a byte size such as 24MiB, else a usage error naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, what=what)
+        except BudgetFormatError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+def fraction_argument(text: str) -> float:
+    """An argparse type: a fraction in (0, 1], else a usage error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1], e.g. 0.5")
+    return value
 
 
 def build_model() -> nn.Module:
@@ -58,21 +90,29 @@ def _train(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m vtensor.tools.demo``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m vtensor [demo]", description=plain_text(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument(
         "--fraction",
-        type=float,
+        type=fraction_argument,
         default=0.75,
         help="budget as a fraction of the unmanaged peak (default 0.75)",
     )
     parser.add_argument(
         "--budget",
+        type=size_argument("budget"),
         default=None,
         help="absolute budget instead, e.g. '24MiB' (overrides --fraction)",
     )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument("--chunk-bytes", default="1MiB", help="chunk size (default 1MiB)")
+    parser.add_argument(
+        "--chunk-bytes",
+        type=size_argument("chunk_bytes"),
+        default=parse_bytes("1MiB"),
+        help="chunk size (default 1MiB)",
+    )
     parser.add_argument(
         "--granularity",
         choices=("chunk", "tensor"),
@@ -95,11 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         with MemoryManager("1TiB", storage_dir=scratch) as probe:
             _train(probe, 1, batch)
         peak = probe.report().peak_device_bytes
-        budget = parse_bytes(args.budget) if args.budget else int(peak * args.fraction)
+        budget = args.budget if args.budget else int(peak * args.fraction)
         print(f"unmanaged peak of one training step: {format_bytes(peak)} (tracked)")
         print(
             f"budget: {format_bytes(budget)} ({budget / peak:.0%} of the peak), "
-            f"{args.granularity} granularity, chunk {args.chunk_bytes}\n"
+            f"{args.granularity} granularity, chunk {format_bytes(args.chunk_bytes)}\n"
         )
         begin = time.perf_counter()
         reference = _train(None, args.steps, batch)
@@ -117,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 managed = _train(manager, args.steps, batch)
         except InfeasibleBudgetError as err:
             print(f"error: {err}", file=sys.stderr)
-            return 2
+            return EXIT_INFEASIBLE
         managed_s = time.perf_counter() - begin
 
     honest = rss_is_honest()

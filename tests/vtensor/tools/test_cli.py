@@ -219,3 +219,42 @@ def test_phase_spans_groups_consecutive_phases() -> None:
     f, b, o = Phase.FORWARD, Phase.BACKWARD, Phase.OTHER
     assert phase_spans([o, f, f, b, b, b, o]) == [(o, 0, 0), (f, 1, 2), (b, 3, 5), (o, 6, 6)]
     assert phase_spans([]) == []
+
+
+@pytest.mark.parametrize(
+    ("words", "expected"),
+    [
+        (["--budget", "abc"], "budget='abc' is not a size"),
+        (["demo", "--fraction", "2"], "not a fraction"),
+        (["--chunk-bytes", "big"], "chunk_bytes='big'"),
+    ],
+)
+def test_cli_demo_rejects_bad_values_before_training(
+    words: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(words)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr()
+    assert expected in err.err and "Traceback" not in err.err
+    assert "unmanaged peak" not in err.out  # nothing was trained
+
+
+@pytest.mark.parametrize("words", [["--help"], ["demo", "--help"], ["plan", "--help"]])
+def test_cli_help_names_the_command_and_shows_no_markup(
+    words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(words)
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m vtensor")
+    assert "__main__.py" not in out and "``" not in out
+
+
+def test_cli_demo_and_plan_exit_alike_on_an_infeasible_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    demo_code = cli.main(["--budget", "4KiB", "--steps", "1", "--batch-size", "2"])
+    plan_code = cli.main(["plan", "cnn", "--batch-shape", "2,1,28,28", "--budget", "4KiB"])
+    assert demo_code == plan_code == cli.EXIT_INFEASIBLE == 3
+    assert capsys.readouterr().err.count("error: ") == 2

@@ -1,0 +1,52 @@
+"""Time one client's local round unmanaged: the reference the budgeted clients are compared with.
+
+NOTE [reference round]: the end-of-run table compares each device class's round time with an
+unmanaged client's, measured in the same run: the process that starts the run trains client 0's
+first round once with vtensor off (same model, data, batch size and thread count as the
+clients), before the clients start. Rounds differ in length between clients, so the comparison
+is per example processed. The budgeted clients run two at a time (one per core of the main
+job's host); the reference runs alone, so the ratio includes that contention.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from edgefl.client_data import client_split
+from edgefl.models import build_model
+from edgefl.settings import ClientSettings
+from edgefl.train import LocalRound, train_local
+
+
+@dataclass(frozen=True)
+class ReferenceRound:
+    """One unmanaged local round: its wall time and the examples it processed."""
+
+    train_s: float
+    examples_processed: int
+
+    @property
+    def s_per_example(self) -> float:
+        """Seconds per example processed (the unit the classes are compared in)."""
+        return self.train_s / max(1, self.examples_processed)
+
+
+def time_unmanaged_round(settings: ClientSettings, num_partitions: int) -> ReferenceRound:
+    """Train client 0's first local round with vtensor off, in this process; time it."""
+    info, train, _ = client_split(
+        settings.data, settings.data.root, 0, num_partitions, settings.seed
+    )
+    torch.manual_seed(settings.seed)
+    torch.set_num_threads(settings.train.torch_threads)
+    model = build_model(settings.model.name, info, settings.model.options)
+    local = LocalRound(
+        lr=settings.train.lr,
+        momentum=settings.train.momentum,
+        epochs=settings.train.local_epochs,
+        batch_size=settings.train.batch_size,
+        seed=settings.seed,
+    )
+    started = time.perf_counter()
+    outcome = train_local(model, train, local)
+    return ReferenceRound(time.perf_counter() - started, outcome.examples_processed)

@@ -1,0 +1,60 @@
+"""The end-of-run table per device class, from plain client rows."""
+
+from edgefl.budget import Budget
+from edgefl.history import ClientRound, RunHistory
+from edgefl.reference import ReferenceRound
+from edgefl.settings import DeviceClass
+from edgefl.summary import class_table
+
+MIB = 1 << 20
+CLASSES = (
+    DeviceClass("micro", Budget(peak_fraction=0.4), 0.5),
+    DeviceClass("roomy", Budget(bytes=200 * MIB), 0.5),
+)
+
+
+def _row(
+    node: int, device_class: int, budget_mib: int, peak_mib: int, train_s: float
+) -> ClientRound:
+    metrics = {
+        "device-class": float(device_class),
+        "budget-bytes": float(budget_mib * MIB),
+        "peak-device-bytes": float(peak_mib * MIB),
+        "bytes-swapped-out": float(3 * MIB),
+        "bytes-swapped-in": float(3 * MIB),
+        "train-s": train_s,
+        "examples-processed": 100.0,
+    }
+    return ClientRound(1, "train", node, metrics)
+
+
+def _history() -> RunHistory:
+    history = RunHistory()
+    history.clients += [
+        _row(1, 0, 40, 30, 4.0),
+        _row(2, 0, 40, 38, 6.0),
+        _row(3, 1, 200, 99, 1.0),
+        ClientRound(1, "train", 4, {}, "cannot train within its budget"),
+    ]
+    return history
+
+
+def test_class_table_states_budget_peaks_swap_and_time_per_class() -> None:
+    table = class_table(_history(), CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
+    micro = next(line for line in table.splitlines() if line.startswith("micro"))
+    assert "40.0 MiB (40%)" in micro
+    assert "100.0 MiB" in micro  # the unmanaged peak
+    assert "38.0 MiB" in micro  # the larger of its clients' peaks
+    assert "6.0 MiB" in micro  # swapped out + in per client and round
+    assert "2.50x" in micro  # 5 s per 100 examples against the reference's 2 s
+    assert "could not train (budget < unmanaged peak)" in micro
+    roomy = next(line for line in table.splitlines() if line.startswith("roomy"))
+    assert "could train unmanaged" in roomy and "0.50x" in roomy
+    reference = next(line for line in table.splitlines() if line.startswith("unmanaged"))
+    assert "1.00x" in reference and "2.0" in reference
+
+
+def test_class_table_without_reference_or_replies() -> None:
+    table = class_table(RunHistory(), CLASSES, 100 * MIB, None)
+    assert "micro" in table and "no successful round" in table
+    assert "unmanaged " not in table.splitlines()[-1]
