@@ -1,4 +1,4 @@
-"""Split a training set into client partitions: IID, Dirichlet(alpha), label-sorted or natural ids.
+"""Split a training set into client partitions: IID, Dirichlet(alpha), by label or natural ids.
 
 NOTE [numpy partitioners]: flwr-datasets' partitioners work offline on a local
 ``datasets.Dataset`` but pull in ``datasets`` and pyarrow (~200 MB, ~4 s of import in every
@@ -20,7 +20,7 @@ class Partitioner(StrEnum):
     IID = "iid"
     DIRICHLET = "dirichlet"
     NATURAL = "natural"
-    LABEL_SORTED = "label_sorted"
+    LABEL_SPLIT = "label_split"
 
 
 def partition_indices(
@@ -31,6 +31,8 @@ def partition_indices(
     seed: int,
     alpha: float = 0.5,
     min_partition_size: int = 10,
+    split_labels: tuple[int, ...] = (),
+    split_partitions: int = 0,
 ) -> list[np.ndarray]:
     """Return one sorted array of example indices per partition; together they cover ``data``."""
     if num_partitions < 1:
@@ -46,8 +48,8 @@ def partition_indices(
         parts = _dirichlet(data.y, num_partitions, alpha, min_partition_size, rng)
     elif method is Partitioner.NATURAL:
         parts = _natural(data.groups, num_partitions, rng)
-    elif method is Partitioner.LABEL_SORTED:
-        parts = _label_sorted(data.y, num_partitions, rng)
+    elif method is Partitioner.LABEL_SPLIT:
+        parts = _label_split(data.y, num_partitions, split_labels, split_partitions, rng)
     else:  # pragma: no cover - StrEnum exhausts the cases
         raise PartitionError(f"unknown partitioner {method!r}")
     return [np.sort(p) for p in parts]
@@ -82,18 +84,32 @@ def _dirichlet(
     )
 
 
-def _label_sorted(
-    labels: np.ndarray, num_partitions: int, rng: np.random.Generator
+def _label_split(
+    labels: np.ndarray,
+    num_partitions: int,
+    split_labels: tuple[int, ...],
+    split_partitions: int,
+    rng: np.random.Generator,
 ) -> list[np.ndarray]:
-    """Examples sorted by label (seeded order within a label), cut into equal contiguous blocks.
+    """Partitions 0..split_partitions-1 share the examples of ``split_labels``, the rest the others.
 
-    Partition i holds about the i-th 1/num_partitions of the label range, so labels follow the
-    partition id, and with it the device class (classes take contiguous blocks of ids).
+    Within each group the examples are dealt at random in equal shares, so the first group's
+    labels are held by its partitions only (and, in a simulated fleet, by the device classes
+    that take those partition ids: classes take contiguous blocks of ids in listed order).
     """
+    if not split_labels or not 0 < split_partitions < num_partitions:
+        raise PartitionError(
+            f"label_split needs split_labels (got {list(split_labels)}) and 0 < split_partitions "
+            f"< num_partitions (got {split_partitions} of {num_partitions}); set "
+            "partitioner.labels and partitioner.partitions"
+        )
     labels_flat = labels if labels.ndim == 1 else labels[:, 0]
-    order = rng.permutation(len(labels_flat))
-    order = order[np.argsort(labels_flat[order], kind="stable")]
-    return list(np.array_split(order, num_partitions))
+    inside = np.isin(labels_flat, split_labels)
+    first = np.array_split(rng.permutation(np.flatnonzero(inside)), split_partitions)
+    rest = np.array_split(
+        rng.permutation(np.flatnonzero(~inside)), num_partitions - split_partitions
+    )
+    return [*first, *rest]
 
 
 def _natural(
