@@ -109,7 +109,8 @@ def run(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]
 
     def keep_global(exchange: Exchange) -> None:  # evaluate instructions carry the global model
         if exchange.message_type == MessageType.EVALUATE:
-            models[exchange.server_round] = exchange.sent[0].content["arrays"].to_torch_state_dict()
+            (arrays,) = exchange.sent[0].content.array_records.values()
+            models[exchange.server_round] = arrays.to_torch_state_dict()
 
     peak = measure_peak(s)
     outcome = simulate(s, [keep_global], peak=peak)
