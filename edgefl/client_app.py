@@ -34,6 +34,7 @@ from edgefl.records import (
 )
 from edgefl.secagg import SECAGG_ACTION, secagg_mod, secagg_query
 from edgefl.settings import ClientSettings
+from edgefl.submodel import train_submodel, wants_submodel
 from edgefl.train import (
     LocalRound,
     TrainOutcome,
@@ -69,6 +70,8 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         server_round = int(_number(config, SERVER_ROUND, 0))
         local = _local_round(config, s, server_round, node.partition_id)
         seed_everything(local.seed, s.train.torch_threads)
+        if wants_submodel(config):  # HeteroFL: a width-scaled sub-model that fits unmanaged
+            return train_submodel(msg, s, node, info, train_set, local)
         model = _model(s, info, msg)
         budget_bytes = resolve_budget(
             node.budget, model, train_set, local.batch_size, _peak_key(s, local.batch_size)

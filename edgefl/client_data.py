@@ -26,6 +26,8 @@ def client_split(
         seed=seed,
         alpha=settings.alpha,
         min_partition_size=settings.min_partition_size,
+        split_labels=settings.split_labels,
+        split_partitions=settings.split_partitions,
     )
     own = np.random.default_rng([seed, partition_id]).permutation(parts[partition_id])
     n_test = round(len(own) * settings.local_test_fraction)

@@ -260,6 +260,8 @@ def _data(dataset: Mapping[str, Any], partitioner: Mapping[str, Any]) -> DataSet
         partitioner=method,
         alpha=float(partitioner["alpha"]),
         min_partition_size=int(partitioner["min_partition_size"]),
+        split_labels=tuple(int(x) for x in partitioner.get("labels") or ()),
+        split_partitions=int(partitioner.get("partitions") or 0),
         max_examples_per_client=int(dataset["max_examples_per_client"]),
         local_test_fraction=float(dataset["local_test_fraction"]),
         central_test_examples=int(dataset["central_test_examples"]),

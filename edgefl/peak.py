@@ -66,6 +66,9 @@ def resolve_budget(
     """
     if budget.bytes:
         return budget.bytes
+    # The peak is measured on one batch of at most len(data) examples: a small local test set
+    # gives a smaller peak than training at batch_size, so the examples used are in the key.
+    key = (*key, min(batch_size, len(data)))
     if key not in _PEAKS:
         measured = measure_unmanaged_peak(copy.deepcopy(model), data, batch_size)
         _PEAKS[key] = measured.unmanaged_peak_bytes

@@ -19,6 +19,8 @@ class DataSettings:
     partitioner: Partitioner = Partitioner.DIRICHLET
     alpha: float = 0.5
     min_partition_size: int = 10
+    split_labels: tuple[int, ...] = ()  # label_split: the labels the first partitions hold
+    split_partitions: int = 0  # label_split: how many partitions (the first) hold them
     max_examples_per_client: int = 0  # training examples kept per client; 0 = all
     local_test_fraction: float = 0.1  # share of a client's partition kept for its local evaluation
     central_test_examples: int = 0  # examples of the held-out test set the server uses; 0 = all

@@ -1,4 +1,4 @@
-"""Split a training set into client partitions: IID, Dirichlet(alpha) over labels, or natural ids.
+"""Split a training set into client partitions: IID, Dirichlet(alpha), by label or natural ids.
 
 NOTE [numpy partitioners]: flwr-datasets' partitioners work offline on a local
 ``datasets.Dataset`` but pull in ``datasets`` and pyarrow (~200 MB, ~4 s of import in every
@@ -20,6 +20,7 @@ class Partitioner(StrEnum):
     IID = "iid"
     DIRICHLET = "dirichlet"
     NATURAL = "natural"
+    LABEL_SPLIT = "label_split"
 
 
 def partition_indices(
@@ -30,6 +31,8 @@ def partition_indices(
     seed: int,
     alpha: float = 0.5,
     min_partition_size: int = 10,
+    split_labels: tuple[int, ...] = (),
+    split_partitions: int = 0,
 ) -> list[np.ndarray]:
     """Return one sorted array of example indices per partition; together they cover ``data``."""
     if num_partitions < 1:
@@ -45,6 +48,8 @@ def partition_indices(
         parts = _dirichlet(data.y, num_partitions, alpha, min_partition_size, rng)
     elif method is Partitioner.NATURAL:
         parts = _natural(data.groups, num_partitions, rng)
+    elif method is Partitioner.LABEL_SPLIT:
+        parts = _label_split(data.y, num_partitions, split_labels, split_partitions, rng)
     else:  # pragma: no cover - StrEnum exhausts the cases
         raise PartitionError(f"unknown partitioner {method!r}")
     return [np.sort(p) for p in parts]
@@ -77,6 +82,34 @@ def _dirichlet(
         f"dirichlet(alpha={alpha}) left a partition under min_partition_size={min_size} "
         f"after 100 draws; raise alpha, lower min_partition_size or use fewer clients"
     )
+
+
+def _label_split(
+    labels: np.ndarray,
+    num_partitions: int,
+    split_labels: tuple[int, ...],
+    split_partitions: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Partitions 0..split_partitions-1 share the examples of ``split_labels``, the rest the others.
+
+    Within each group the examples are dealt at random in equal shares, so the first group's
+    labels are held by its partitions only (and, in a simulated fleet, by the device classes
+    that take those partition ids: classes take contiguous blocks of ids in listed order).
+    """
+    if not split_labels or not 0 < split_partitions < num_partitions:
+        raise PartitionError(
+            f"label_split needs split_labels (got {list(split_labels)}) and 0 < split_partitions "
+            f"< num_partitions (got {split_partitions} of {num_partitions}); set "
+            "partitioner.labels and partitioner.partitions"
+        )
+    labels_flat = labels if labels.ndim == 1 else labels[:, 0]
+    inside = np.isin(labels_flat, split_labels)
+    first = np.array_split(rng.permutation(np.flatnonzero(inside)), split_partitions)
+    rest = np.array_split(
+        rng.permutation(np.flatnonzero(~inside)), num_partitions - split_partitions
+    )
+    return [*first, *rest]
 
 
 def _natural(

@@ -26,6 +26,18 @@ def test_partition_is_deterministic_for_a_seed(method: Partitioner) -> None:
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_label_split_keeps_the_split_labels_in_the_first_partitions() -> None:
+    data = _data(1000, classes=10)
+    parts = partition_indices(
+        data, 5, method=Partitioner.LABEL_SPLIT, seed=0, split_labels=(0, 1), split_partitions=2
+    )
+    assert all(set(np.unique(data.y[p])) <= {0, 1} for p in parts[:2])
+    assert all(not set(np.unique(data.y[p])) & {0, 1} for p in parts[2:])
+    assert all(len(set(np.unique(data.y[p]))) == 8 for p in parts[2:])  # IID within the group
+    with pytest.raises(PartitionError, match="split_partitions"):
+        partition_indices(data, 5, method=Partitioner.LABEL_SPLIT, seed=0, split_labels=(0,))
+
+
 def test_dirichlet_small_alpha_skews_labels() -> None:
     data = _data(5000)
     parts = partition_indices(data, 5, method=Partitioner.DIRICHLET, seed=0, alpha=0.05)
