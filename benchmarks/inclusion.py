@@ -14,7 +14,7 @@ One fleet, one split, the same seeds, four variants on Flower's simulation engin
 The split correlates the device class with the data: ``partitioner=label_split`` deals every
 MNIST training image of digits 0, 1 and 2 to the starved clients (the first ``--starved``
 client ids, the starved class) and the other digits to the rest, so those digits are held by
-starved clients only. The model is the main job's CNN (``model=cnn``, width 16, 2 convs per
+starved clients only. The model is the small CNN (``model=cnn``, width 16, 2 convs per
 stage). Per round: central accuracy, accuracy
 on the test images of those digits, and the round's wall time on this machine.
 
@@ -53,6 +53,7 @@ from strategies.heterofl import WIDTH_RATIO
 STARVED, AMPLE = "starved", "ample"
 AMPLE_BUDGET = Budget(1 << 30)
 COMMON = [
+    "model=cnn",  # width-scaled sub-models exist for the cnn (edgefl/submodel.py)
     "partitioner=label_split",  # the starved clients alone hold partitioner.labels (0, 1, 2)
     "pacing=none",
     # Plain SGD: with the main job's momentum 0.9 (lr 0.05 or 0.01) FedAvg over this split
