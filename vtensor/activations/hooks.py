@@ -18,7 +18,6 @@ class HookTarget(Protocol):
     store: ChunkStore
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
-    light: bool  # a light replay: no adoption, no node samples (NOTE [light replay])
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` may be virtualized."""
@@ -190,8 +189,7 @@ def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable
             if target.recomputing:
                 return
             tensors = tensors_in(output)
-            if not target.light:
-                sampler.add_graph_of(tensors)
+            sampler.add_graph_of(tensors)
             for tensor in tensors:
                 node = tensor.grad_fn
                 if node is None or id(node) in seen_nodes:

@@ -104,8 +104,6 @@ class Iteration:
         self.one_time_bytes = 0  # NOTE [MKL buffer pool]: measured when the iteration ends
         self.books = IterationBooks()
         self.floor = BudgetFloor(store, self.books, policy.budget_bytes)
-        busy = record_trace or count_workspaces or params is not None
-        self.light = _light(executor, policy, busy)
         self.step_index = -1
         self._open: OpenStep | None = None
         self._last_param = 0
@@ -184,8 +182,6 @@ class Iteration:
     def before_unpack(self, record: VTensor) -> None:
         """Make room for the bytes of ``record`` that must come back."""
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
-        if self.light and not incoming:
-            return  # NOTE [light replay]: nothing to bring back, no reading
         resident = record.storage.nbytes() if record.storage is not None else 0
         if incoming and resident and not record.in_place:
             # NOTE [growing a partial vTensor]: on the copy path growing a storage reallocates
@@ -205,8 +201,6 @@ class Iteration:
         """Note the use and prefetch what backward needs next."""
         if self.step_index not in record.uses:
             record.uses.append(self.step_index)
-        if self.light:
-            return  # NOTE [light replay]
         live = self.live_bytes()
         self._sample(live)
         if (self.executor is None or not self.executor.active) and self.policy.prefetch(
@@ -301,16 +295,6 @@ class Iteration:
         # headroom below needs them, so the writes overlap the following ops instead of
         # stalling at the next hook. Restores are never waited for here: their bytes are
         # allocated when they start, and backward waits on them only when it uses them.
-        if self.light:
-            # NOTE [light replay]: sample only, until the headroom is gone; then guard as always.
-            live = self.live_bytes() if live_hint is None else live_hint
-            headroom = _LIGHT_FRACTION * self.policy.budget_bytes - self.policy.reserve_bytes
-            if live + incoming_bytes <= headroom:
-                self._sample(live)
-                self._note_live(live)
-                return
-            logger.debug("light replay ends at %s: %d bytes live", self._step_name(), live)
-            self.light = False
         replaying = self.executor is not None and self.executor.active
         epoch = self.store.memory_epoch
         self.store.reap(block=not replaying, block_restores=False)
@@ -381,29 +365,6 @@ class Iteration:
             names = [s.name for s in trace.steps]
             units = self.units.units(position, trace.tensors, names)
         return dataclasses.replace(trace, units=units, recomputed=self.recomputed)
-
-
-# NOTE [light replay]
-# A replayed plan that moves nothing and recomputes nothing, whose predicted peak leaves a fifth
-# of the budget free beyond the guard's reserve, is replayed light: the tracked bytes are read
-# at module boundaries and when a tensor is saved (where a forward that grows beyond its plan
-# shows it, before the next op allocates), not when backward uses a saved tensor nor after each
-# backward node, and the guard only samples. That spares most of the per-tensor and per-node
-# work of a manager whose budget never binds (benchmarks/README.md, "Overhead"). The first
-# reading that (plus the reserve) passes that fraction ends it for the rest of the iteration:
-# the guard acts at once, as in any iteration, on every adopted tensor; the plan's divergence
-# checks run throughout.
-_LIGHT_FRACTION = 0.8
-
-
-def _light(executor: PlanExecutor | None, policy: ReactivePolicy, busy: bool) -> bool:
-    """Whether an iteration replaying ``executor``'s plan may start light."""
-    if busy or executor is None or not executor.active:
-        return False
-    plan = executor.plan
-    if plan.moves or plan.recompute:
-        return False
-    return plan.predicted_peak_bytes + plan.reserve_bytes <= _LIGHT_FRACTION * policy.budget_bytes
 
 
 def _copy(stats: StoreStats) -> StoreStats:

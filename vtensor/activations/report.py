@@ -100,8 +100,6 @@ class IterationReport:
             out of the tracked bytes and the budget, reported here. Mostly the first iteration
             of a process, or the first to meet a new matrix shape.
         recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
-        light: the iteration replayed its plan light to the end (NOTE [light replay] in
-            ``activations/iteration.py``): its peak was sampled at module boundaries only.
     """
 
     iteration: int
@@ -128,7 +126,6 @@ class IterationReport:
     one_time_bytes: int = 0
     copied_bytes: int = 0
     recomputed: tuple[str, ...] = ()
-    light: bool = False
 
     @property
     def bytes_moved(self) -> int:
