@@ -157,9 +157,9 @@ _KNOWN_KEYS: dict[str, frozenset[str]] = {
     ),
     "dataset": frozenset(
         {f.name for f in dataclasses.fields(DataSettings)}
-        - {"partitioner", "alpha", "min_partition_size"}
+        - {"partitioner", "alpha", "min_partition_size", "labels", "partitions"}
     ),
-    "partitioner": frozenset({"name", "alpha", "min_partition_size"}),
+    "partitioner": frozenset({"name", "alpha", "min_partition_size", "labels", "partitions"}),
     "model": frozenset({"name", "options"}),
     "fleet": frozenset({"plan_cache_root", "classes"}),
 }

