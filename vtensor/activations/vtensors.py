@@ -1,0 +1,75 @@
+"""The records of the chunk store: a vTensor, a transfer in flight, the transfer counters."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vtensor.io.chunk import Chunk, ChunkState
+from vtensor.io.transfer import Transfer
+
+
+@dataclass
+class Pending:
+    """A transfer in flight for some chunks of one vTensor."""
+
+    transfer: Transfer
+    chunks: list[Chunk]
+    outgoing: bool
+
+
+@dataclass(eq=False, slots=True)
+class VTensor:
+    """One saved storage, virtualized into chunks. Views of it share this one record.
+
+    Attributes:
+        vid: identity within the session, in pack order.
+        storage: the storage. Released in place (NOTE [release in place] in ``io/pages.py``)
+            it keeps its full size; on the copy path its size is the resident prefix.
+        nbytes: full size of the storage.
+        chunks: the chunks that can leave. Released in place they are the whole pages inside
+            the storage, any of which can leave; on the copy path they cover the storage and
+            the resident ones form a prefix (eviction takes the tail).
+        saved_step: step index at which it was first packed.
+        handles: live pack handles (autograd's references to it).
+        resident_bytes: bytes of the chunks on the device and idle (what an eviction can take).
+        movable_bytes: bytes of all chunks (``nbytes`` less the partial end pages in place).
+        released_bytes: bytes of the pages handed back to the kernel in place.
+        in_place: evicted chunks release their pages in place instead of shrinking the storage.
+    """
+
+    vid: int
+    storage: torch.UntypedStorage | None
+    nbytes: int
+    chunks: list[Chunk]
+    saved_step: int
+    handles: int = 0
+    pending: Pending | None = None
+    dead: bool = False
+    uses: list[int] = field(default_factory=list)
+    resident_bytes: int = 0
+    movable_bytes: int = 0
+    released_bytes: int = 0
+    in_place: bool = False
+
+    def device_chunks(self) -> list[Chunk]:
+        """Chunks resident and idle on the device."""
+        return [c for c in self.chunks if c.state == ChunkState.DEVICE]
+
+    def offloaded_chunks(self) -> list[Chunk]:
+        """Chunks held by a slower tier."""
+        return [c for c in self.chunks if c.state in (ChunkState.HOST, ChunkState.STORAGE)]
+
+    def fully_resident(self) -> bool:
+        """True when every chunk is on the device and idle."""
+        return all(c.state == ChunkState.DEVICE for c in self.chunks)
+
+
+@dataclass
+class StoreStats:
+    """Transfer counters, accumulated until read and reset by the session."""
+
+    bytes_out: int = 0
+    bytes_in: int = 0
+    transfer_s: float = 0.0
+    stall_s: float = 0.0
+    copied_bytes: int = 0  # resident prefixes copied by resize_ (the copy path only)
