@@ -1,6 +1,5 @@
 """HeteroFL's math (slices, overlap averages) and the strategy on replies built as Flower's."""
 
-from collections.abc import Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -8,7 +7,6 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.task_identity import TaskIdentity
 
 from strategies.heterofl import (
     WIDTH_RATIO,
@@ -20,22 +18,7 @@ from strategies.heterofl import (
     slice_to_shapes,
 )
 from strategies.replies import ERROR_CODE_BUDGET
-
-
-@pytest.fixture(autouse=True)
-def task_identity() -> None:
-    """Messages built outside a running app need a task identity (internal Flower API)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-
-
-class _Nodes:
-    """The one Grid method a strategy's sampling calls: the connected node ids."""
-
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self.node_ids = list(node_ids)
-
-    def get_node_ids(self) -> list[int]:
-        return self.node_ids
+from tests.strategies.nodes import Nodes
 
 
 def _global() -> dict[str, np.ndarray]:
@@ -120,7 +103,7 @@ def _reply(instruction: Message, arrays: dict[str, np.ndarray], n: int, ratio: f
     return Message(RecordDict({"arrays": record, "metrics": metrics}), reply_to=instruction)
 
 
-def _configure(strategy: FedAvg, grid: _Nodes, arrays: dict[str, np.ndarray]) -> list[Message]:
+def _configure(strategy: FedAvg, grid: Nodes, arrays: dict[str, np.ndarray]) -> list[Message]:
     record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
     config = ConfigRecord({"lr": 0.1})
     return list(strategy.configure_train(1, record, config, cast(Grid, grid)))
@@ -135,7 +118,7 @@ def test_ratio_one_everywhere_is_fedavg() -> None:
     rng = np.random.default_rng(0)
     g = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=4)}
     updates = [{k: rng.normal(size=v.shape).astype(v.dtype) for k, v in g.items()} for _ in "abc"]
-    grid, results = _Nodes([1, 2, 3]), []
+    grid, results = Nodes([1, 2, 3]), []
     for strategy in (HeteroFL(width_ratios=[1.0], min_available_nodes=3), FedAvg()):
         sent = _configure(strategy, grid, g)
         replies = [
@@ -149,7 +132,7 @@ def test_ratio_one_everywhere_is_fedavg() -> None:
 
 
 def test_strategy_sends_ratios_then_each_node_its_slice_and_averages_overlaps() -> None:
-    strategy, grid, g = HeteroFL(min_available_nodes=2), _Nodes([7, 8]), _global()
+    strategy, grid, g = HeteroFL(min_available_nodes=2), Nodes([7, 8]), _global()
     sent = _configure(strategy, grid, g)
     assert all(list(m.content["config"][WIDTH_RATIOS]) == [1.0, 0.5, 0.25, 0.125] for m in sent)
     assert all(m.content["arrays"]["w"].numpy().shape == (4, 3) for m in sent)  # not known yet
@@ -172,7 +155,7 @@ def test_strategy_sends_ratios_then_each_node_its_slice_and_averages_overlaps() 
 def test_budget_errors_are_dropped_and_the_rest_averaged() -> None:
     strategy, grid, g = (
         HeteroFL(width_ratios=[1.0], min_available_nodes=2),
-        _Nodes([1, 2]),
+        Nodes([1, 2]),
         _global(),
     )
     sent = _configure(strategy, grid, g)

@@ -1,7 +1,6 @@
 """Pacing math and the MemoryAware wrapper: caps for slow clients, smaller batches on failure."""
 
 import logging
-from collections.abc import Iterable
 from typing import cast
 
 import numpy as np
@@ -9,27 +8,11 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.task_identity import TaskIdentity
 
 from strategies.memory_aware import MemoryAware
 from strategies.pacing import NodeSpeed, example_cap, round_deadline_s
 from strategies.replies import ERROR_CODE_BUDGET
-
-
-@pytest.fixture(autouse=True)
-def task_identity() -> None:
-    """Messages built outside a running app need a task identity (internal Flower API)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-
-
-class _Nodes:
-    """The one Grid method a strategy's sampling calls: the connected node ids."""
-
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self.node_ids = list(node_ids)
-
-    def get_node_ids(self) -> list[int]:
-        return self.node_ids
+from tests.strategies.nodes import Nodes
 
 
 def test_deadline_is_the_nearest_rank_quantile() -> None:
@@ -55,7 +38,7 @@ def _train_reply(instruction: Message, train_s: float, processed: int) -> Messag
     return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=instruction)
 
 
-def _round(strategy: MemoryAware, grid: _Nodes, server_round: int) -> list[Message]:
+def _round(strategy: MemoryAware, grid: Nodes, server_round: int) -> list[Message]:
     arrays = ArrayRecord({"w": Array(np.zeros(2, dtype=np.float32))})
     config = ConfigRecord({"lr": 0.1, "batch-size": 32})
     return list(strategy.configure_train(server_round, arrays, config, cast(Grid, grid)))
@@ -66,7 +49,7 @@ def _configs(messages: list[Message]) -> dict[int, ConfigRecord]:
 
 
 def test_slow_client_is_capped_from_round_two_and_others_are_not() -> None:
-    grid = _Nodes([1, 2, 3])
+    grid = Nodes([1, 2, 3])
     strategy = MemoryAware(FedAvg(min_available_nodes=3), deadline_quantile=0.5)
     first = _round(strategy, grid, 1)
     assert all("max-examples" not in c for c in _configs(first).values())  # nothing known yet
@@ -82,7 +65,7 @@ def test_slow_client_is_capped_from_round_two_and_others_are_not() -> None:
 
 
 def test_budget_failure_halves_that_clients_batch() -> None:
-    grid = _Nodes([1, 2])
+    grid = Nodes([1, 2])
     strategy = MemoryAware(FedAvg(), min_batch_size=8)
     first = _round(strategy, grid, 1)
     failed = Message(Error(code=ERROR_CODE_BUDGET, reason="budget"), reply_to=first[1])
@@ -100,7 +83,7 @@ def test_budget_failure_halves_that_clients_batch() -> None:
 
 
 def test_weights_are_the_examples_each_client_trained() -> None:
-    grid = _Nodes([1, 2])
+    grid = Nodes([1, 2])
     strategy = MemoryAware(FedAvg())
     msgs = _round(strategy, grid, 1)
     replies = []
@@ -114,7 +97,7 @@ def test_weights_are_the_examples_each_client_trained() -> None:
 
 
 def test_each_capped_client_gets_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
-    grid = _Nodes([1, 2, 3])
+    grid = Nodes([1, 2, 3])
     strategy = MemoryAware(FedAvg(min_available_nodes=3), deadline_quantile=0.5)
     first = _round(strategy, grid, 1)
     seconds = {1: 2.0, 2: 2.5, 3: 8.0}
