@@ -32,6 +32,7 @@ class PlanExecutor:
         self._evictions: dict[int, list[TensorMove]] = defaultdict(list)
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
         self._count = plan.activation_count  # the parameter side is ParamPlanExecutor's
+        self.watched = frozenset(plan.watched_steps)  # NOTE [lean replay]
         for move in plan.moves:
             if move.vid >= self._count:
                 continue

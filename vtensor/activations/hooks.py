@@ -166,14 +166,16 @@ class _NodeSampler:
         self._handles.clear()
 
 
-def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable]:
+def install_module_hooks(
+    model: nn.Module, target: HookTarget, *, sample_nodes: bool = True
+) -> list[Removable]:
     """Mark forward and backward step boundaries of every module of ``model``.
 
     Forward boundaries come from forward pre-hooks. Backward boundaries come from pre-hooks on
     the autograd nodes of module outputs, which leave the graph unchanged (full backward hooks
     would wrap outputs and break modules that modify their input in place, such as
-    ``ReLU(inplace=True)``). Every backward node of the graph behind a module output also gets
-    a post-hook that samples the tracked bytes (NOTE [node peaks]).
+    ``ReLU(inplace=True)``). With ``sample_nodes``, every backward node of the graph behind a
+    module output also gets a post-hook that samples the tracked bytes (NOTE [node peaks]).
     """
     handles: list[Removable] = []
     seen_nodes: set[int] = set()
@@ -189,7 +191,8 @@ def install_module_hooks(model: nn.Module, target: HookTarget) -> list[Removable
             if target.recomputing:
                 return
             tensors = tensors_in(output)
-            sampler.add_graph_of(tensors)
+            if sample_nodes:
+                sampler.add_graph_of(tensors)
             for tensor in tensors:
                 node = tensor.grad_fn
                 if node is None or id(node) in seen_nodes:

@@ -66,6 +66,7 @@ class Iteration:
         rss: RssMeter | None = None,
         count_workspaces: bool = False,
         params: ParamSide | None = None,
+        lean: bool = False,
     ) -> None:
         self.store = store
         self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
@@ -110,6 +111,24 @@ class Iteration:
         self._last_live = 0
         self._note_live(self.live_bytes())
         self._backward_done_queued = False
+        # NOTE [lean replay]: a replayed plan that this process measured in full while
+        # profiling is followed with per-tensor work only where the plan acts: hook points
+        # inside a module (saves, unpacks, backward nodes) route to the store and the plan, and
+        # the tracked bytes are read, and the guard acts, at the module boundaries the plan
+        # watches only: its predicted peak's and those it predicts near the budget. The
+        # profiled iteration judged every hook point and backward node; the replay repeats
+        # it (the executor checks every saved tensor's size and every step's name, and a
+        # divergence turns the checks back on for the rest of the iteration). A boundary reading
+        # over the budget also turns them back on, and the plan is profiled again next time:
+        # a lean iteration cannot state a minimum budget of its own (it has not judged every
+        # point), so it reports the profiled iteration's.
+        self.lean = (
+            lean and executor is not None and params is None and not count_workspaces
+        ) and not record_trace
+        self.was_lean = self.lean
+        if self.lean:
+            policy.follow_plan(True)
+        self._lean_step = ""
         self.begin_step("other:start")
 
     # -- measurement --------------------------------------------------------------------------
@@ -127,7 +146,9 @@ class Iteration:
         return live - self._last_live - max(0, param - self._last_param)
 
     def _step_name(self) -> str:
-        return self._open.name if self._open else "start"
+        if self._open is not None:
+            return self._open.name
+        return self._lean_step or "start"
 
     def live_bytes(self) -> int:
         """Tracked device bytes now."""
@@ -176,11 +197,17 @@ class Iteration:
             self.books.tensors[record.vid] = record
             if self.executor is not None:
                 self.executor.on_record(record)
+        if self.lean:
+            if self.executor is not None and self.executor.active:
+                return  # NOTE [lean replay]
+            self._leave_lean()
         self.books.dtypes.setdefault(record.vid, set()).add(str(tensor.dtype).replace("torch.", ""))
         self.enforce()
 
     def before_unpack(self, record: VTensor) -> None:
         """Make room for the bytes of ``record`` that must come back."""
+        if self.lean:
+            return  # the plan has made room (NOTE [lean replay])
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
         resident = record.storage.nbytes() if record.storage is not None else 0
         if incoming and resident and not record.in_place:
@@ -199,6 +226,8 @@ class Iteration:
 
     def after_unpack(self, record: VTensor) -> None:
         """Note the use and prefetch what backward needs next."""
+        if self.lean:
+            return  # the plan prefetches (NOTE [lean replay])
         if self.step_index not in record.uses:
             record.uses.append(self.step_index)
         live = self.live_bytes()
@@ -212,12 +241,23 @@ class Iteration:
 
     def begin_step(self, name: str) -> None:
         """Close the open step and open the next one."""
-        if self._open is not None and self._open.name == name:
+        if self._step_name() == name and (self._open is not None or self.lean):
             return
         if name.startswith("backward:") and not self._backward_done_queued:
             # Mark the end of backward (optimizer work that follows is its own step).
             self._backward_done_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if self.lean:
+            self._lean_step = name
+            self.step_index += 1
+            assert self.executor is not None
+            self.executor.on_step(self.step_index, name)
+            if self.executor.active:
+                if self.step_index in self.executor.watched:
+                    self._check_boundary()
+                return
+            self._leave_lean()
+            self.step_index -= 1  # opened again below, with the books
         self._close_step()
         self.step_index += 1
         epoch = self.store.memory_epoch
@@ -242,6 +282,28 @@ class Iteration:
         # not counted by the epoch, so a joint iteration always reads again.
         same = self.store.memory_epoch == epoch and self.params is None
         self.enforce(live_hint=live if same else None)
+
+    def _check_boundary(self) -> None:
+        """A lean replay's reading at a module boundary (NOTE [lean replay])."""
+        self.store.reap(block=False, block_restores=False)
+        live = self.live_bytes()
+        self._sample(live)
+        if self.books.violated:
+            logger.warning(
+                "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
+                "every hook point from here on, and profiling again next iteration",
+                self._lean_step,
+                live,
+                self.policy.budget_bytes,
+            )
+            self._leave_lean()
+            self.enforce(live_hint=live)
+        elif live > self.policy.high_watermark():
+            self.enforce(live_hint=live)
+
+    def _leave_lean(self) -> None:
+        self.lean = False
+        self.policy.follow_plan(self.executor is not None and self.executor.active)
 
     def after_node(self) -> None:
         """Sample a backward node's working set (NOTE [node peaks] in ``activations/hooks.py``).

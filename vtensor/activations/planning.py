@@ -23,6 +23,7 @@ from vtensor.planner.keys import (
     parameter_dtype,
 )
 from vtensor.planner.lgm import PLANNER_VERSION
+from vtensor.planner.memory_model import watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import choose_recompute, predicted_step_s
 from vtensor.planner.trace import Trace
@@ -81,6 +82,8 @@ class PlanBook:
         # Signatures whose next iteration is profiled with modules recomputed: the modules,
         # and the swap-only plan to compare with (NOTE [hybrid plan]).
         self._trial: dict[str, tuple[tuple[str, ...], Plan | None, float]] = {}
+        # Signatures whose cached plan broke the budget in a lean replay: profile them again.
+        self._reprofile: set[str] = set()
 
     def _key(
         self,
@@ -127,7 +130,7 @@ class PlanBook:
         if signature in self._trial:
             names = self._trial[signature][0]
             return IterationPlan(signature, PlanSource.PROFILED, None, True, key, recompute=names)
-        if self.cache is not None:
+        if self.cache is not None and signature not in self._reprofile:
             cached = self.cache.get(key)
             if cached is not None:
                 self._plans[signature] = cached
@@ -143,7 +146,7 @@ class PlanBook:
         find_units = self.recompute and not params
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=find_units)
 
-    def _plan(self, trace: Trace, reserve_bytes: int) -> Plan | None:
+    def _plan(self, trace: Trace, reserve_bytes: int, min_budget_bytes: int) -> Plan | None:
         """The plan of ``trace`` that leaves the guard its headroom; None if there is none.
 
         NOTE [plan within the guard]: the plan leaves the guard ``reserve_bytes`` (the largest
@@ -152,7 +155,7 @@ class PlanBook:
         the whole budget and the guard keeps its headroom as it can.
         """
         plan: Plan | None = None
-        for budget_bytes in (self.budget_bytes - reserve_bytes, self.budget_bytes):
+        for budget_bytes in (max(0, self.budget_bytes - reserve_bytes), self.budget_bytes):
             try:
                 plan = plan_lgm(trace, budget_bytes, chunk_bytes=self.chunk_bytes)
                 break
@@ -161,7 +164,15 @@ class PlanBook:
                     logger.warning("no swap plan at this budget, staying reactive: %s", err)
         if plan is None:
             return None
-        return dataclasses.replace(plan, reserve_bytes=reserve_bytes)
+        # NOTE [lean replay]: a replay reads the tracked bytes where the plan comes within the
+        # guard's headroom twice over, or a tenth of the budget, of the budget.
+        margin = max(2 * reserve_bytes, self.budget_bytes // 10)
+        return dataclasses.replace(
+            plan,
+            reserve_bytes=reserve_bytes,
+            min_budget_bytes=min_budget_bytes,
+            watched_steps=watched_steps(plan, trace, margin),
+        )
 
     def plan_for(
         self,
@@ -190,19 +201,31 @@ class PlanBook:
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         self._plans[chosen.signature] = plan
+        self._reprofile.discard(chosen.signature)
         if plan is not None and self.cache is not None and chosen.key is not None:
             try:
                 self.cache.put(chosen.key, plan)
             except VTensorError as err:
                 logger.warning("plan not cached: %s", err)
 
+    def forget(self, chosen: IterationPlan) -> None:
+        """Drop the plan ``chosen`` replayed: the next iteration is profiled (not cached)."""
+        self._plans.pop(chosen.signature, None)
+        self._reprofile.add(chosen.signature)
+        chosen.abandoned = True
+
     def after_iteration(
-        self, chosen: IterationPlan, trace: Trace | None, reserve_bytes: int
+        self,
+        chosen: IterationPlan,
+        trace: Trace | None,
+        reserve_bytes: int,
+        min_budget_bytes: int = 0,
     ) -> PlanSource:
         """Learn from a finished iteration; returns the source to report for it.
 
         ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
-        so that a process replaying a cached plan guards the budget from its first step.
+        so that a process replaying a cached plan guards the budget from its first step;
+        ``min_budget_bytes``, the profiled iteration's stated minimum, too, for lean replays.
         """
         if chosen.abandoned:
             return PlanSource.FALLBACK
@@ -214,16 +237,18 @@ class PlanBook:
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
             begin = time.perf_counter()
-            plan = self._choose(chosen.signature, trace, reserve_bytes)
+            plan = self._choose(chosen.signature, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin
             if chosen.signature in self._trial:
                 return chosen.source  # the next iteration tries the recomputation
             self._store(chosen, plan)
         return chosen.source
 
-    def _choose(self, signature: str, trace: Trace, reserve_bytes: int) -> Plan | None:
+    def _choose(
+        self, signature: str, trace: Trace, reserve_bytes: int, min_budget_bytes: int
+    ) -> Plan | None:
         """The plan of a profiled trace; with recomputation, first a trial (NOTE [hybrid plan])."""
-        plan = self._plan(trace, reserve_bytes)
+        plan = self._plan(trace, reserve_bytes, min_budget_bytes)
         if plan is not None:
             plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
         trial = self._trial.pop(signature, None)

@@ -100,6 +100,9 @@ class IterationReport:
             out of the tracked bytes and the budget, reported here. Mostly the first iteration
             of a process, or the first to meet a new matrix shape.
         recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
+        lean: a replayed plan was checked at module boundaries only, to the end (NOTE [lean
+            replay]): ``peak_device_bytes`` is the highest reading at a boundary, ``steps`` is
+            empty and ``min_budget_bytes`` is the profiled iteration's.
     """
 
     iteration: int
@@ -126,6 +129,7 @@ class IterationReport:
     one_time_bytes: int = 0
     copied_bytes: int = 0
     recomputed: tuple[str, ...] = ()
+    lean: bool = False
 
     @property
     def bytes_moved(self) -> int:

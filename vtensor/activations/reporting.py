@@ -57,7 +57,12 @@ def iteration_report(
         peak_device_bytes=books.peak_bytes,
         peak_independent_bytes=peaks.peak(iteration.baseline_bytes, iteration.rss_peak_bytes),
         independent_kind=peaks.kind,
-        min_budget_bytes=books.min_budget_bytes + pending_state_bytes,
+        # NOTE [lean replay]: a lean iteration states the minimum of the one it replays.
+        min_budget_bytes=(
+            plan.min_budget_bytes
+            if iteration.lean and plan is not None
+            else books.min_budget_bytes + pending_state_bytes
+        ),
         bytes_out=now.bytes_out - before.bytes_out,
         bytes_in=now.bytes_in - before.bytes_in,
         transfer_s=now.transfer_s - before.transfer_s,
@@ -71,4 +76,5 @@ def iteration_report(
         cache_load_s=chosen.cache_load_s,
         one_time_bytes=iteration.one_time_bytes,
         recomputed=iteration.recomputed,
+        lean=iteration.lean,
     )

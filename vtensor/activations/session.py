@@ -91,6 +91,12 @@ class MemoryManager:
             profiled iteration finds the modules that are safe to recompute, the next one is
             profiled with the chosen ones recomputed, and the faster plan is kept. Training
             stays bit-identical. Planned policy only, and not with parameter offloading.
+        check_every_hook: while a plan is replayed, read the tracked bytes and judge the budget
+            at every hook point (each saved tensor, each unpack, each backward node), as
+            while profiling. Off, a replay of a plan profiled in this process or loaded from
+            the cache reads them at module boundaries only, and does per-tensor work only where
+            the plan acts (NOTE [lean replay] in ``vtensor/activations/iteration.py``); its
+            report then has no per-step statistics and states the profiled iteration's minimum.
     """
 
     def __init__(
@@ -111,6 +117,7 @@ class MemoryManager:
         count_workspaces: bool = False,
         measure_peaks: bool = False,
         recompute: bool = False,
+        check_every_hook: bool = False,
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -144,6 +151,7 @@ class MemoryManager:
             recompute=recompute,
         )
         self.recompute = recompute
+        self.check_every_hook = check_every_hook
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
         self._peaks: IndependentPeak | None = None
@@ -275,6 +283,7 @@ class MemoryManager:
                 rss=peaks.rss,
                 count_workspaces=self.count_workspaces,
                 params=joint.side if joint is not None else None,
+                lean=not self.check_every_hook,
             )
             # Exits run in reverse: the hooks come off, the pool disconnects, then the
             # iteration closes its last step and the store takes in what completed.
@@ -282,7 +291,7 @@ class MemoryManager:
             stack.callback(iteration.finish)
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
-            for hook in install_module_hooks(model, iteration):
+            for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
                 stack.callback(hook.remove)
             recompute = executor.plan.recompute if executor is not None else chosen.recompute
             if recompute:
@@ -299,7 +308,10 @@ class MemoryManager:
             with torch.autograd.graph.saved_tensors_hooks(*make_saved_tensor_hooks(iteration)):
                 yield
         books = iteration.books
-        if books.violated:
+        if books.violated and iteration.was_lean:
+            # NOTE [lean replay]: its own minimum would not be one that works; profile again.
+            self._plans.forget(chosen)
+        elif books.violated:
             if not self._plans.abandon_trial(chosen):
                 raise InfeasibleBudgetError(
                     self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
@@ -332,7 +344,12 @@ class MemoryManager:
             if joint is not None and joint.created_state:
                 trace = dataclasses.replace(trace, incomplete=True)
             self._trace = trace
-        source = self._plans.after_iteration(chosen, trace, self._policy.reserve_bytes)
+        source = self._plans.after_iteration(
+            chosen,
+            trace,
+            self._policy.reserve_bytes,
+            iteration.books.min_budget_bytes + pending_state_bytes,
+        )
         report = iteration_report(
             len(self._reports),
             iteration,

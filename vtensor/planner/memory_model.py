@@ -67,6 +67,20 @@ def simulate(plan: Plan, trace: Trace) -> list[int]:
     return [int(b) for b in unmanaged + np.cumsum(delta[:n])]
 
 
+def watched_steps(plan: Plan, trace: Trace, margin_bytes: int) -> tuple[int, ...]:
+    """The steps a lean replay reads the tracked bytes at (NOTE [lean replay]).
+
+    The step of the predicted peak, where the reading is the iteration's peak, and every step
+    predicted within ``margin_bytes`` of the plan's budget, where the guard may have to act.
+    """
+    resident = simulate(plan, trace)
+    if not resident:
+        return ()
+    top = max(range(len(resident)), key=resident.__getitem__)
+    near = plan.budget_bytes - margin_bytes
+    return tuple(i for i, b in enumerate(resident) if b >= near or i == top)
+
+
 def check_plan(plan: Plan, trace: Trace, budget_bytes: int) -> list[str]:
     """Every way ``plan`` breaks the rules on ``trace`` under ``budget_bytes``; empty if none.
 

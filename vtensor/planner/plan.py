@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 4
+PLAN_SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class Plan:
             iteration with them recomputed.
         predicted_step_s: the step time the planner predicts: measured compute, recomputation
             included, plus the predicted stall.
+        min_budget_bytes: the smallest budget the profiled iteration it was planned from could
+            have run at (NOTE [minimum budget]); a lean replay, which does not judge every hook
+            point, reports it (NOTE [lean replay]).
+        watched_steps: the steps at which a lean replay reads the tracked bytes: the predicted
+            peak's and those predicted near the budget (``memory_model.watched_steps``).
     """
 
     budget_bytes: int
@@ -70,6 +75,8 @@ class Plan:
     tensor_names: tuple[str, ...] = ()
     recompute: tuple[str, ...] = ()
     predicted_step_s: float = 0.0
+    min_budget_bytes: int = 0
+    watched_steps: tuple[int, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -104,6 +111,7 @@ class Plan:
             tensor_bytes=tuple(raw.pop("tensor_bytes")),
             tensor_names=tuple(raw.pop("tensor_names", ())),
             recompute=tuple(raw.pop("recompute", ())),
+            watched_steps=tuple(raw.pop("watched_steps", ())),
             **raw,
         )
 

@@ -1,0 +1,132 @@
+"""Lean replay: a replay reads the tracked bytes only where its plan watches them."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vtensor
+from vtensor.measure import trackers
+
+CHUNK = 65536
+
+
+class Hoarder(nn.Module):
+    """An MLP one of whose layers can keep a large tensor alive outside autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8))
+        self.hoard_bytes = 0
+        self.hoard: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 1 and self.hoard_bytes:
+                self.hoard.append(torch.ones(self.hoard_bytes // 4))
+        return x
+
+
+def _step(
+    model: nn.Module, x: torch.Tensor, mm: vtensor.MemoryManager | None
+) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if mm is None:
+        model(x).square().mean().backward()
+    else:
+        with mm.step(model, inputs=(x,)):
+            model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _peak(model: nn.Module, x: torch.Tensor) -> int:
+    with vtensor.MemoryManager("1GiB", policy="reactive") as mm:
+        _step(model, x, mm)
+        _step(model, x, mm)
+        return mm.report().peak_device_bytes
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the heap-counter readings (one entry per reading)."""
+    seen: list[int] = []
+    read = trackers.MallocTracker.current_bytes
+
+    def counted(self: trackers.MallocTracker) -> int:
+        seen.append(1)
+        return read(self)
+
+    monkeypatch.setattr(trackers.MallocTracker, "current_bytes", counted)
+    return seen
+
+
+def test_a_replay_that_never_binds_reads_the_heap_a_few_times(tmp_path: Path, reads: list[int]):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(2048, 64)
+    counts = {}
+    for every_hook in (False, True):
+        with vtensor.MemoryManager("1GiB", storage_dir=tmp_path, check_every_hook=every_hook) as mm:
+            for _ in range(3):
+                reads.clear()
+                _step(model, x, mm)
+            report = mm.report()
+            plan = mm.plan_for(model, (x,))
+        assert report.plan_source == "planned" and report.lean is not every_hook
+        assert plan is not None
+        counts[every_hook] = len(reads)
+    # Nothing comes near a 1 GiB budget: only the predicted peak's step is watched.
+    assert plan.watched_steps and len(plan.watched_steps) == 1
+    assert counts[False] <= 4, counts  # entry, the watched boundary, the end
+    assert counts[True] >= 10 * counts[False], counts
+    assert report.peak_device_bytes > 0  # read at the predicted peak
+    assert report.steps == () or not report.lean
+
+
+def test_lean_and_full_replays_move_the_same_bytes_bit_identically(tmp_path: Path):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    ref = _step(model, x, None)
+    moved = {}
+    for every_hook in (False, True):
+        with vtensor.MemoryManager(
+            budget, chunk_bytes=CHUNK, storage_dir=tmp_path, check_every_hook=every_hook
+        ) as mm:
+            for _ in range(3):
+                assert all(map(torch.equal, ref, _step(model, x, mm)))
+            report = mm.report()
+        assert report.plan_source == "planned" and report.lean is not every_hook
+        assert report.bytes_out > 0 and report.peak_device_bytes <= budget + CHUNK
+        moved[every_hook] = (report.bytes_out, report.bytes_in, report.min_budget_bytes)
+    assert moved[False][:2] == moved[True][:2]
+    # The lean replay states the profiled iteration's minimum, a budget that works.
+    assert 0 < moved[False][2] <= budget
+
+
+def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    ref = _step(model, x, None)
+    cache = tmp_path / "plans"
+    with vtensor.MemoryManager(
+        budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
+    ) as mm:
+        _step(model, x, mm)
+        _step(model, x, mm)
+        assert mm.report().lean
+        model.hoard_bytes = budget  # outside autograd: the plan cannot see it coming
+        with caplog.at_level(logging.WARNING, logger="vtensor"):
+            assert all(map(torch.equal, ref, _step(model, x, mm)))
+        report = mm.report()
+        assert report.plan_source == "fallback" and not report.lean
+        assert "went over the budget" in caplog.text
+        model.hoard_bytes, model.hoard = 0, []
+        _step(model, x, mm)  # profiled again, not the cached plan
+        _step(model, x, mm)
+        assert [r.plan_source for r in mm.reports[-2:]] == ["profiled", "planned"]
