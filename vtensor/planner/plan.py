@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 4
+PLAN_SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Plan:
         recompute: modules (qualified names) whose forward runs again in backward instead of
             keeping or swapping what it saves (NOTE [recompute]); the moves are planned for the
             iteration with them recomputed.
+        selective: of ``recompute``, the modules recomputed selectively: torch's selective
+            activation checkpointing keeps their product outputs and recomputes the rest
+            (NOTE [selective recompute]).
         predicted_step_s: the step time the planner predicts: measured compute, recomputation
             included, plus the predicted stall.
     """
@@ -70,6 +73,7 @@ class Plan:
     tensor_names: tuple[str, ...] = ()
     recompute: tuple[str, ...] = ()
     predicted_step_s: float = 0.0
+    selective: tuple[str, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -104,6 +108,7 @@ class Plan:
             tensor_bytes=tuple(raw.pop("tensor_bytes")),
             tensor_names=tuple(raw.pop("tensor_names", ())),
             recompute=tuple(raw.pop("recompute", ())),
+            selective=tuple(raw.pop("selective", ())),
             **raw,
         )
 
