@@ -100,6 +100,7 @@ class IterationReport:
             out of the tracked bytes and the budget, reported here. Mostly the first iteration
             of a process, or the first to meet a new matrix shape.
         recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
+        selective: of those, the ones recomputed selectively (NOTE [selective recompute]).
     """
 
     iteration: int
@@ -126,6 +127,7 @@ class IterationReport:
     one_time_bytes: int = 0
     copied_bytes: int = 0
     recomputed: tuple[str, ...] = ()
+    selective: tuple[str, ...] = ()
 
     @property
     def bytes_moved(self) -> int:

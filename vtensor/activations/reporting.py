@@ -71,4 +71,5 @@ def iteration_report(
         cache_load_s=chosen.cache_load_s,
         one_time_bytes=iteration.one_time_bytes,
         recomputed=iteration.recomputed,
+        selective=iteration.selective,
     )
