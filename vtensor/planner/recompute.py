@@ -2,24 +2,25 @@
 
 NOTE [hybrid plan]
 Every saved byte is kept, swapped or recomputed. A unit (a module, NOTE [recompute] in
-``activations/recompute.py``) can be recomputed two ways. Whole, it frees its inner tensors
-from its forward to its backward at the price of its measured forward time. Selectively
-(NOTE [selective recompute] in ``activations/selective.py``), torch's selective activation
+``activations/recompute.py``) can be recomputed two ways. Whole, it frees its inner tensors from
+its forward to its backward at the price of its measured forward time. Selectively (NOTE
+[selective recompute] in ``activations/selective.py``), torch's selective activation
 checkpointing keeps the outputs of its product ops (convolutions, matrix products) in a cache
-the manager does not see and recomputes only the rest: it frees the inner tensors no product
-op made, at the price of its non-product ops' time, and holds its product outputs, unswappable,
+the manager does not see and recomputes only the rest: it frees the inner tensors no product op
+made, at the price of its non-product ops' time, and holds its product outputs, unswappable,
 from their making through its backward. Either way recomputation brings the freed tensors back
 all at once, at the start of the unit's backward, where swapping would bring them back one by
-one. The options cheapest per freed byte are taken first until they cover the deficit (the
-peak over the budget), never two nested units nor both options of one, and an option is taken
-only if the iteration with it (``with_recompute``) still has a feasible floor; what remains is
-left to the swap planner. No bandwidth model decides between the two: on a CPU the swap
-engine's work (sealing, system calls, page faults on return) takes cores from compute even
-where the planner hides the transfer, which a model of the disk alone does not see. So the
-choice is tested, not trusted: the iteration after it is profiled with those units recomputed,
-its trace planned by ``plan_lgm``, and the plan with the smaller predicted step time (measured
-wall time of the profiled steps, recomputation and the profiled iteration's own swapping
-included, plus the predicted stall) is kept (``activations/planning.py``).
+one. The options cheapest per freed byte are taken first until they cover the deficit (the peak
+over the budget), never two nested units nor both options of one, and an option is taken only if
+the iteration with it (``with_recompute``) still has a feasible floor; where the deficit is
+still not covered, selective units are recomputed whole instead, those adding the most bytes per
+second first. What remains is left to the swap planner. No bandwidth model decides between the
+two: on a CPU the swap engine's work (sealing, system calls, page faults on return) takes cores
+from compute even where the planner hides the transfer, which a model of the disk alone does not
+see. So the choice is tested, not trusted: the iteration after it is profiled with those units
+recomputed, its trace planned by ``plan_lgm``, and the plan with the smaller predicted step time
+(measured wall time of the profiled steps, recomputation and the profiled iteration's own
+swapping included, plus the predicted stall) is kept (``activations/planning.py``).
 """
 
 import dataclasses
@@ -116,7 +117,25 @@ def choose_recompute(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], 
         if partial:
             selective.append(unit.name)
         freed += nbytes
+    # Deficit left: recompute whole the selective units that free the most per extra second.
+    units = {u.name: u for u in trace.units}
+    upgrades = sorted(
+        (_upgrade(trace, units[n]), n) for n in selective if _upgrade(trace, units[n])[1] > 0
+    )
+    for (_, extra), name in upgrades:
+        if freed >= deficit:
+            break
+        trial = with_recompute(trace, chosen, [n for n in selective if n != name])
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
+            selective.remove(name)
+            freed += extra
     return tuple(sorted(chosen)), tuple(sorted(selective))
+
+
+def _upgrade(trace: Trace, unit: TraceUnit) -> tuple[float, int]:
+    """(seconds per byte, bytes) recomputing ``unit`` whole adds to recomputing it selectively."""
+    extra = inner_bytes(trace, unit) - selective_bytes(trace, unit)
+    return (unit.forward_s - unit.selective_s) / max(extra, 1), extra
 
 
 def predicted_step_s(trace: Trace, plan: Plan | None) -> float:
