@@ -75,6 +75,7 @@ class Iteration:
         self.recomputing = 0
         self.units: UnitRecorder | None = None
         self.recomputed: tuple[str, ...] = ()
+        self.selective: tuple[str, ...] = ()  # of those, recomputed selectively
         self.policy = policy
         self.tracker = tracker
         self.device = device
@@ -179,17 +180,28 @@ class Iteration:
     # -- hook target --------------------------------------------------------------------------
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Plain dense tensors on the managed device, not parameters or buffers, not tiny."""
+        if not self._plain(tensor):
+            return False
+        if not self.manages(tensor):
+            self.books.unmanaged_saved_bytes += tensor.nbytes
+            return False
+        return True
+
+    def manages(self, tensor: torch.Tensor) -> bool:
+        """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""
+        storage = tensor.untyped_storage()
+        return (
+            self._plain(tensor)
+            and storage.nbytes() >= self.min_tensor_bytes
+            and storage.resizable()
+        )
+
+    def _plain(self, tensor: torch.Tensor) -> bool:
         if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
             return False
         if tensor.device.type != self.device.type or tensor.is_quantized or tensor.is_nested:
             return False
-        storage = tensor.untyped_storage()
-        if storage._cdata in self.protected:
-            return False
-        if storage.nbytes() < self.min_tensor_bytes or not storage.resizable():
-            self.books.unmanaged_saved_bytes += tensor.nbytes
-            return False
-        return True
+        return tensor.untyped_storage()._cdata not in self.protected
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """Account a newly saved tensor and keep the budget."""
@@ -426,7 +438,9 @@ class Iteration:
             position = {vid: i for i, vid in enumerate(sorted(self.books.tensors))}
             names = [s.name for s in trace.steps]
             units = self.units.units(position, trace.tensors, names)
-        return dataclasses.replace(trace, units=units, recomputed=self.recomputed)
+        return dataclasses.replace(
+            trace, units=units, recomputed=self.recomputed, selective=self.selective
+        )
 
 
 def _copy(stats: StoreStats) -> StoreStats:

@@ -43,6 +43,7 @@ class IterationPlan:
     planning_s: float = 0.0
     cache_load_s: float = 0.0
     recompute: tuple[str, ...] = ()  # modules recomputed in this iteration (NOTE [recompute])
+    selective: tuple[str, ...] = ()  # of those, the ones recomputed selectively
     find_units: bool = False  # profile which modules could be recomputed
     abandoned: bool = False  # a trial of recomputation that broke the budget
 
@@ -80,8 +81,9 @@ class PlanBook:
         if recompute:
             self.planner_version += "+recompute"
         # Signatures whose next iteration is profiled with modules recomputed: the modules,
-        # and the swap-only plan to compare with (NOTE [hybrid plan]).
-        self._trial: dict[str, tuple[tuple[str, ...], Plan | None, float]] = {}
+        # those of them recomputed selectively, and the swap-only plan to compare with
+        # (NOTE [hybrid plan]).
+        self._trial: dict[str, tuple[tuple[str, ...], tuple[str, ...], Plan | None, float]] = {}
         # Signatures whose cached plan broke the budget in a lean replay: profile them again.
         self._reprofile: set[str] = set()
 
@@ -128,8 +130,16 @@ class PlanBook:
                 signature, PlanSource.PLANNED, self._executor(plan, store), False, key
             )
         if signature in self._trial:
-            names = self._trial[signature][0]
-            return IterationPlan(signature, PlanSource.PROFILED, None, True, key, recompute=names)
+            names, selective = self._trial[signature][:2]
+            return IterationPlan(
+                signature,
+                PlanSource.PROFILED,
+                None,
+                True,
+                key,
+                recompute=names,
+                selective=selective,
+            )
         if self.cache is not None and signature not in self._reprofile:
             cached = self.cache.get(key)
             if cached is not None:
@@ -196,7 +206,7 @@ class PlanBook:
         if trial is None or chosen.executor is not None:
             return False
         chosen.abandoned = True
-        self._store(chosen, trial[1])
+        self._store(chosen, trial[2])
         return True
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
@@ -253,17 +263,19 @@ class PlanBook:
             plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
         trial = self._trial.pop(signature, None)
         if trial is not None:
-            names, swap_only, swap_only_s = trial
+            names, selective, swap_only, swap_only_s = trial
             if plan is not None:
-                plan = dataclasses.replace(plan, recompute=names)
+                plan = dataclasses.replace(plan, recompute=names, selective=selective)
             hybrid_s = predicted_step_s(trace, plan)
             if hybrid_s <= swap_only_s:
                 logger.info(
-                    "plan recomputes %d modules (predicted %.3f s per step, swap only %.3f s): %s",
+                    "plan recomputes %d modules, %d selectively (predicted %.3f s per step, "
+                    "swap only %.3f s): %s",
                     len(names),
+                    len(selective),
                     hybrid_s,
                     swap_only_s,
-                    ", ".join(names),
+                    ", ".join(f"{n} (selective)" if n in selective else n for n in names),
                 )
                 return plan
             logger.info(
@@ -274,7 +286,7 @@ class PlanBook:
             )
             return swap_only
         if trace.units:
-            names = choose_recompute(trace, self.budget_bytes - reserve_bytes)
+            names, selective = choose_recompute(trace, self.budget_bytes - reserve_bytes)
             if names:
-                self._trial[signature] = (names, plan, predicted_step_s(trace, plan))
+                self._trial[signature] = (names, selective, plan, predicted_step_s(trace, plan))
         return plan

@@ -14,8 +14,10 @@ its caller are done here, in the recomputation's context:
 - the module's buffers are put back after the recomputation: BatchNorm would otherwise update
   its running statistics twice, and training would not be bit-identical.
 
-Which modules are recomputed is the plan's choice (``Plan.recompute``); which may be is decided
-while profiling (NOTE [safe to recompute] in ``activations/units.py``).
+Which modules are recomputed is the plan's choice (``Plan.recompute``), and which of them
+selectively, under torch's selective activation checkpointing (``Plan.selective``, NOTE
+[selective recompute] in ``activations/selective.py``); which may be is decided while
+profiling (NOTE [safe to recompute] in ``activations/units.py``).
 """
 
 import contextlib
@@ -25,8 +27,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from vtensor.activations.selective import save_products
 from vtensor.errors import VTensorError
 
 
@@ -52,9 +55,14 @@ def recomputing(target: RecomputeTarget, module: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def recompute_modules(
-    model: nn.Module, names: Sequence[str], target: RecomputeTarget
+    model: nn.Module,
+    names: Sequence[str],
+    target: RecomputeTarget,
+    selective: Sequence[str] = (),
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
+
+    Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]).
 
     Raises:
         VTensorError: a name is not a module of ``model``.
@@ -75,7 +83,7 @@ def recompute_modules(
                     f"module {name!r} has its own forward attribute (patched or already "
                     "wrapped): it cannot be recomputed"
                 )
-            module.forward = _checkpointed(module, module.forward, target)
+            module.forward = _checkpointed(module, module.forward, target, name in selective)
             wrapped.append(module)
         yield
     finally:
@@ -84,10 +92,14 @@ def recompute_modules(
 
 
 def _checkpointed(
-    module: nn.Module, forward: Callable[..., Any], target: RecomputeTarget
+    module: nn.Module, forward: Callable[..., Any], target: RecomputeTarget, selective: bool
 ) -> Callable[..., Any]:
-    def contexts() -> tuple[contextlib.AbstractContextManager[None], Any]:
-        return contextlib.nullcontext(), recomputing(target, module)
+    def contexts() -> tuple[contextlib.AbstractContextManager[Any], Any]:
+        if not selective:
+            return contextlib.nullcontext(), recomputing(target, module)
+        pair = create_selective_checkpoint_contexts(save_products)  # type: ignore[no-untyped-call]
+        caching, cached = pair
+        return caching, _both(recomputing(target, module), cached)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -103,3 +115,18 @@ def _checkpointed(
         )
 
     return run
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager[Any], second: contextlib.AbstractContextManager[None]
+) -> Iterator[None]:
+    """``first``, then ``second`` inside it.
+
+    The manager's recomputation context goes outside SAC's, so that its own ops (copying and
+    putting back the buffers) do not reach SAC's cache, which would find them missing.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(first)
+        stack.enter_context(second)
+        yield

@@ -77,4 +77,5 @@ def iteration_report(
         one_time_bytes=iteration.one_time_bytes,
         recomputed=iteration.recomputed,
         lean=iteration.lean,
+        selective=iteration.selective,
     )

@@ -293,10 +293,12 @@ class MemoryManager:
                 stack.enter_context(joint.connected_to(iteration))
             for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
                 stack.callback(hook.remove)
-            recompute = executor.plan.recompute if executor is not None else chosen.recompute
-            if recompute:
-                iteration.recomputed = recompute
-                stack.enter_context(recompute_modules(model, recompute, iteration))
+            plan = executor.plan if executor is not None else chosen
+            if plan.recompute:
+                iteration.recomputed, iteration.selective = plan.recompute, plan.selective
+                stack.enter_context(
+                    recompute_modules(model, plan.recompute, iteration, plan.selective)
+                )
             elif chosen.find_units:
                 iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
                 for hook in iteration.units.install():

@@ -17,8 +17,15 @@ recomputed, when it:
   module, data-dependent behaviour that the inputs do not determine);
 - runs more than once per iteration (a shared module): its saved tensors have no one span.
 
-The check runs its forward a second time (without autograd) and excludes that time from the
-step's measured duration. Control flow that depends only on the inputs is safe: a second run
+A safe unit is also profiled for selective recomputation (``selective_profile.py``, NOTE
+[selective recompute] in ``activations/selective.py``): a second run of its forward finds which
+of its saved tensors product ops made, the time of the rest, and whether SAC's cache would be
+modified in place (a product output modified in its forward, or leaving it), which makes it
+unsafe to recompute selectively.
+
+The check runs its forward a second time (without autograd), the selective profile a third
+(with it), and both times are excluded from the step's measured duration. Control flow that
+depends only on the inputs is safe: a second run
 takes the same branch. What no check can see (a side effect outside Python attributes and
 tensors, such as a write to a file) stays the user's to exclude.
 """
@@ -33,6 +40,14 @@ from torch import nn
 
 from vtensor.activations.hooks import Removable
 from vtensor.activations.recompute import RecomputeTarget
+from vtensor.activations.selective_profile import (
+    ProfileTarget,
+    SelectiveProfile,
+    StartState,
+    profile_selective,
+    replaying,
+    with_selective,
+)
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.outputs import tensors_in
 from vtensor.planner.trace import TraceTensor, TraceUnit
@@ -41,7 +56,7 @@ _SIMPLE = (int, float, bool, str, type(None))
 _MAX_GRAPH_NODES = 100_000
 
 
-class UnitTarget(RecomputeTarget, Protocol):
+class UnitTarget(ProfileTarget, Protocol):
     """What the recorder reads of the iteration it profiles."""
 
     step_index: int
@@ -76,6 +91,7 @@ class _Seen:
     input_vids: list[int]
     why_unsafe: str = ""
     calls: int = 1
+    selective: SelectiveProfile | None = None
 
 
 @dataclass
@@ -143,10 +159,16 @@ class UnitRecorder:
             return
         began = time.perf_counter()
         why = _why_unsafe(module, opened, args, kwargs, output, self.target)
+        selective = None
+        if not why:
+            start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
+            call = (args, kwargs)
+            selective = profile_selective(module, start, call, vids, self.records, self.target)
         self.target.exclude_time(time.perf_counter() - began)
         self.seen[name] = _Seen(
             name, opened.first_step, self.target.step_index, forward_s, vids, inputs, why
         )
+        self.seen[name].selective = selective
 
     def units(
         self, position: dict[int, int], tensors: Sequence[TraceTensor], step_names: Sequence[str]
@@ -174,18 +196,20 @@ class UnitRecorder:
             )
             if not inner:
                 continue
-            units.append(
-                TraceUnit(
-                    name=seen.name,
-                    first_step=seen.first_step,
-                    last_step=seen.last_step,
-                    forward_s=seen.forward_s,
-                    inner_vids=inner,
-                    input_vids=tuple(sorted(inputs)),
-                    safe=not seen.why_unsafe,
-                    why_unsafe=seen.why_unsafe,
-                )
+            unit = TraceUnit(
+                name=seen.name,
+                first_step=seen.first_step,
+                last_step=seen.last_step,
+                forward_s=seen.forward_s,
+                inner_vids=inner,
+                input_vids=tuple(sorted(inputs)),
+                safe=not seen.why_unsafe,
+                why_unsafe=seen.why_unsafe,
+                why_not_selective=seen.why_unsafe or "not profiled",
             )
+            if seen.selective is not None:
+                unit = with_selective(unit, seen.selective, position)
+            units.append(unit)
         return tuple(units)
 
 
@@ -248,27 +272,9 @@ def _reproduces(
     target: RecomputeTarget,
 ) -> bool:
     """Run the forward again from the state it began with; True if the outputs are the same."""
-    rng_after = torch.get_rng_state()
-    cuda_after = torch.cuda.get_rng_state() if opened.cuda_rng is not None else None
-    buffers = list(module.buffers())
-    buffers_after = [b.detach().clone() for b in buffers]
-    target.recomputing += 1
-    try:
-        with torch.no_grad():
-            torch.set_rng_state(opened.rng)
-            if opened.cuda_rng is not None:
-                torch.cuda.set_rng_state(opened.cuda_rng)
-            for buffer, value in zip(buffers, opened.buffers, strict=True):
-                buffer.copy_(value)
-            again = tensors_in(module.forward(*args, **kwargs))
-    finally:
-        target.recomputing -= 1
-        torch.set_rng_state(rng_after)
-        if cuda_after is not None:
-            torch.cuda.set_rng_state(cuda_after)
-        with torch.no_grad():
-            for buffer, value in zip(buffers, buffers_after, strict=True):
-                buffer.copy_(value)
+    start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
+    with replaying(module, start, target), torch.no_grad():
+        again = tensors_in(module.forward(*args, **kwargs))
     return len(again) == len(outputs) and all(
         _same_bits(a, b) for a, b in zip(again, outputs, strict=True)
     )

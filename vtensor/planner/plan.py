@@ -53,6 +53,9 @@ class Plan:
         recompute: modules (qualified names) whose forward runs again in backward instead of
             keeping or swapping what it saves (NOTE [recompute]); the moves are planned for the
             iteration with them recomputed.
+        selective: of ``recompute``, the modules recomputed selectively: torch's selective
+            activation checkpointing keeps their product outputs and recomputes the rest
+            (NOTE [selective recompute]).
         predicted_step_s: the step time the planner predicts: measured compute, recomputation
             included, plus the predicted stall.
         min_budget_bytes: the smallest budget the profiled iteration it was planned from could
@@ -77,6 +80,7 @@ class Plan:
     predicted_step_s: float = 0.0
     min_budget_bytes: int = 0
     watched_steps: tuple[int, ...] = ()
+    selective: tuple[str, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -112,6 +116,7 @@ class Plan:
             tensor_names=tuple(raw.pop("tensor_names", ())),
             recompute=tuple(raw.pop("recompute", ())),
             watched_steps=tuple(raw.pop("watched_steps", ())),
+            selective=tuple(raw.pop("selective", ())),
             **raw,
         )
 

@@ -1,21 +1,26 @@
 """Which modules to recompute instead of keeping or swapping what they save (pure).
 
 NOTE [hybrid plan]
-Every saved byte is kept, swapped or recomputed. Recomputing a unit (a module, NOTE [recompute]
-in ``activations/recompute.py``) frees its inner tensors from its forward to its backward at the
-price of its measured forward time and of its working set in backward: recomputation brings back
-all of its inner tensors at once, at the start of its backward, where swapping would bring them
-back one by one. The units cheapest per inner byte are taken first until they cover the deficit
-(the peak over the budget), never two nested ones, and a unit is taken only if the iteration
-with it recomputed (``with_recompute``: its inner tensors gone, their bytes held through its
-backward steps, its inputs kept) still has a feasible floor; what remains is left to the swap
-planner. No bandwidth model decides between the two: on a CPU the swap engine's work
-(sealing, system calls, page faults on return) takes cores from compute even where the planner
-hides the transfer, which a model of the disk alone does not see. So the choice is tested, not
-trusted: the iteration after it is profiled with those units recomputed, its trace planned by
-``plan_lgm``, and the plan with the smaller predicted step time (measured wall time of the
-profiled steps, recomputation and the profiled iteration's own swapping included, plus the
-predicted stall) is kept (``activations/planning.py``).
+Every saved byte is kept, swapped or recomputed. A unit (a module, NOTE [recompute] in
+``activations/recompute.py``) can be recomputed two ways. Whole, it frees its inner tensors from
+its forward to its backward at the price of its measured forward time. Selectively (NOTE
+[selective recompute] in ``activations/selective.py``), torch's selective activation
+checkpointing keeps the outputs of its product ops (convolutions, matrix products) in a cache
+the manager does not see and recomputes only the rest: it frees the inner tensors no product op
+made, at the price of its non-product ops' time, and holds its product outputs, unswappable,
+from their making through its backward. Either way recomputation brings the freed tensors back
+all at once, at the start of the unit's backward, where swapping would bring them back one by
+one. The options cheapest per freed byte are taken first until they cover the deficit (the peak
+over the budget), never two nested units nor both options of one, and an option is taken only if
+the iteration with it (``with_recompute``) still has a feasible floor; where the deficit is
+still not covered, selective units are recomputed whole instead, those adding the most bytes per
+second first. What remains is left to the swap planner. No bandwidth model decides between the
+two: on a CPU the swap engine's work (sealing, system calls, page faults on return) takes cores
+from compute even where the planner hides the transfer, which a model of the disk alone does not
+see. So the choice is tested, not trusted: the iteration after it is profiled with those units
+recomputed, its trace planned by ``plan_lgm``, and the plan with the smaller predicted step time
+(measured wall time of the profiled steps, recomputation and the profiled iteration's own
+swapping included, plus the predicted stall) is kept (``activations/planning.py``).
 """
 
 import dataclasses
@@ -28,28 +33,45 @@ from vtensor.planner.trace import Trace, TraceUnit
 
 
 def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
-    """Bytes recomputing ``unit`` would not keep."""
+    """Bytes recomputing ``unit`` whole would not keep."""
     return sum(trace.tensors[v].nbytes for v in unit.inner_vids)
 
 
-def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
+def selective_bytes(trace: Trace, unit: TraceUnit) -> int:
+    """Bytes recomputing ``unit`` selectively frees, less the product outputs it newly holds."""
+    freed = sum(trace.tensors[v].nbytes for v in unit.selective_vids)
+    return freed - unit.product_bytes
+
+
+def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] = ()) -> Trace:
     """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
 
-    Their inner tensors are gone; their bytes are held, as unmanaged bytes, through every
-    backward step of the unit (recomputation brings them all back at its start); their inputs
-    cannot move (the checkpoint holds them). Vids are renumbered in order.
+    ``selective``: those of ``names`` recomputed selectively. A whole unit's inner tensors are
+    gone; a selective unit's inner tensors leave the trace too, and its product outputs'
+    bytes are held, as unmanaged bytes, from their save (the others from its first step)
+    through its last backward step. The bytes a unit frees are held through every backward
+    step of it (recomputation brings them all back at its start); its inputs cannot move (the
+    checkpoint holds them). Vids are renumbered in order.
     """
-    units = [u for u in trace.units if u.name in set(names)]
+    chosen, partial = set(names), set(selective)
+    units = [u for u in trace.units if u.name in chosen]
     gone = {v for u in units for v in u.inner_vids}
+    gone |= {v for u in units if u.name in partial for v in (*u.selective_vids, *u.product_vids)}
     kept = {v for u in units for v in u.input_vids}
     extra = [0] * len(trace.steps)
     for unit in units:
-        held = inner_bytes(trace, unit)
-        for step in trace.steps:
-            if step.name == f"backward:{unit.name}" or step.name.startswith(
-                f"backward:{unit.name}."
-            ):
-                extra[step.index] += held
+        backward = [s.index for s in trace.steps if _in_backward(s.name, unit.name)]
+        if unit.name not in partial:
+            for index in backward:
+                extra[index] += inner_bytes(trace, unit)
+            continue
+        for index in backward:
+            extra[index] += sum(trace.tensors[v].nbytes for v in unit.selective_vids)
+        last = max(backward, default=unit.last_step)
+        held = [(trace.tensors[v].saved_step, trace.tensors[v].nbytes) for v in unit.product_vids]
+        for first, nbytes in [*held, (unit.first_step, unit.product_bytes)]:
+            for index in range(first, last + 1):
+                extra[index] += nbytes
     steps = tuple(
         dataclasses.replace(s, unmanaged_peak_bytes=s.unmanaged_peak_bytes + extra[s.index])
         for s in trace.steps
@@ -58,36 +80,62 @@ def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
         dataclasses.replace(t, vid=i, evictable_step=-1 if t.vid in kept else t.evictable_step)
         for i, t in enumerate(t for t in trace.tensors if t.vid not in gone)
     )
-    return dataclasses.replace(trace, steps=steps, tensors=tensors, units=(), recomputed=())
+    return dataclasses.replace(
+        trace, steps=steps, tensors=tensors, units=(), recomputed=(), selective=()
+    )
 
 
-def choose_recompute(trace: Trace, budget_bytes: int) -> tuple[str, ...]:
-    """The units of ``trace`` to recompute at ``budget_bytes`` (sorted names; may be empty).
+def choose_recompute(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The units of ``trace`` to recompute at ``budget_bytes``, and those of them selectively.
 
-    Deterministic: ties are broken by name.
+    Both sorted, maybe empty. Deterministic: ties are broken by name, whole before selective.
     """
     # What the iteration would hold if nothing moved (the profiled one already swapped).
     demand = simulate(empty_plan(trace, budget_bytes, trace.chunk_bytes), trace)
     deficit = max(demand, default=0) - budget_bytes
     if deficit <= 0:
-        return ()
-    sized = [(u, inner_bytes(trace, u)) for u in trace.units if u.safe]
-    ranked = sorted(
-        ((u, n) for u, n in sized if n > 0), key=lambda un: (un[0].forward_s / un[1], un[0].name)
-    )
+        return (), ()
+    options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in trace.units if u.safe]
+    options += [
+        (u, True, u.selective_s, selective_bytes(trace, u))
+        for u in trace.units
+        if u.safe and u.selective_safe
+    ]
+    ranked = sorted((o for o in options if o[3] > 0), key=lambda o: (o[2] / o[3], o[0].name, o[1]))
     chosen: list[str] = []
+    selective: list[str] = []
     freed = 0
-    for unit, nbytes in ranked:
+    for unit, partial, _, nbytes in ranked:
         if freed >= deficit:
             break
         if any(_nested(unit.name, other) for other in chosen):
-            continue
-        trial = with_recompute(trace, [*chosen, unit.name])
+            continue  # nested in a chosen unit, or the other option of one
+        trial = with_recompute(trace, [*chosen, unit.name], [*selective, *[unit.name] * partial])
         if min_budget(build_lgm(trial, trace.chunk_bytes))[0] > budget_bytes:
             continue  # its working set in backward would not fit
         chosen.append(unit.name)
+        if partial:
+            selective.append(unit.name)
         freed += nbytes
-    return tuple(sorted(chosen))
+    # Deficit left: recompute whole the selective units that free the most per extra second.
+    units = {u.name: u for u in trace.units}
+    upgrades = sorted(
+        (_upgrade(trace, units[n]), n) for n in selective if _upgrade(trace, units[n])[1] > 0
+    )
+    for (_, extra), name in upgrades:
+        if freed >= deficit:
+            break
+        trial = with_recompute(trace, chosen, [n for n in selective if n != name])
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
+            selective.remove(name)
+            freed += extra
+    return tuple(sorted(chosen)), tuple(sorted(selective))
+
+
+def _upgrade(trace: Trace, unit: TraceUnit) -> tuple[float, int]:
+    """(seconds per byte, bytes) recomputing ``unit`` whole adds to recomputing it selectively."""
+    extra = inner_bytes(trace, unit) - selective_bytes(trace, unit)
+    return (unit.forward_s - unit.selective_s) / max(extra, 1), extra
 
 
 def predicted_step_s(trace: Trace, plan: Plan | None) -> float:
@@ -95,6 +143,10 @@ def predicted_step_s(trace: Trace, plan: Plan | None) -> float:
     if plan is None:
         return float("inf")
     return sum(s.duration_s for s in trace.steps) + plan.predicted_stall_s
+
+
+def _in_backward(step: str, unit: str) -> bool:
+    return step == f"backward:{unit}" or step.startswith(f"backward:{unit}.")
 
 
 def _nested(a: str, b: str) -> bool:

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 6
+TRACE_SCHEMA_VERSION = 7
 
 
 class TensorKind(StrEnum):
@@ -110,6 +110,17 @@ class TraceUnit:
             input in place, called no custom autograd Function and changed no module attribute
             (NOTE [safe to recompute]); an unsafe unit is never recomputed.
         why_unsafe: the first reason it is not safe ("" when safe).
+        selective_safe: it may also be recomputed selectively, with torch's selective activation
+            checkpointing (NOTE [selective recompute] in ``activations/selective.py``): it is
+            safe, and no product output is modified in place or leaves it.
+        why_not_selective: the first reason it may not be recomputed selectively.
+        selective_s: measured time of its non-product ops (what a selective recompute costs).
+        selective_vids: the inner vTensors no product op made: what a selective recompute
+            frees from its forward to its backward.
+        product_vids: the inner vTensors product ops made: SAC's cache holds them instead of
+            the manager, from their save through its backward.
+        product_bytes: bytes of the other product outputs SAC's cache holds (autograd saved
+            no vTensor of them), from its forward through its backward.
     """
 
     name: str
@@ -120,6 +131,12 @@ class TraceUnit:
     input_vids: tuple[int, ...]
     safe: bool
     why_unsafe: str = ""
+    selective_safe: bool = False
+    why_not_selective: str = "not profiled"
+    selective_s: float = 0.0
+    selective_vids: tuple[int, ...] = ()
+    product_vids: tuple[int, ...] = ()
+    product_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,7 @@ class Trace:
         units: the modules that could be recomputed, outermost first (profiled with
             ``recompute=True`` only; empty otherwise).
         recomputed: the modules recomputed while this iteration ran.
+        selective: of those, the ones recomputed selectively (NOTE [selective recompute]).
     """
 
     steps: tuple[TraceStep, ...]
@@ -153,6 +171,7 @@ class Trace:
     incomplete: bool = False
     units: tuple[TraceUnit, ...] = ()
     recomputed: tuple[str, ...] = ()
+    selective: tuple[str, ...] = ()
 
     def live_curve(self) -> list[tuple[int, int]]:
         """(step index, peak tracked device bytes) per step."""
@@ -189,9 +208,19 @@ class Trace:
                     **u,
                     "inner_vids": tuple(u["inner_vids"]),
                     "input_vids": tuple(u["input_vids"]),
+                    "selective_vids": tuple(u["selective_vids"]),
+                    "product_vids": tuple(u["product_vids"]),
                 }
             )
             for u in raw.pop("units", ())
         )
         recomputed = tuple(raw.pop("recomputed", ()))
-        return cls(steps=steps, tensors=tensors, units=units, recomputed=recomputed, **raw)
+        selective = tuple(raw.pop("selective", ()))
+        return cls(
+            steps=steps,
+            tensors=tensors,
+            units=units,
+            recomputed=recomputed,
+            selective=selective,
+            **raw,
+        )

@@ -1,4 +1,5 @@
-"""Recomputation (NOTE [recompute], NOTE [safe to recompute], NOTE [hybrid plan])."""
+"""Recomputation (NOTE [recompute], NOTE [safe to recompute], NOTE [hybrid plan]), whole and
+selective (NOTE [selective recompute])."""
 
 import random
 import subprocess
@@ -10,7 +11,9 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.planner.trace import TraceUnit
+import vtensor.activations.planning
+from vtensor.activations.recompute import recompute_modules
+from vtensor.planner.trace import Trace, TraceUnit
 
 MIB = 1 << 20
 STEPS = 4
@@ -68,6 +71,23 @@ class InputBranch(Block):
         y = super().forward(x)
         return y * 2 if bool(x.sum() > 0) else y  # control flow the inputs decide: safe
 
+
+class ProductInPlace(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.add_(1.0)  # modifies a product output in place: SAC's cached copy would be wrong
+        return x + self.drop(torch.tanh(self.norm(h)))
+
+
+class ProductOut(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.norm(x)))  # a product output leaves it
+
+
+NOT_SELECTIVE = {
+    ProductInPlace: "modifies a product output in place",
+    ProductOut: "a product output leaves it",
+}
 
 UNSAFE = {
     InPlaceInput: "modifies an input in place",
@@ -173,7 +193,63 @@ def test_a_unit_that_might_not_reproduce_its_forward_is_never_recomputed(
         _assert_same(kind, model, grads)
 
 
-def test_a_cached_hybrid_plan_trains_bit_identically_in_a_fresh_process(tmp_path: Path) -> None:
+def _all_selective(trace: Trace, _budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A choice that recomputes every unit it may selectively (the top-level blocks)."""
+    names = tuple(sorted(u.name for u in trace.units if u.selective_safe and "." not in u.name))
+    return names, names
+
+
+def test_selectively_recomputed_training_is_bit_identical_with_dropout_and_batchnorm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vtensor.activations.planning, "choose_recompute", _all_selective)
+    model, grads, reports, _ = _hybrid(InputBranch, 0.5, tmp_path)
+    assert reports[1].selective and reports[1].selective == reports[1].recomputed
+    _assert_same(InputBranch, model, grads)
+    assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports[1:])
+
+
+def test_profiling_finds_what_a_selective_recompute_frees_and_keeps(tmp_path: Path) -> None:
+    units, _ = _profiled_units(Block, tmp_path)
+    block = {u.name: u for u in units}["2"]
+    # fc's output (saved by BatchNorm) is a product output: SAC keeps it. tanh's output and
+    # dropout's mask are recomputed.
+    assert block.selective_safe and not block.why_not_selective
+    assert len(block.product_vids) == 1 and len(block.selective_vids) == 2
+    assert set(block.product_vids) | set(block.selective_vids) == set(block.inner_vids)
+    assert block.selective_s > 0 and block.product_bytes == 0
+
+
+@pytest.mark.parametrize("kind", list(NOT_SELECTIVE), ids=lambda k: k.__name__)
+def test_a_unit_whose_product_outputs_may_change_is_never_recomputed_selectively(
+    kind: type[Block], tmp_path: Path
+) -> None:
+    units, _ = _profiled_units(kind, tmp_path)
+    block = {u.name: u for u in units}["3"]
+    assert block.safe, block.why_unsafe  # it may still be recomputed whole
+    assert not block.selective_safe and NOT_SELECTIVE[kind] in block.why_not_selective
+
+
+def test_sac_refuses_a_product_output_modified_in_place(tmp_path: Path) -> None:
+    """What the check above prevents: torch raises in backward (or a plan would be wrong)."""
+
+    class Target:
+        recomputing = 0
+
+    model = _model(ProductInPlace)
+    x, y = _batch(0)
+    with (
+        recompute_modules(model, ["3"], Target(), selective=["3"]),
+        pytest.raises(RuntimeError, match="mutated"),
+    ):
+        nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_a_cached_hybrid_plan_trains_bit_identically_in_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Selective units in the plan (where the trial keeps it), replayed from the cache.
+    monkeypatch.setattr(vtensor.activations.planning, "choose_recompute", _all_selective)
     cache = tmp_path / "plans"
     budget = int(_peak(Block, tmp_path) * 0.5)
     model = _model(Block)
@@ -182,6 +258,7 @@ def test_a_cached_hybrid_plan_trains_bit_identically_in_a_fresh_process(tmp_path
     ) as mm:
         _train(model, mm)
         assert any(r.recomputed for r in mm.reports)
+        assert any(r.selective for r in mm.reports)
         plan = mm.plan_for(model, inputs=_batch(0))
         assert plan is not None
     script = f"""
@@ -194,7 +271,7 @@ with vtensor.MemoryManager({budget}, storage_dir={str(tmp_path)!r}, recompute=Tr
                            plan_cache_dir={str(cache)!r}) as mm:
     grads = _train(model, mm)
     first = mm.reports[0]
-    print(first.plan_source, len(first.recomputed), flush=True)
+    print(first.plan_source, len(first.recomputed), len(first.selective), flush=True)
     assert first.plan_source == "cached", first.plan_source
 _assert_same(Block, model, grads)
 """
@@ -202,7 +279,8 @@ _assert_same(Block, model, grads)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    source, count = done.stdout.split()
+    source, count, selective = done.stdout.split()
     # The cached plan is the faster of the two tried, with or without recomputation: the child
-    # recomputes exactly what it says from its first iteration.
+    # recomputes exactly what it says, in the same modes, from its first iteration.
     assert source == "cached" and int(count) == len(plan.recompute)
+    assert int(selective) == len(plan.selective) and set(plan.selective) <= set(plan.recompute)

@@ -17,17 +17,27 @@ from vtensor.planner.lgm import (
 )
 from vtensor.planner.memory_model import check_plan, simulate
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import choose_recompute, inner_bytes, with_recompute
+from vtensor.planner.recompute import (
+    choose_recompute,
+    inner_bytes,
+    selective_bytes,
+    with_recompute,
+)
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
 
 KB = 1000
 
 
-def _trace(units: list[tuple[str, float, int, bool]], unmanaged: int = 0) -> Trace:
+Unit = tuple[str, float, int, bool] | tuple[str, float, int, bool, float, int]
+
+
+def _trace(units: list[Unit], unmanaged: int = 0) -> Trace:
     """Forward over units in order, backward in reverse; each unit saves an input and inner.
 
-    ``units``: (name, forward_s, inner bytes, safe). Unit i's input (1 KB) and its inner tensor
-    are saved at forward step i and used at its backward step.
+    ``units``: (name, forward_s, inner bytes, safe), optionally followed by (selective_s,
+    product bytes): the unit then also saves a product output of that size, inner as well,
+    and may be recomputed selectively. Unit i's tensors (its input: 1 KB) are saved at forward
+    step i and used at its backward step.
     """
     n = len(units)
     names = [f"forward:{u[0]}" for u in units] + [f"backward:{u[0]}" for u in reversed(units)]
@@ -35,14 +45,27 @@ def _trace(units: list[tuple[str, float, int, bool]], unmanaged: int = 0) -> Tra
         TraceStep(i, name, Phase(name.split(":")[0]), 0.01, 0, 0, unmanaged)
         for i, name in enumerate(names)
     )
-    tensors, trace_units = [], []
-    for i, (name, forward_s, nbytes, safe) in enumerate(units):
-        back = 2 * n - 1 - i
-        tensors.append(TraceTensor(2 * i, KB, ("float32",), i, i + 1, (back,)))
-        tensors.append(TraceTensor(2 * i + 1, nbytes, ("float32",), i, i + 1, (back,)))
-        trace_units.append(
-            TraceUnit(name, i, i, forward_s, (2 * i + 1,), (2 * i,), safe, "" if safe else "x")
-        )
+    tensors: list[TraceTensor] = []
+    trace_units = []
+    for i, (name, forward_s, nbytes, safe, *selective) in enumerate(units):
+        back, vid = 2 * n - 1 - i, len(tensors)
+        sizes = [KB, nbytes, *selective[1:]]
+        tensors += [
+            TraceTensor(vid + k, size, ("float32",), i, i + 1, (back,))
+            for k, size in enumerate(sizes)
+        ]
+        unit = TraceUnit(name, i, i, forward_s, (vid + 1,), (vid,), safe, "" if safe else "x")
+        if selective:
+            unit = dataclasses.replace(
+                unit,
+                inner_vids=(vid + 1, vid + 2),
+                selective_safe=safe,
+                why_not_selective="",
+                selective_s=float(selective[0]),
+                selective_vids=(vid + 1,),
+                product_vids=(vid + 2,),
+            )
+        trace_units.append(unit)
     return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=tuple(trace_units))
 
 
@@ -52,29 +75,29 @@ def _demand(trace: Trace) -> int:
 
 def test_nothing_is_recomputed_where_the_budget_does_not_bind() -> None:
     trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 100 * KB, True)])
-    assert choose_recompute(trace, _demand(trace)) == ()
+    assert choose_recompute(trace, _demand(trace)) == ((), ())
 
 
 def test_the_cheapest_units_per_byte_cover_the_deficit_and_no_more() -> None:
     trace = _trace(
         [("a", 0.05, 100 * KB, True), ("b", 0.01, 100 * KB, True), ("c", 0.02, 100 * KB, True)]
     )
-    assert choose_recompute(trace, _demand(trace) - 50 * KB) == ("b",)
-    assert choose_recompute(trace, _demand(trace) - 150 * KB) == ("b", "c")
+    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("b",), ())
+    assert choose_recompute(trace, _demand(trace) - 150 * KB) == (("b", "c"), ())
 
 
 def test_an_unsafe_unit_is_never_recomputed() -> None:
     trace = _trace(
         [("a", 0.01, 100 * KB, False), ("b", 0.02, 100 * KB, True), ("c", 0.09, 100 * KB, True)]
     )
-    assert choose_recompute(trace, _demand(trace) - 150 * KB) == ("b", "c")
+    assert choose_recompute(trace, _demand(trace) - 150 * KB) == (("b", "c"), ())
 
 
 def test_nested_units_are_never_both_recomputed() -> None:
     trace = _trace(
         [("a", 0.01, 100 * KB, True), ("a.x", 0.001, 100 * KB, True), ("c", 0.05, 100 * KB, True)]
     )
-    assert choose_recompute(trace, _demand(trace) - 150 * KB) == ("a.x", "c")
+    assert choose_recompute(trace, _demand(trace) - 150 * KB) == (("a.x", "c"), ())
 
 
 def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
@@ -95,7 +118,7 @@ def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping()
     budget = 250 * KB
     assert min_budget(build_lgm(trace, None))[0] <= budget  # swapping alone fits
     assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
-    assert choose_recompute(trace, budget) == ("small",)
+    assert choose_recompute(trace, budget) == (("small",), ())
 
 
 def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_set() -> None:
@@ -109,12 +132,55 @@ def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_s
     assert inner_bytes(trace, trace.units[1]) == 200 * KB
 
 
+def test_a_cheap_selective_option_is_taken_and_whole_where_it_frees_more_at_equal_cost() -> None:
+    # a: its non-product ops cost a tenth of its forward, selective frees half: selective.
+    # b: its non-product ops cost its whole forward: whole frees twice the bytes for the same.
+    trace = _trace(
+        [("a", 0.01, 100 * KB, True, 0.001, 100 * KB), ("b", 0.01, 100 * KB, True, 0.01, 100 * KB)]
+    )
+    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("a",), ("a",))
+    trace = _trace([("b", 0.01, 100 * KB, True, 0.01, 100 * KB), ("c", 0.05, 100 * KB, True)])
+    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("b",), ())
+
+
+def test_a_unit_unsafe_to_recompute_selectively_is_recomputed_whole_or_not_at_all() -> None:
+    trace = _trace([("a", 0.01, 100 * KB, True, 0.001, 100 * KB), ("c", 0.05, 100 * KB, True)])
+    unit = dataclasses.replace(trace.units[0], selective_safe=False, why_not_selective="x")
+    trace = dataclasses.replace(trace, units=(unit, trace.units[1]))
+    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("a",), ())
+
+
+def test_with_recompute_models_a_selective_unit() -> None:
+    trace = _trace(
+        [("a", 0.01, 100 * KB, True, 0.001, 30 * KB), ("b", 0.01, 200 * KB, True, 0.002, 50 * KB)]
+    )
+    trace = dataclasses.replace(
+        trace, units=(trace.units[0], dataclasses.replace(trace.units[1], product_bytes=7 * KB))
+    )
+    after = with_recompute(trace, ["a", "b"], ["b"])
+    # a whole: its inner and product tensors gone; b selective: both leave the trace too.
+    assert [t.nbytes for t in after.tensors] == [KB, KB]
+    assert after.tensors[1].evictable_step == -1  # b's input: held by the checkpoint
+    held = [s.unmanaged_peak_bytes for s in after.steps]
+    # b (forward step 1, backward step 2): its product output and the 7 KB SAC's cache holds
+    # from its forward through its backward, its freed inner bytes in its backward.
+    assert held == [0, 57 * KB, 257 * KB, 130 * KB]
+    assert selective_bytes(trace, after_units(trace)["b"]) == 200 * KB - 7 * KB
+
+
+def after_units(trace: Trace) -> dict[str, TraceUnit]:
+    return {u.name: u for u in trace.units}
+
+
 def test_trace_units_and_plan_recompute_round_trip_through_json() -> None:
-    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.02, 200 * KB, False)])
-    trace = dataclasses.replace(trace, recomputed=("a",))
+    trace = _trace([("a", 0.01, 100 * KB, True, 0.001, 10 * KB), ("b", 0.02, 200 * KB, False)])
+    trace = dataclasses.replace(trace, recomputed=("a",), selective=("a",))
     assert Trace.from_json(trace.to_json()) == trace
     plan = dataclasses.replace(
-        plan_lgm(trace, _demand(trace) - 50 * KB), recompute=("a",), predicted_step_s=0.5
+        plan_lgm(trace, _demand(trace) - 50 * KB),
+        recompute=("a",),
+        selective=("a",),
+        predicted_step_s=0.5,
     )
     assert Plan.from_json(plan.to_json()) == plan
 
@@ -126,14 +192,15 @@ def _unit_traces(draw: st.DrawFn) -> tuple[Trace, int]:
     for i in range(count):
         parent = draw(st.one_of(st.none(), st.integers(0, max(0, i - 1))))
         name = f"u{i}" if parent is None or parent >= i else f"u{parent}.s{i}"
-        units.append(
-            (
-                name,
-                draw(st.floats(1e-4, 0.1)),
-                draw(st.integers(1, 300)) * KB,
-                draw(st.booleans()),
-            )
+        unit: Unit = (
+            name,
+            draw(st.floats(1e-4, 0.1)),
+            draw(st.integers(1, 300)) * KB,
+            draw(st.booleans()),
         )
+        if draw(st.booleans()):
+            unit = (*unit, draw(st.floats(1e-5, 0.1)), draw(st.integers(1, 300)) * KB)
+        units.append(unit)
     trace = _trace(units, draw(st.integers(0, 100)) * KB)
     demand = _demand(trace)
     return trace, int(demand * draw(st.floats(0.2, 1.1)))
@@ -143,13 +210,14 @@ def _unit_traces(draw: st.DrawFn) -> tuple[Trace, int]:
 @given(_unit_traces())
 def test_any_choice_is_safe_unnested_deterministic_and_plannable(case: tuple[Trace, int]) -> None:
     trace, budget = case
-    chosen = choose_recompute(trace, budget)
-    assert chosen == choose_recompute(trace, budget)
+    chosen, selective = choose_recompute(trace, budget)
+    assert (chosen, selective) == choose_recompute(trace, budget)
     units = {u.name: u for u in trace.units}
     assert all(units[n].safe for n in chosen)
+    assert set(selective) <= set(chosen) and all(units[n].selective_safe for n in selective)
     assert not any(a != b and b.startswith(a + ".") for a in chosen for b in chosen)
     if chosen:
-        after = with_recompute(trace, chosen)
+        after = with_recompute(trace, chosen, selective)
         floor = min_budget(build_lgm(after, None))[0]
         assert floor <= budget
         plan = plan_lgm(after, budget)  # every needed tensor present when used, budget kept
@@ -168,10 +236,14 @@ HYBRID_MEAN_GAP_FACTOR = 1.15
 def _hybrid_cost(trace: Trace, budget: int) -> float:
     """The modelled cost of what the manager keeps: the cheaper of swap-only and the choice."""
     costs = []
-    for chosen in {(), choose_recompute(trace, budget)}:
-        after = with_recompute(trace, chosen)
-        forward = sum(u.forward_s for u in trace.units if u.name in chosen)
-        costs.append(forward + SWAP_S_PER_BYTE * plan_lgm(after, budget).bytes_moved)
+    for chosen, selective in {((), ()), choose_recompute(trace, budget)}:
+        after = with_recompute(trace, chosen, selective)
+        spent = sum(
+            u.selective_s if u.name in selective else u.forward_s
+            for u in trace.units
+            if u.name in chosen
+        )
+        costs.append(spent + SWAP_S_PER_BYTE * plan_lgm(after, budget).bytes_moved)
     return min(costs)
 
 
@@ -179,15 +251,21 @@ def _gap_cases(count: int, seed: int) -> list[tuple[Trace, int]]:
     rng = np.random.default_rng(seed)
     cases = []
     while len(cases) < count:
-        units = [
-            (
+        units: list[Unit] = []
+        for i in range(int(rng.integers(1, 5))):
+            unit: Unit = (
                 f"u{i}",
                 float(rng.uniform(1e-5, 2e-3)),
                 int(rng.integers(1, 300)) * KB,
                 bool(rng.random() < 0.8),
             )
-            for i in range(int(rng.integers(1, 5)))
-        ]
+            if rng.random() < 0.5:  # also selectively: its non-product ops a part of its time
+                unit = (
+                    *unit,
+                    unit[1] * float(rng.uniform(0.05, 1.0)),
+                    int(rng.integers(1, 300)) * KB,
+                )
+            units.append(unit)
         trace = _trace(units, int(rng.integers(0, 100)) * KB)
         floor = min_budget(build_lgm(trace, None))[0]
         demand = _demand(trace)
@@ -200,7 +278,7 @@ def _gap_cases(count: int, seed: int) -> list[tuple[Trace, int]]:
 def test_the_hybrid_choice_is_near_the_exact_optimum() -> None:
     ratios = []
     for trace, budget in _gap_cases(40, seed=3):
-        exact, _ = exact_hybrid_cost(trace, budget, SWAP_S_PER_BYTE)
+        exact, _, _ = exact_hybrid_cost(trace, budget, SWAP_S_PER_BYTE)
         greedy = _hybrid_cost(trace, budget)
         assert exact <= greedy * (1 + 1e-9), (trace, budget)
         assert greedy <= HYBRID_GAP_FACTOR * exact, (trace, budget, greedy, exact)

@@ -1,0 +1,174 @@
+"""While profiling: what recomputing a unit selectively would cost, free and keep.
+
+A second run of a safe unit's forward, from the state its forward began with (as the check of
+NOTE [safe to recompute] in ``activations/units.py`` does, its time left out of the step's),
+under a dispatch mode that times every op and notes the storages product ops make (NOTE
+[selective recompute] in ``activations/selective.py``), with autograd on and saved-tensor
+hooks that note, in order of first save, which storages autograd saves (and keep none of them).
+The forward just reproduced its outputs bit for bit, so its saves come in the same order as the
+first forward's: the new storages saved are matched, in order, to the vTensors it made.
+"""
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vtensor.activations.recompute import RecomputeTarget
+from vtensor.activations.selective import is_product
+from vtensor.activations.store import VTensor
+from vtensor.outputs import tensors_in
+from vtensor.planner.trace import TraceUnit
+
+
+class ProfileTarget(RecomputeTarget, Protocol):
+    """What the profile asks of the iteration."""
+
+    def manages(self, tensor: torch.Tensor) -> bool:
+        """Whether a saved ``tensor`` becomes a vTensor."""
+        ...
+
+
+@dataclass(frozen=True)
+class SelectiveProfile:
+    """A unit's forward as selective recomputation sees it (store vids).
+
+    Attributes:
+        selective_s: time of its non-product ops.
+        product_vids: the vTensors it saved whose storage a product op made.
+        products: (vTensor or None where autograd saved none, bytes) per product output.
+        why_not: why it may not be recomputed selectively ("" if it may).
+    """
+
+    selective_s: float
+    product_vids: frozenset[int]
+    products: tuple[tuple[int | None, int], ...]
+    why_not: str
+
+
+@dataclass(frozen=True)
+class StartState:
+    """What a unit's forward began with: the RNG states and its buffers' values."""
+
+    rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    buffers: list[torch.Tensor]
+
+
+@contextlib.contextmanager
+def replaying(module: nn.Module, start: StartState, target: RecomputeTarget) -> Iterator[None]:
+    """Run the forward of ``module`` again from ``start``; the state after it comes back."""
+    rng_after = torch.get_rng_state()
+    cuda_after = torch.cuda.get_rng_state() if start.cuda_rng is not None else None
+    buffers = list(module.buffers())
+    buffers_after = [b.detach().clone() for b in buffers]
+    target.recomputing += 1
+    try:
+        torch.set_rng_state(start.rng)
+        if start.cuda_rng is not None:
+            torch.cuda.set_rng_state(start.cuda_rng)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, start.buffers, strict=True):
+                buffer.copy_(value)
+        yield
+    finally:
+        target.recomputing -= 1
+        torch.set_rng_state(rng_after)
+        if cuda_after is not None:
+            torch.cuda.set_rng_state(cuda_after)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, buffers_after, strict=True):
+                buffer.copy_(value)
+
+
+class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Times each op; keeps the outputs of product ops with their versions when made."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.other_s = 0.0
+        self.products: list[tuple[torch.Tensor, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        began = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if is_product(func):
+            self.products += [(t, t._version) for t in tensors_in(out)]
+        else:
+            self.other_s += time.perf_counter() - began
+        return out
+
+
+def profile_selective(
+    module: nn.Module,
+    start: StartState,
+    call: tuple[Any, Any],
+    vids: Sequence[int],
+    records: Mapping[int, VTensor],
+    target: ProfileTarget,
+) -> SelectiveProfile:
+    """Run the forward of ``module`` (``call``: its args and kwargs) again and profile it.
+
+    ``vids``: the vTensors its first forward made, in order of first save.
+    """
+    saved: list[int] = []  # storages, in order of first save
+    seen: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()._cdata
+        if storage not in seen and target.manages(tensor):
+            seen.add(storage)
+            saved.append(storage)
+
+    recorder = _OpRecorder()
+    args, kwargs = call
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never)
+    with replaying(module, start, target), torch.enable_grad(), hooks, recorder:
+        again = tensors_in(module.forward(*args, **kwargs))
+    outputs = {t.untyped_storage()._cdata for t in again}
+    known = {r.storage._cdata: v for v, r in records.items() if r.storage is not None}
+    mapped = {c: known[c] for c in saved if c in known}  # the same storage: an input
+    new = [c for c in saved if c not in known]
+    made = [v for v in vids if v not in mapped.values()]
+    why = "" if len(new) == len(made) else "a second forward saved other tensors"
+    mapped.update(zip(new, made, strict=False))
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t, _ in recorder.products}
+    if any(t._version != version for t, version in recorder.products):
+        why = why or "it modifies a product output in place"
+    if any(c in sizes for c in outputs):
+        why = why or "a product output leaves it"
+    return SelectiveProfile(
+        selective_s=recorder.other_s,
+        product_vids=frozenset(mapped[c] for c in sizes if c in mapped),
+        products=tuple((mapped.get(c), n) for c, n in sizes.items()),
+        why_not=why,
+    )
+
+
+def with_selective(
+    unit: TraceUnit, profile: SelectiveProfile, position: dict[int, int]
+) -> TraceUnit:
+    """``unit`` with what recomputing it selectively frees and keeps (trace vids)."""
+    products = {position[v] for v in profile.product_vids if v in position}
+    # Product outputs that are vTensors are counted by vid: inner ones leave the manager, the
+    # others (used outside the unit) stay its to move.
+    unsaved = sum(n for v, n in profile.products if v is None or v not in position)
+    return dataclasses.replace(
+        unit,
+        selective_safe=not profile.why_not,
+        why_not_selective=profile.why_not,
+        selective_s=profile.selective_s,
+        selective_vids=tuple(v for v in unit.inner_vids if v not in products),
+        product_vids=tuple(v for v in unit.inner_vids if v in products),
+        product_bytes=unsaved,
+    )
+
+
+def _never(_packed: None) -> torch.Tensor:
+    raise AssertionError("the profile's graph is never run backward")
