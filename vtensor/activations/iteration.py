@@ -219,6 +219,7 @@ class Iteration:
     def before_unpack(self, record: VTensor) -> None:
         """Make room for the bytes of ``record`` that must come back."""
         if self.lean:
+            self.store.reap(block=False, block_restores=False)
             return  # the plan has made room (NOTE [lean replay])
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
         resident = record.storage.nbytes() if record.storage is not None else 0
@@ -265,6 +266,9 @@ class Iteration:
             assert self.executor is not None
             self.executor.on_step(self.step_index, name)
             if self.executor.active:
+                # Completed transfers free their memory when reaped: at every boundary, as a
+                # full replay does at every hook point (a few dictionary reads when idle).
+                self.store.reap(block=False, block_restores=False)
                 if self.step_index in self.executor.watched:
                     self._check_boundary()
                 return
@@ -297,9 +301,11 @@ class Iteration:
 
     def _check_boundary(self) -> None:
         """A lean replay's reading at a module boundary (NOTE [lean replay])."""
-        self.store.reap(block=False, block_restores=False)
         live = self.live_bytes()
         self._sample(live)
+        # The growth since the last reading spans many steps here: no headroom the guard must
+        # keep between two hook points (the plan's reserve stands).
+        self._note_live(live)
         if self.books.violated:
             logger.warning(
                 "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
