@@ -15,7 +15,8 @@ fractions of each model's unmanaged tracked peak, with these variants:
   baseline);
 - ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
   (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
-- ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning.
+- ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
+- ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost.
 
 Per variant it measures the median step time over round-robin interleaved rounds after the
 profiling round, bytes moved, stall, the tracked peak and the independent ones (RSS, and a
@@ -250,6 +251,10 @@ def _make_variants(
         model = copy.deepcopy(base)
         model.checkpoint_blocks = mode
         variants.append(Variant(name, None, model, _make_opt(model)))
+    # The manager's own cost: a budget that never binds, so its plan moves nothing.
+    model = copy.deepcopy(base)
+    unbound = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, measure_peaks=True)
+    variants.append(Variant("unbound", None, model, _make_opt(model), manager=unbound))
     for frac in args.budgets:
         for name, (policy, granularity, recompute) in MANAGED.items():
             model = copy.deepcopy(base)
@@ -486,11 +491,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        budget = (
-            "-"
-            if r["budget_bytes"] is None
-            else (f"{r['budget_bytes'] / MIB:.1f} ({r['budget_frac']:.0%})")
-        )
+        if r["budget_bytes"] is None:
+            budget = "-"
+        elif r["budget_frac"] is None:
+            budget = "never binds"
+        else:
+            budget = f"{r['budget_bytes'] / MIB:.1f} ({r['budget_frac']:.0%})"
         if r["error"] is not None:
             lines.append(
                 f"| {r['variant']} | {budget} | infeasible: min budget "
@@ -580,7 +586,13 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _print_comparisons(comps: list[dict[str, Any]]) -> None:
+def _print_comparisons(comps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        if r["variant"] == "unbound" and r["vs_unmanaged"] is not None:
+            print(
+                f"{r['model']}: the manager with a budget that never binds "
+                f"{r['vs_unmanaged']:.3f}x unmanaged"
+            )
     for c in comps:
         if "throughput_ratio" not in c:
             print(f"{c['model']} {c['budget_frac']:.0%}: no chunk/tensor comparison (infeasible)")
@@ -682,7 +694,7 @@ def main(argv: list[str] | None = None) -> None:
             comps += comparisons(model_rows)
             print(f"\n## {name}: {model_rows[0]['model_description']}\n")
             print(table(model_rows) + "\n", flush=True)
-    _print_comparisons(comps)
+    _print_comparisons(comps, rows)
     end = {"kind": "end", "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - started}
     print(
         f"# load average at start {load[0]:.2f}, at end {end['load_avg'][0]:.2f}; "

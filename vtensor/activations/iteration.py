@@ -123,9 +123,16 @@ class Iteration:
         # over the budget also turns them back on, and the plan is profiled again next time:
         # a lean iteration cannot state a minimum budget of its own (it has not judged every
         # point), so it reports the profiled iteration's.
+        # Only a plan that leaves the guard its headroom (NOTE [plan within the guard]): where
+        # the plan fills the whole budget, the guard acts between boundaries as well.
         self.lean = (
-            lean and executor is not None and params is None and not count_workspaces
-        ) and not record_trace
+            lean
+            and executor is not None
+            and executor.plan.budget_bytes + executor.plan.reserve_bytes <= policy.budget_bytes
+            and params is None
+            and not count_workspaces
+            and not record_trace
+        )
         self.was_lean = self.lean
         if self.lean:
             policy.follow_plan(True)

@@ -1,5 +1,6 @@
 """Lean replay: a replay reads the tracked bytes only where its plan watches them."""
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -9,6 +10,9 @@ from torch import nn
 
 import vtensor
 from vtensor.measure import trackers
+from vtensor.planner.cache import PlanCache
+from vtensor.planner.keys import plan_key
+from vtensor.planner.lgm import PLANNER_VERSION
 
 CHUNK = 65536
 
@@ -130,3 +134,34 @@ def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
         _step(model, x, mm)  # profiled again, not the cached plan
         _step(model, x, mm)
         assert [r.plan_source for r in mm.reports[-2:]] == ["profiled", "planned"]
+
+
+def test_a_plan_that_fills_the_whole_budget_is_replayed_checking_every_hook(tmp_path: Path):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    cache = tmp_path / "plans"
+    with vtensor.MemoryManager(
+        budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
+    ) as mm:
+        _step(model, x, mm)
+        _step(model, x, mm)
+        assert mm.report().lean
+        plan = mm.plan_for(model, (x,))
+    assert plan is not None
+    # As when the planner found no plan within the guard's headroom and planned to the budget.
+    key = plan_key(
+        model, (x,), budget_bytes=budget, chunk_bytes=CHUNK, planner_version=PLANNER_VERSION
+    )
+    full = dataclasses.replace(
+        plan, budget_bytes=budget, reserve_bytes=max(plan.reserve_bytes, CHUNK)
+    )
+    PlanCache(cache).put(key, full)
+    ref = _step(model, x, None)
+    with vtensor.MemoryManager(
+        budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
+    ) as fresh:
+        assert all(map(torch.equal, ref, _step(model, x, fresh)))
+        report = fresh.report()
+    assert report.plan_source == "cached" and not report.lean
+    assert report.steps  # every step was booked
