@@ -16,7 +16,10 @@ fractions of each model's unmanaged tracked peak, with these variants:
 - ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
   (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
-- ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost.
+- ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost;
+- ``micro-2``, ``micro-4``: the batch in 2 or 4 micro-batches with gradient accumulation (the
+  same mean loss; not bit-identical: BatchNorm sees smaller batches and the gradient sums in
+  another order, so their "grads identical" column says no).
 
 Per variant it measures the median step time over round-robin interleaved rounds after the
 profiling round, bytes moved, stall, the tracked peak and the independent ones (RSS, and a
@@ -73,10 +76,12 @@ from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 MIB = 1 << 20
 HUGE_BUDGET = 1 << 40
-BASELINES: dict[str, bool | str] = {  # variant -> the models' checkpoint_blocks
-    "unmanaged": False,
-    "checkpoint": True,
-    "selective": "selective",
+BASELINES: dict[str, tuple[bool | str, int]] = {  # variant -> (checkpoint_blocks, micro-batches)
+    "unmanaged": (False, 1),
+    "checkpoint": (True, 1),
+    "selective": ("selective", 1),
+    "micro-2": (False, 2),
+    "micro-4": (False, 4),
 }
 MANAGED = {  # variant -> (policy, granularity, recompute)
     "lgm-chunk": ("planned", "chunk", False),
@@ -104,6 +109,7 @@ class Variant:
     grads_identical: list[bool] = field(default_factory=list)
     dispatch_peak: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    micro: int = 1  # micro-batches with gradient accumulation (a baseline)
 
 
 # -- one step -------------------------------------------------------------------------------------
@@ -111,7 +117,10 @@ def _run_step(v: Variant, w: Workload, x: torch.Tensor, y: torch.Tensor) -> None
     """Forward and backward of ``v`` (the optimizer step is separate and untimed)."""
     v.optimizer.zero_grad(set_to_none=True)
     if v.manager is None:
-        w.loss(v.model, x, y).backward()
+        # Micro-batches: the same mean loss, accumulated (not bit-identical: BatchNorm sees
+        # smaller batches, and the gradient sums in another order).
+        for xi, yi in zip(x.chunk(v.micro), y.chunk(v.micro), strict=True):
+            (w.loss(v.model, xi, yi) * (len(xi) / len(x))).backward()
         return
     with v.manager.step(v.model, v.optimizer, inputs=(x, y)):
         w.loss(v.model, x, y).backward()
@@ -215,11 +224,13 @@ def planner_benchmark(repeats: int) -> list[dict[str, Any]]:
 
 
 # -- one model ------------------------------------------------------------------------------------
-def _reference(w: Workload, base: nn.Module, ckpt: bool | str, storage_dir: str) -> dict[str, Any]:
-    """Tracked, RSS and dispatch-mode peaks of one unmanaged (or checkpointed) step."""
+def _reference(
+    w: Workload, base: nn.Module, mode: tuple[bool | str, int], storage_dir: str
+) -> dict[str, Any]:
+    """Tracked, RSS and dispatch-mode peaks of one unmanaged (checkpointed, micro-batched) step."""
     model = copy.deepcopy(base)
-    model.checkpoint_blocks = ckpt
-    probe = Variant("probe", None, model, _make_opt(model))
+    model.checkpoint_blocks = mode[0]
+    probe = Variant("probe", None, model, _make_opt(model), micro=mode[1])
     x, y = w.batch(0)
     _run_step(probe, w, x, y)  # warm-up: one-time allocations (oneDNN caches, optimizer state)
     probe.optimizer.step()
@@ -247,10 +258,10 @@ def _make_variants(
     cache_root: str,
 ) -> list[Variant]:
     variants = []
-    for name, mode in BASELINES.items():
+    for name, (ckpt, micro) in BASELINES.items():
         model = copy.deepcopy(base)
-        model.checkpoint_blocks = mode
-        variants.append(Variant(name, None, model, _make_opt(model)))
+        model.checkpoint_blocks = ckpt
+        variants.append(Variant(name, None, model, _make_opt(model), micro=micro))
     # The manager's own cost: a budget that never binds, so its plan moves nothing.
     model = copy.deepcopy(base)
     unbound = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, measure_peaks=True)
@@ -572,7 +583,7 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             fitting = [
                 r
                 for r in rows
-                if r["variant"] in ("checkpoint", "selective")
+                if r["variant"] in ("checkpoint", "selective", "micro-2", "micro-4")
                 and r["tracked_peak_bytes"] <= hybrid["budget_bytes"]
             ]
             tensor = by.get(("lgm-tensor", frac))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.store import ChunkStore
 from vtensor.errors import InfeasibleBudgetError, VTensorError
@@ -46,6 +47,7 @@ class IterationPlan:
     selective: tuple[str, ...] = ()  # of those, the ones recomputed selectively
     find_units: bool = False  # profile which modules could be recomputed
     abandoned: bool = False  # a trial of recomputation that broke the budget
+    racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
 
 
 class PlanBook:
@@ -86,6 +88,8 @@ class PlanBook:
         self._trial: dict[str, tuple[tuple[str, ...], tuple[str, ...], Plan | None, float]] = {}
         # Signatures whose cached plan broke the budget in a lean replay: profile them again.
         self._reprofile: set[str] = set()
+        # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
+        self._race: dict[str, PlanRace] = {}
 
     def _key(
         self,
@@ -122,6 +126,10 @@ class PlanBook:
             return IterationPlan("", PlanSource.REACTIVE, None, False, None)
         key = self._key(model, inputs, device, params)
         signature = key.digest()
+        race = self._race.get(signature)
+        if race is not None:
+            executor = self._executor(race.current(), store)
+            return IterationPlan(signature, PlanSource.PLANNED, executor, False, key, racing=True)
         if signature in self._plans:
             plan = self._plans[signature]
             if plan is None:
@@ -221,6 +229,7 @@ class PlanBook:
     def forget(self, chosen: IterationPlan) -> None:
         """Drop the plan ``chosen`` replayed: the next iteration is profiled (not cached)."""
         self._plans.pop(chosen.signature, None)
+        self._race.pop(chosen.signature, None)
         self._reprofile.add(chosen.signature)
         chosen.abandoned = True
 
@@ -230,15 +239,19 @@ class PlanBook:
         trace: Trace | None,
         reserve_bytes: int,
         min_budget_bytes: int = 0,
+        wall_s: float = 0.0,
     ) -> PlanSource:
         """Learn from a finished iteration; returns the source to report for it.
 
         ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
         so that a process replaying a cached plan guards the budget from its first step;
         ``min_budget_bytes``, the profiled iteration's stated minimum, too, for lean replays.
+        ``wall_s`` is the iteration's wall time, which races candidate plans (NOTE [plan race]).
         """
         if chosen.abandoned:
             return PlanSource.FALLBACK
+        if chosen.racing:
+            return self._race_step(chosen, wall_s)
         if chosen.executor is not None and not chosen.executor.active:
             self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
             return PlanSource.FALLBACK
@@ -249,10 +262,31 @@ class PlanBook:
             begin = time.perf_counter()
             plan = self._choose(chosen.signature, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin
-            if chosen.signature in self._trial:
-                return chosen.source  # the next iteration tries the recomputation
+            if chosen.signature in self._trial or chosen.signature in self._race:
+                return chosen.source  # the next iterations try the recomputation
             self._store(chosen, plan)
         return chosen.source
+
+    def _race_step(self, chosen: IterationPlan, wall_s: float) -> PlanSource:
+        """Time one candidate's replay; store the winner when every candidate has run."""
+        race = self._race.get(chosen.signature)
+        if race is None:
+            return PlanSource.PLANNED
+        if chosen.executor is not None and not chosen.executor.active:
+            del self._race[chosen.signature]  # the run diverged: profile it again
+            return PlanSource.FALLBACK
+        winner = race.record(wall_s)
+        if winner is not None:
+            del self._race[chosen.signature]
+            hybrid_s, swap_only_s = race.best_times()
+            logger.info(
+                "replayed: recomputing %.3f s per step, swap only %.3f s: %s",
+                hybrid_s,
+                swap_only_s,
+                "recomputing" if winner.recompute else "swap only",
+            )
+            self._store(chosen, winner)
+        return PlanSource.PLANNED
 
     def _choose(
         self, signature: str, trace: Trace, reserve_bytes: int, min_budget_bytes: int
@@ -266,25 +300,19 @@ class PlanBook:
             names, selective, swap_only, swap_only_s = trial
             if plan is not None:
                 plan = dataclasses.replace(plan, recompute=names, selective=selective)
-            hybrid_s = predicted_step_s(trace, plan)
-            if hybrid_s <= swap_only_s:
-                logger.info(
-                    "plan recomputes %d modules, %d selectively (predicted %.3f s per step, "
-                    "swap only %.3f s): %s",
-                    len(names),
-                    len(selective),
-                    hybrid_s,
-                    swap_only_s,
-                    ", ".join(f"{n} (selective)" if n in selective else n for n in names),
-                )
-                return plan
             logger.info(
-                "recomputing %d modules predicted %.3f s per step, swap only %.3f s: swap only",
+                "recomputing %d modules, %d selectively, predicted %.3f s per step, swap only "
+                "%.3f s; timing both: %s",
                 len(names),
-                hybrid_s,
+                len(selective),
+                predicted_step_s(trace, plan),
                 swap_only_s,
+                ", ".join(f"{n} (selective)" if n in selective else n for n in names),
             )
-            return swap_only
+            if plan is None or swap_only is None:
+                return plan or swap_only
+            self._race[signature] = PlanRace([plan, swap_only])  # NOTE [plan race]
+            return None
         if trace.units:
             names, selective = choose_recompute(trace, self.budget_bytes - reserve_bytes)
             if names:

@@ -351,6 +351,7 @@ class MemoryManager:
             trace,
             self._policy.reserve_bytes,
             iteration.books.min_budget_bytes + pending_state_bytes,
+            time.perf_counter() - started,
         )
         report = iteration_report(
             len(self._reports),

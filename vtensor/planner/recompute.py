@@ -18,9 +18,9 @@ second first. What remains is left to the swap planner. No bandwidth model decid
 two: on a CPU the swap engine's work (sealing, system calls, page faults on return) takes cores
 from compute even where the planner hides the transfer, which a model of the disk alone does not
 see. So the choice is tested, not trusted: the iteration after it is profiled with those units
-recomputed, its trace planned by ``plan_lgm``, and the plan with the smaller predicted step time
-(measured wall time of the profiled steps, recomputation and the profiled iteration's own
-swapping included, plus the predicted stall) is kept (``activations/planning.py``).
+recomputed, its trace planned by ``plan_lgm``, and the hybrid plan and the swap-only one are
+then replayed in turn and the faster replay kept (NOTE [plan race] in
+``activations/race.py``).
 """
 
 import dataclasses

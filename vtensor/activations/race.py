@@ -1,0 +1,53 @@
+"""Choosing between candidate plans by timing their replays, in turn (NOTE [plan race]).
+
+NOTE [plan race]
+A hybrid plan and the swap-only plan of the same iteration are compared by their measured
+replays, not by the model's prediction. The prediction (measured compute of the profiled
+steps plus the predicted stall) ranked them wrongly on MobileNetV2: on a CPU the swap engine's
+work (sealing, system calls, page faults on return) takes cores from compute even where the
+planner hides the transfer, and recomputation under torch's selective checkpointing runs every
+op of the unit through a Python dispatch mode, which neither the trace's durations nor the
+model see. So the next iterations replay the candidates in turn, ``ROUNDS`` times each, and the
+one with the smaller best wall time is kept (the best of a few, because on a shared machine a
+slow iteration says more about the machine than about the plan). Every replay is a real
+training iteration under the budget: the race costs nothing but the slower candidate's extra
+time, a few iterations once per model, input signature and budget.
+"""
+
+from dataclasses import dataclass, field
+
+from vtensor.planner.plan import Plan
+
+ROUNDS = 2
+
+
+@dataclass
+class PlanRace:
+    """Candidate plans replayed in turn; the one with the least best wall time wins."""
+
+    plans: list[Plan]
+    times: list[list[float]] = field(default_factory=list)
+    turn: int = 0
+
+    def __post_init__(self) -> None:
+        self.times = [[] for _ in self.plans]
+
+    def current(self) -> Plan:
+        """The plan the next iteration replays."""
+        return self.plans[self.turn % len(self.plans)]
+
+    def record(self, wall_s: float) -> Plan | None:
+        """The current plan's replay took ``wall_s``; returns the winner once all have run."""
+        self.times[self.turn % len(self.plans)].append(wall_s)
+        self.turn += 1
+        if self.turn < ROUNDS * len(self.plans):
+            return None
+        return self.plans[self._best()]
+
+    def best_times(self) -> list[float]:
+        """The best wall time of each candidate so far (inf if it has not run)."""
+        return [min(t) if t else float("inf") for t in self.times]
+
+    def _best(self) -> int:
+        best = self.best_times()
+        return min(range(len(best)), key=best.__getitem__)
