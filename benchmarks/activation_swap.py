@@ -316,7 +316,8 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
         profiled = False
         if v.manager is not None:
             v.reports.append(v.manager.report())
-            profiled = v.reports[-1].plan_source == "profiled"  # a hybrid's trial round too
+            # A hybrid's trial round is profiled too; its race rounds alternate two plans.
+            profiled = v.reports[-1].plan_source in ("profiled", "raced")
         if r > 0 and not profiled:
             v.step_s.append(dt)
             v.cpu_s.append(dc)
@@ -405,7 +406,7 @@ def _row(
     machine: dict[str, Any],
     unmanaged_s: float,
 ) -> dict[str, Any]:
-    timed = [rep for rep in v.reports[1:] if rep.plan_source != "profiled"]
+    timed = [rep for rep in v.reports[1:] if rep.plan_source not in ("profiled", "raced")]
     row: dict[str, Any] = {
         "model": w.name,
         "model_description": w.describe,

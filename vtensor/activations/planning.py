@@ -271,7 +271,7 @@ class PlanBook:
         """Time one candidate's replay; store the winner when every candidate has run."""
         race = self._race.get(chosen.signature)
         if race is None:
-            return PlanSource.PLANNED
+            return PlanSource.RACED
         if chosen.executor is not None and not chosen.executor.active:
             del self._race[chosen.signature]  # the run diverged: profile it again
             return PlanSource.FALLBACK
@@ -286,7 +286,7 @@ class PlanBook:
                 "recomputing" if winner.recompute else "swap only",
             )
             self._store(chosen, winner)
-        return PlanSource.PLANNED
+        return PlanSource.RACED
 
     def _choose(
         self, signature: str, trace: Trace, reserve_bytes: int, min_budget_bytes: int

@@ -29,6 +29,7 @@ class PlanSource(StrEnum):
     CACHED = "cached"  # a plan loaded from the plan cache: no profiling in this process
     FALLBACK = "fallback"  # the run diverged from its plan: reactive for the rest
     REACTIVE = "reactive"  # reactive only (policy="reactive", or the planner found no plan)
+    RACED = "raced"  # one of two candidate plans, replayed to be timed (NOTE [plan race])
 
 
 @dataclass(frozen=True)

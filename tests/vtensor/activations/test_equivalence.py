@@ -231,7 +231,9 @@ def test_equivalence_managed_training_is_bit_identical(
         sources = [(report.plan_source, report.policy) for report in result.reports]
         trial = 1 + bool(recomputed[1])
         assert all(s == ("profiled", "reactive") for s in sources[:trial]), f"{what}: {sources}"
-        assert all(s == ("planned", "planned") for s in sources[trial:]), f"{what}: {sources}"
+        # A hybrid's plans may then race (NOTE [plan race]): replayed in turn, to the end too.
+        replayed = (("planned", "planned"), ("raced", "planned"))
+        assert all(s in replayed for s in sources[trial:]), f"{what}: {sources}"
     if budget_spec in (0.5, SMALLEST):
         bytes_out = sum(report.bytes_out for report in result.reports)
         assert bytes_out > 0 or any(recomputed), f"{what}: nothing was swapped or recomputed"

@@ -330,7 +330,7 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     assert reports[1].recomputed == ("3",)  # the trial, the slow block
     raced = reports[2 : 2 + 2 * RACE_ROUNDS]
     assert [r.recomputed for r in raced] == [("3",), ()] * RACE_ROUNDS  # in turn
-    assert all(r.plan_source == "planned" for r in raced)
+    assert all(r.plan_source == "raced" for r in raced)
     # Recomputing the slow block costs 0.2 s a step that swapping its tensors does not.
     walls = [(r.plan_source, r.recomputed, round(r.wall_s, 3)) for r in reports]
     assert plan is not None and plan.recompute == (), walls
