@@ -1,0 +1,65 @@
+"""Memory-time plot of an activation benchmark run: step time against tracked peak, per model.
+
+One panel per model, one curve per variant: each budgeted variant's points are its budgets
+(tracked peak as a fraction of the unmanaged peak, step time as a multiple of the unmanaged
+step), joined in order of budget; the budget-free baselines (checkpointing, selective
+checkpointing, micro-batching, the manager with a budget that never binds) are one point each.
+Lower and further left is better.
+
+Run from the repository root on the JSON lines ``activation_swap --out`` wrote::
+
+    python -m benchmarks.memory_time_plot act.jsonl benchmarks/figures/memory_time.png
+"""
+
+import argparse
+import json
+from collections import defaultdict
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after choosing the backend
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """The result rows (not the environment record) of a JSON-lines file."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if "variant" in r and r.get("vs_unmanaged") is not None]
+
+
+def points(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """model -> variant -> [(peak / unmanaged peak, step / unmanaged step)], by budget."""
+    ordered = sorted(rows, key=lambda r: -(r["budget_frac"] or 0.0))
+    out: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for r in ordered:
+        peak = r.get("timed_tracked_peak_bytes") or r["tracked_peak_bytes"]
+        out[r["model"]][r["variant"]].append(
+            (peak / r["unmanaged_tracked_peak_bytes"], r["vs_unmanaged"])
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("jsonl", help="the --out file of benchmarks.activation_swap")
+    p.add_argument("png", help="where to write the figure")
+    args = p.parse_args(argv)
+    data = points(load_rows(args.jsonl))
+    fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.5), squeeze=False)
+    for ax, (model, variants) in zip(axes[0], sorted(data.items()), strict=True):
+        for variant, series in sorted(variants.items()):
+            xs, ys = zip(*series, strict=True)
+            ax.plot(xs, ys, marker="o", linestyle="-" if len(xs) > 1 else "", label=variant)
+        ax.set_title(model)
+        ax.set_xlabel("tracked peak / unmanaged peak")
+        ax.set_ylabel("step time / unmanaged step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
