@@ -40,6 +40,7 @@ so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/measure/r
 """
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -116,11 +117,20 @@ class Variant:
 def _run_step(v: Variant, w: Workload, x: torch.Tensor, y: torch.Tensor) -> None:
     """Forward and backward of ``v`` (the optimizer step is separate and untimed)."""
     v.optimizer.zero_grad(set_to_none=True)
-    if v.manager is None:
+    if v.micro > 1:
         # Micro-batches: the same mean loss, accumulated (not bit-identical: BatchNorm sees
-        # smaller batches, and the gradient sums in another order).
+        # smaller batches, and the gradient sums in another order). Under a manager (the
+        # reference's tracked peak), one managed step per micro-batch.
         for xi, yi in zip(x.chunk(v.micro), y.chunk(v.micro), strict=True):
-            (w.loss(v.model, xi, yi) * (len(xi) / len(x))).backward()
+            with (
+                v.manager.step(v.model, v.optimizer, inputs=(xi, yi))
+                if v.manager is not None
+                else contextlib.nullcontext()
+            ):
+                (w.loss(v.model, xi, yi) * (len(xi) / len(x))).backward()
+        return
+    if v.manager is None:
+        w.loss(v.model, x, y).backward()
         return
     with v.manager.step(v.model, v.optimizer, inputs=(x, y)):
         w.loss(v.model, x, y).backward()

@@ -4,7 +4,9 @@ One panel per model, one curve per variant: each budgeted variant's points are i
 (tracked peak as a fraction of the unmanaged peak, step time as a multiple of the unmanaged
 step), joined in order of budget; the budget-free baselines (checkpointing, selective
 checkpointing, micro-batching, the manager with a budget that never binds) are one point each.
-Lower and further left is better.
+Lower and further left is better. A baseline's peak is its dispatch peak (the live storages of
+one unmanaged step, ``LiveStorageTracker``); a managed variant's, its tracked peak over the
+timed rounds.
 
 Run from the repository root on the JSON lines ``activation_swap --out`` wrote::
 
@@ -34,7 +36,10 @@ def points(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, 
     ordered = sorted(rows, key=lambda r: -(r["budget_frac"] or 0.0))
     out: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for r in ordered:
-        peak = r.get("timed_tracked_peak_bytes") or r["tracked_peak_bytes"]
+        if r["budget_bytes"] is None:  # a baseline: the live storages its step held
+            peak = r["dispatch_peak_bytes"]
+        else:
+            peak = r.get("timed_tracked_peak_bytes") or r["tracked_peak_bytes"]
         out[r["model"]][r["variant"]].append(
             (peak / r["unmanaged_tracked_peak_bytes"], r["vs_unmanaged"])
         )

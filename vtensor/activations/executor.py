@@ -28,6 +28,7 @@ class PlanExecutor:
         self.records: list[VTensor] = []
         self.diverged: str | None = None
         self.missed = 0  # planned evictions that could not be issued (vTensor still in use)
+        self.issued_bytes = 0  # bytes of the evictions it issued (the guard's come on top)
         self._started: set[tuple[int, int]] = set()  # (vid, planned step) started a step early
         self._evictions: dict[int, list[TensorMove]] = defaultdict(list)
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
@@ -88,7 +89,7 @@ class PlanExecutor:
                 continue
             record = self._record(move)
             if record is not None and self.store.evictable(record):
-                self.store.evict(record, move.evict_bytes)
+                self.issued_bytes += self.store.evict(record, move.evict_bytes)
                 blocking = True
             else:
                 self.missed += 1
@@ -97,7 +98,7 @@ class PlanExecutor:
         for move in self._evictions.get(index + 1, ()):
             record = self._record(move)
             if record is not None and self.store.evictable(record):
-                self.store.evict(record, move.evict_bytes)
+                self.issued_bytes += self.store.evict(record, move.evict_bytes)
                 self._started.add((move.vid, index + 1))
         for move in self._prefetches.get(index, ()):
             record = self._record(move)

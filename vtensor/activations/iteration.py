@@ -122,7 +122,9 @@ class Iteration:
         # divergence turns the checks back on for the rest of the iteration). A boundary reading
         # over the budget also turns them back on, and the plan is profiled again next time:
         # a lean iteration cannot state a minimum budget of its own (it has not judged every
-        # point), so it reports the profiled iteration's.
+        # point), so it reports the profiled iteration's. A plan replays lean only once a full
+        # replay of it needed nothing from the guard (no eviction beyond the plan's): where the
+        # guard helps, it helps between boundaries too (``PlanBook``).
         # Only a plan that leaves the guard its headroom (NOTE [plan within the guard]): where
         # the plan fills the whole budget, the guard acts between boundaries as well.
         self.lean = (
@@ -271,11 +273,13 @@ class Iteration:
             self._lean_step = name
             self.step_index += 1
             assert self.executor is not None
+            # The plan counts an eviction's bytes as gone from its step on: each has had the
+            # previous step to overlap with, and is waited for now. No guard reads the bytes
+            # between boundaries, so this is what keeps compute from running ahead of the
+            # writes (a full replay's guard waits once the headroom is gone instead).
+            self.store.reap(block=True, block_restores=False)
             self.executor.on_step(self.step_index, name)
             if self.executor.active:
-                # Completed transfers free their memory when reaped: at every boundary, as a
-                # full replay does at every hook point (a few dictionary reads when idle).
-                self.store.reap(block=False, block_restores=False)
                 if self.step_index in self.executor.watched:
                     self._check_boundary()
                 return

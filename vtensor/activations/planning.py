@@ -48,6 +48,7 @@ class IterationPlan:
     find_units: bool = False  # profile which modules could be recomputed
     abandoned: bool = False  # a trial of recomputation that broke the budget
     racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
+    lean: bool = False  # replayed lean (NOTE [lean replay]): an earlier full replay needed no guard
 
 
 class PlanBook:
@@ -88,6 +89,8 @@ class PlanBook:
         self._trial: dict[str, tuple[tuple[str, ...], tuple[str, ...], Plan | None, float]] = {}
         # Signatures whose cached plan broke the budget in a lean replay: profile them again.
         self._reprofile: set[str] = set()
+        # Signatures whose plan a full replay has shown to need no guard: they replay lean.
+        self._lean: set[str] = set()
         # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
         self._race: dict[str, PlanRace] = {}
 
@@ -135,7 +138,12 @@ class PlanBook:
             if plan is None:
                 return IterationPlan(signature, PlanSource.REACTIVE, None, False, key)
             return IterationPlan(
-                signature, PlanSource.PLANNED, self._executor(plan, store), False, key
+                signature,
+                PlanSource.PLANNED,
+                self._executor(plan, store),
+                False,
+                key,
+                lean=signature in self._lean,
             )
         if signature in self._trial:
             names, selective = self._trial[signature][:2]
@@ -230,6 +238,7 @@ class PlanBook:
         """Drop the plan ``chosen`` replayed: the next iteration is profiled (not cached)."""
         self._plans.pop(chosen.signature, None)
         self._race.pop(chosen.signature, None)
+        self._lean.discard(chosen.signature)
         self._reprofile.add(chosen.signature)
         chosen.abandoned = True
 
@@ -240,13 +249,16 @@ class PlanBook:
         reserve_bytes: int,
         min_budget_bytes: int = 0,
         wall_s: float = 0.0,
+        guard_bytes: int = 0,
     ) -> PlanSource:
         """Learn from a finished iteration; returns the source to report for it.
 
         ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
         so that a process replaying a cached plan guards the budget from its first step;
         ``min_budget_bytes``, the profiled iteration's stated minimum, too, for lean replays.
-        ``wall_s`` is the iteration's wall time, which races candidate plans (NOTE [plan race]).
+        ``wall_s`` is the iteration's wall time, which races candidate plans (NOTE [plan race]);
+        ``guard_bytes`` what the guard evicted beyond the plan: a full replay that needed none
+        lets the next replays go lean (NOTE [lean replay]).
         """
         if chosen.abandoned:
             return PlanSource.FALLBACK
@@ -254,7 +266,13 @@ class PlanBook:
             return self._race_step(chosen, wall_s)
         if chosen.executor is not None and not chosen.executor.active:
             self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
+            self._lean.discard(chosen.signature)
             return PlanSource.FALLBACK
+        if chosen.executor is not None and not chosen.lean:
+            if guard_bytes == 0:
+                self._lean.add(chosen.signature)
+            else:
+                self._lean.discard(chosen.signature)
         if trace is not None and trace.incomplete:
             # Not a steady-state iteration (it created optimizer state): profile the next one.
             return chosen.source

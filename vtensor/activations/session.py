@@ -283,7 +283,7 @@ class MemoryManager:
                 rss=peaks.rss,
                 count_workspaces=self.count_workspaces,
                 params=joint.side if joint is not None else None,
-                lean=not self.check_every_hook,
+                lean=chosen.lean and not self.check_every_hook,
             )
             # Exits run in reverse: the hooks come off, the pool disconnects, then the
             # iteration closes its last step and the store takes in what completed.
@@ -326,6 +326,13 @@ class MemoryManager:
             )
         self._record(iteration, chosen, device, started, stats_before, joint, pending)
 
+    def _guard_bytes(self, chosen: IterationPlan, before: StoreCounters) -> int:
+        """Bytes evicted in this iteration beyond what its plan's executor issued."""
+        if chosen.executor is None or self._store is None:
+            return 0
+        out = self._store.stats.bytes_out - before.bytes_out
+        return max(0, out - chosen.executor.issued_bytes)
+
     def _deactivate(self) -> None:
         self._active = False
 
@@ -352,6 +359,7 @@ class MemoryManager:
             self._policy.reserve_bytes,
             iteration.books.min_budget_bytes + pending_state_bytes,
             time.perf_counter() - started,
+            self._guard_bytes(chosen, before),
         )
         report = iteration_report(
             len(self._reports),

@@ -121,8 +121,8 @@ def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
     with vtensor.MemoryManager(
         budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
     ) as mm:
-        _step(model, x, mm)
-        _step(model, x, mm)
+        for _ in range(3):  # profiled, a full replay that needs no guard, a lean one
+            _step(model, x, mm)
         assert mm.report().lean
         model.hoard_bytes = budget  # outside autograd: the plan cannot see it coming
         with caplog.at_level(logging.WARNING, logger="vtensor"):
@@ -134,6 +134,7 @@ def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
         _step(model, x, mm)  # profiled again, not the cached plan
         _step(model, x, mm)
         assert [r.plan_source for r in mm.reports[-2:]] == ["profiled", "planned"]
+        assert not mm.report().lean  # its first replay checks every hook point again
 
 
 def test_a_plan_that_fills_the_whole_budget_is_replayed_checking_every_hook(tmp_path: Path):
@@ -144,9 +145,9 @@ def test_a_plan_that_fills_the_whole_budget_is_replayed_checking_every_hook(tmp_
     with vtensor.MemoryManager(
         budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
     ) as mm:
-        _step(model, x, mm)
-        _step(model, x, mm)
-        assert mm.report().lean
+        for _ in range(3):
+            _step(model, x, mm)
+        assert [r.lean for r in mm.reports] == [False, False, True]
         plan = mm.plan_for(model, (x,))
     assert plan is not None
     # As when the planner found no plan within the guard's headroom and planned to the budget.
@@ -161,7 +162,24 @@ def test_a_plan_that_fills_the_whole_budget_is_replayed_checking_every_hook(tmp_
     with vtensor.MemoryManager(
         budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
     ) as fresh:
-        assert all(map(torch.equal, ref, _step(model, x, fresh)))
-        report = fresh.report()
-    assert report.plan_source == "cached" and not report.lean
-    assert report.steps  # every step was booked
+        for _ in range(3):
+            assert all(map(torch.equal, ref, _step(model, x, fresh)))
+        reports = fresh.reports
+    assert [r.plan_source for r in reports] == ["cached", "planned", "planned"]
+    assert not any(r.lean for r in reports)
+    assert all(r.steps for r in reports)  # every step was booked
+
+
+def test_a_plan_the_guard_had_to_help_is_never_replayed_lean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    # As if the guard had evicted bytes of its own in every full replay of the plan.
+    monkeypatch.setattr(vtensor.MemoryManager, "_guard_bytes", lambda *_: CHUNK)
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        for _ in range(4):
+            _step(model, x, mm)
+        assert [r.plan_source for r in mm.reports] == ["profiled", "planned", "planned", "planned"]
+        assert not any(r.lean for r in mm.reports)
