@@ -11,31 +11,13 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-_aten = torch.ops.aten
-SAVED_BY_SELECTIVE = frozenset(
-    {
-        _aten.convolution.default,
-        _aten.mm.default,
-        _aten.addmm.default,
-        _aten.bmm.default,
-        _aten.baddbmm.default,
-    }
-)
+from vtensor.activations.selective import save_products
 
-
-def _save_products(_ctx: object, op: object, *_args: object, **_kwargs: object) -> CheckpointPolicy:
-    if op in SAVED_BY_SELECTIVE:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_selective = functools.partial(create_selective_checkpoint_contexts, _save_products)
+# The same policy as the manager's selective units (NOTE [selective recompute]), so that the
+# baseline and the hybrid plan keep and recompute the same ops.
+_selective = functools.partial(create_selective_checkpoint_contexts, save_products)
 
 
 def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, ckpt: bool | str) -> torch.Tensor:
