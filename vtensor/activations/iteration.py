@@ -191,19 +191,17 @@ class Iteration:
         """Plain dense tensors on the managed device, not parameters or buffers, not tiny."""
         if not self._plain(tensor):
             return False
-        if not self.manages(tensor):
+        if not self._big_enough(tensor.untyped_storage()):
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False
         return True
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""
-        storage = tensor.untyped_storage()
-        return (
-            self._plain(tensor)
-            and storage.nbytes() >= self.min_tensor_bytes
-            and storage.resizable()
-        )
+        return self._plain(tensor) and self._big_enough(tensor.untyped_storage())
+
+    def _big_enough(self, storage: torch.UntypedStorage) -> bool:
+        return storage.nbytes() >= self.min_tensor_bytes and storage.resizable()
 
     def _plain(self, tensor: torch.Tensor) -> bool:
         if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
