@@ -261,7 +261,7 @@ class MemoryManager:
             chosen = self._plans.for_iteration(model, inputs, device, store, signature)
             executor = chosen.executor
             if executor is not None:
-                policy.keep_reserve(executor.plan.reserve_bytes)
+                policy.use_reserve(executor.plan.reserve_bytes)
             joint = None
             if params is not None:
                 joint = JointStep(

@@ -335,6 +335,17 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     walls = [(r.plan_source, r.recomputed, round(r.wall_s, 3)) for r in reports]
     assert plan is not None and plan.recompute == (), walls
     assert reports[-1].recomputed == () and reports[-1].plan_source == "planned"
+    # The swap-only replays move what their plan moves: the guard keeps that plan's headroom,
+    # not the larger one the trial of recomputation grew (its unit's tensors came back at once).
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path) as plain:
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            with plain.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        plain_out = plain.report().bytes_out
+    swap_only = [r.bytes_out for r in reports[2:] if not r.recomputed]
+    assert all(out <= plain_out for out in swap_only), (swap_only, plain_out)
 
 
 def test_a_race_keeps_the_plan_with_the_least_best_time() -> None:
