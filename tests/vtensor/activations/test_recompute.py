@@ -267,7 +267,7 @@ def test_a_cached_hybrid_plan_trains_bit_identically_in_a_fresh_process(
     # Whole units in the plan, replayed from the cache. The race between the hybrid and the
     # swap-only plan is decided by timing (tested above); here the hybrid one wins it.
     # Selective units are not tested here: with every block selective, one CI run out of three
-    # saw step 0 of the fresh process differ from unmanaged training (not reproduced in 11
+    # saw step 0 of the fresh process differ from unmanaged training (not reproduced in 15
     # local runs); docs/vtensor.md ("Recomputation") states it as an open bug.
     monkeypatch.setattr(vtensor.activations.planning, "choose_recompute", _all_whole)
     monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
