@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vtensor.activations.recompute import RecomputeTarget
@@ -118,13 +119,15 @@ def profile_selective(
     ``vids``: the vTensors its first forward made, in order of first save.
     """
     saved: list[int] = []  # storages, in order of first save
-    seen: set[int] = set()
+    # Weak references keep each saved storage's address from being reused by a later one
+    # once its tensors are freed (nothing here keeps them), without keeping its bytes.
+    seen: dict[int, StorageWeakRef] = {}
 
     def pack(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()._cdata
-        if storage not in seen and target.manages(tensor):
-            seen.add(storage)
-            saved.append(storage)
+        storage = tensor.untyped_storage()
+        if storage._cdata not in seen and target.manages(tensor):
+            seen[storage._cdata] = StorageWeakRef(storage)
+            saved.append(storage._cdata)
 
     recorder = _OpRecorder()
     args, kwargs = call
