@@ -126,7 +126,7 @@ def profile_selective(
     def pack(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if storage._cdata not in seen and target.manages(tensor):
-            seen[storage._cdata] = StorageWeakRef(storage)
+            seen[storage._cdata] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
             saved.append(storage._cdata)
 
     recorder = _OpRecorder()
