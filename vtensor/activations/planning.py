@@ -26,7 +26,7 @@ from vtensor.planner.keys import (
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.memory_model import watched_steps
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import choose_recompute, predicted_step_s
+from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,25 @@ class IterationPlan:
     abandoned: bool = False  # a trial of recomputation that broke the budget
     racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
     lean: bool = False  # replayed lean (NOTE [lean replay]): an earlier full replay needed no guard
+
+
+@dataclass
+class Trials:
+    """A signature's recomputations still to profile, and the plans to race (NOTE [plan race]).
+
+    Attributes:
+        pending: the candidates not yet profiled, the next first: (modules, those selective).
+        plans: the hybrid plans of those profiled.
+        swap_only: the profiled iteration's plan, without recomputation.
+    """
+
+    pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
+    plans: list[Plan]
+    swap_only: Plan | None
+
+    def candidates(self) -> list[Plan]:
+        """The plans to race: the hybrid ones, then the swap-only one."""
+        return [*self.plans, *([self.swap_only] if self.swap_only is not None else [])]
 
 
 class PlanBook:
@@ -83,10 +102,9 @@ class PlanBook:
         self.recompute = recompute
         if recompute:
             self.planner_version += "+recompute"
-        # Signatures whose next iteration is profiled with modules recomputed: the modules,
-        # those of them recomputed selectively, and the swap-only plan to compare with
-        # (NOTE [hybrid plan]).
-        self._trial: dict[str, tuple[tuple[str, ...], tuple[str, ...], Plan | None, float]] = {}
+        # Signatures whose next iterations are profiled with modules recomputed, one candidate
+        # each (NOTE [hybrid plan]).
+        self._trial: dict[str, Trials] = {}
         # Signatures whose cached plan broke the budget in a lean replay: profile them again.
         self._reprofile: set[str] = set()
         # Signatures whose plan a full replay has shown to need no guard: they replay lean.
@@ -146,7 +164,7 @@ class PlanBook:
                 lean=signature in self._lean,
             )
         if signature in self._trial:
-            names, selective = self._trial[signature][:2]
+            names, selective = self._trial[signature].pending[0]
             return IterationPlan(
                 signature,
                 PlanSource.PROFILED,
@@ -218,11 +236,16 @@ class PlanBook:
 
         Returns False if ``chosen`` was no trial.
         """
-        trial = self._trial.pop(chosen.signature, None)
-        if trial is None or chosen.executor is not None:
+        trials = self._trial.get(chosen.signature)
+        if trials is None or chosen.executor is not None:
             return False
         chosen.abandoned = True
-        self._store(chosen, trial[2])
+        trials.pending.pop(0)
+        if not trials.pending:
+            del self._trial[chosen.signature]
+            plan = self._race_or_only(chosen.signature, trials)
+            if chosen.signature not in self._race:
+                self._store(chosen, plan)
         return True
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
@@ -296,12 +319,13 @@ class PlanBook:
         winner = race.record(wall_s)
         if winner is not None:
             del self._race[chosen.signature]
-            hybrid_s, swap_only_s = race.best_times()
             logger.info(
-                "replayed: recomputing %.3f s per step, swap only %.3f s: %s",
-                hybrid_s,
-                swap_only_s,
-                "recomputing" if winner.recompute else "swap only",
+                "replayed (modules recomputed: best s per step): %s; keeping %d recomputed",
+                ", ".join(
+                    f"{len(p.recompute)}: {t:.3f}"
+                    for p, t in zip(race.plans, race.best_times(), strict=True)
+                ),
+                len(winner.recompute),
             )
             self._store(chosen, winner)
         return PlanSource.RACED
@@ -313,26 +337,32 @@ class PlanBook:
         plan = self._plan(trace, reserve_bytes, min_budget_bytes)
         if plan is not None:
             plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
-        trial = self._trial.pop(signature, None)
-        if trial is not None:
-            names, selective, swap_only, swap_only_s = trial
+        trials = self._trial.get(signature)
+        if trials is not None:
+            names, selective = trials.pending.pop(0)
             if plan is not None:
-                plan = dataclasses.replace(plan, recompute=names, selective=selective)
+                trials.plans.append(dataclasses.replace(plan, recompute=names, selective=selective))
             logger.info(
-                "recomputing %d modules, %d selectively, predicted %.3f s per step, swap only "
-                "%.3f s; timing both: %s",
+                "recomputing %d modules, %d selectively, predicted %.3f s per step: %s",
                 len(names),
                 len(selective),
                 predicted_step_s(trace, plan),
-                swap_only_s,
                 ", ".join(f"{n} (selective)" if n in selective else n for n in names),
             )
-            if plan is None or swap_only is None:
-                return plan or swap_only
-            self._race[signature] = PlanRace([plan, swap_only])  # NOTE [plan race]
-            return None
+            if trials.pending:
+                return None  # the next iteration profiles the next candidate
+            del self._trial[signature]
+            return self._race_or_only(signature, trials)
         if trace.units:
-            names, selective = choose_recompute(trace, self.budget_bytes - reserve_bytes)
-            if names:
-                self._trial[signature] = (names, selective, plan, predicted_step_s(trace, plan))
+            candidates = recompute_candidates(trace, self.budget_bytes - reserve_bytes)
+            if candidates:
+                self._trial[signature] = Trials(list(candidates), [], plan)
         return plan
+
+    def _race_or_only(self, signature: str, trials: Trials) -> Plan | None:
+        """Race the candidates of ``trials`` (NOTE [plan race]); the only one if one, or None."""
+        candidates = trials.candidates()
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
+        self._race[signature] = PlanRace(candidates)
+        return None

@@ -132,6 +132,45 @@ def choose_recompute(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], 
     return tuple(sorted(chosen)), tuple(sorted(selective))
 
 
+def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Every outermost safe unit of ``trace``, selectively where it may be, and those of them.
+
+    What checkpointing every block does, as a candidate for the race: where recomputing a unit
+    would leave no feasible floor at ``budget_bytes``, its outermost safe descendants are tried
+    in its place. Both sorted, maybe empty; deterministic.
+    """
+    safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
+    frontier = [u for u in safe if not any(_inside(u.name, o.name) for o in safe)]
+    chosen: list[str] = []
+    selective: list[str] = []
+    while frontier:
+        unit = frontier.pop(0)
+        partial = [unit.name] if unit.selective_safe else []
+        trial = with_recompute(trace, [*chosen, unit.name], [*selective, *partial])
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
+            chosen.append(unit.name)
+            selective += partial
+            continue
+        inner = [u for u in safe if _inside(u.name, unit.name)]
+        frontier += [u for u in inner if not any(_inside(u.name, o.name) for o in inner)]
+    return tuple(sorted(chosen)), tuple(sorted(selective))
+
+
+def recompute_candidates(
+    trace: Trace, budget_bytes: int
+) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """The recomputations worth a trial at ``budget_bytes``: (units, those selective) each.
+
+    The cheapest cover of the deficit (``choose_recompute``) and every outermost unit
+    (``recompute_outermost``), once each; none where nothing needs to leave memory.
+    """
+    cheapest = choose_recompute(trace, budget_bytes)
+    if not cheapest[0]:
+        return ()
+    outermost = recompute_outermost(trace, budget_bytes)
+    return (cheapest,) if outermost in (cheapest, ((), ())) else (cheapest, outermost)
+
+
 def _upgrade(trace: Trace, unit: TraceUnit) -> tuple[float, int]:
     """(seconds per byte, bytes) recomputing ``unit`` whole adds to recomputing it selectively."""
     extra = inner_bytes(trace, unit) - selective_bytes(trace, unit)
@@ -147,6 +186,11 @@ def predicted_step_s(trace: Trace, plan: Plan | None) -> float:
 
 def _in_backward(step: str, unit: str) -> bool:
     return step == f"backward:{unit}" or step.startswith(f"backward:{unit}.")
+
+
+def _inside(a: str, b: str) -> bool:
+    """Whether module ``a`` is a descendant of module ``b``."""
+    return a.startswith(b + ".")
 
 
 def _nested(a: str, b: str) -> bool:

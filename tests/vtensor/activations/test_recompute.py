@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from vtensor.activations.race import ROUNDS as RACE_ROUNDS
 from vtensor.activations.race import PlanRace
 from vtensor.activations.recompute import recompute_modules
 from vtensor.planner.plan import Plan
+from vtensor.planner.recompute import recompute_candidates
 from vtensor.planner.trace import Trace, TraceUnit
 
 MIB = 1 << 20
@@ -213,16 +215,25 @@ def test_a_unit_that_might_not_reproduce_its_forward_is_never_recomputed(
         _assert_same(kind, model, grads)
 
 
-def _all_selective(trace: Trace, _budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+Names = tuple[str, ...]
+Choice = Callable[[Trace, int], tuple[Names, Names]]
+
+
+def _all_selective(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
     """A choice that recomputes every unit it may selectively (the top-level blocks)."""
     names = tuple(sorted(u.name for u in trace.units if u.selective_safe and "." not in u.name))
     return names, names
 
 
+def _only(choice: Choice) -> Callable[[Trace, int], tuple[tuple[Names, Names], ...]]:
+    """Candidates for the race: ``choice`` alone."""
+    return lambda trace, budget_bytes: (choice(trace, budget_bytes),)
+
+
 def test_selectively_recomputed_training_is_bit_identical_with_dropout_and_batchnorm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(vtensor.activations.planning, "choose_recompute", _all_selective)
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", _only(_all_selective))
     model, grads, reports, _ = _hybrid(InputBranch, 0.5, tmp_path)
     assert reports[1].selective and reports[1].selective == reports[1].recomputed
     _assert_same(InputBranch, model, grads)
@@ -289,7 +300,7 @@ def test_a_cached_hybrid_plan_trains_bit_identically_in_a_fresh_process(
     # The child runs one intra-op thread, as the suite does (conftest.py). With two, the first
     # tanh of the child's process came out up to 870 ulp off on the calling thread's share in
     # about one run in eight, from identical inputs (docs/vtensor.md, "Recomputation").
-    monkeypatch.setattr(vtensor.activations.planning, "choose_recompute", _all_selective)
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", _only(_all_selective))
     monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
     cache = tmp_path / "plans"
     budget = int(_peak(Block, tmp_path) * 0.6)
@@ -341,7 +352,7 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        vtensor.activations.planning, "choose_recompute", lambda _trace, _budget: (("3",), ())
+        vtensor.activations.planning, "recompute_candidates", lambda _t, _b: ((("3",), ()),)
     )
     budget = int(_peak(Block, tmp_path) * 0.5)
     model = _model(Slow)
@@ -375,6 +386,43 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
         plain_out = plain.report().bytes_out
     swap_only = [r.bytes_out for r in reports[2:] if not r.recomputed]
     assert all(out <= plain_out for out in swap_only), (swap_only, plain_out)
+
+
+def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_only_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found: list[tuple[tuple[Names, Names], ...]] = []
+
+    def candidates(trace: Trace, budget_bytes: int) -> tuple[tuple[Names, Names], ...]:
+        found.append(recompute_candidates(trace, budget_bytes))
+        return found[-1]
+
+    budget = int(_peak(Block, tmp_path) * 0.5)
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", candidates)
+    model = _model(Block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _batch(0)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
+        for _ in range(1 + 2 + 3 * RACE_ROUNDS):
+            opt.zero_grad(set_to_none=True)
+            with mm.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        reports = mm.reports
+        plan = mm.plan_for(model, inputs=(x, y))
+    assert len(found) == 1 and len(found[0]) == 2, found  # the cheapest cover, every block
+    (cheapest, _), (outermost, selective) = found[0]
+    assert cheapest != outermost and set(selective) == set(outermost) - {"0", "7"}
+    assert [r.recomputed for r in reports[1:3]] == [cheapest, outermost]  # the two trials
+    raced = reports[3:]
+    assert all(r.plan_source == "raced" for r in raced)
+    assert [r.recomputed for r in raced] == [cheapest, outermost, ()] * RACE_ROUNDS
+    best = {
+        names: min(r.wall_s for r in raced if r.recomputed == names)
+        for names in (cheapest, outermost, ())
+    }
+    assert plan is not None and plan.recompute == min(best, key=best.__getitem__)
+    assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports)
 
 
 def test_a_race_keeps_the_plan_with_the_least_best_time() -> None:

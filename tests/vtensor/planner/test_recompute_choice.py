@@ -20,6 +20,8 @@ from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import (
     choose_recompute,
     inner_bytes,
+    recompute_candidates,
+    recompute_outermost,
     selective_bytes,
     with_recompute,
 )
@@ -121,6 +123,43 @@ def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping()
     assert choose_recompute(trace, budget) == (("small",), ())
 
 
+def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be() -> None:
+    trace = _trace(
+        [
+            ("a", 0.01, 100 * KB, True, 0.001, 50 * KB),
+            ("a.x", 0.001, 100 * KB, True),
+            ("b", 0.05, 100 * KB, False),
+            ("b.y", 0.05, 100 * KB, True),
+            ("c", 0.2, 100 * KB, True),
+        ]
+    )
+    budget = _demand(trace) - 150 * KB
+    # Unsafe "b" gives way to its safe child; "a" is recomputed selectively, "c" whole.
+    assert recompute_outermost(trace, budget) == (("a", "b.y", "c"), ("a",))
+    cheapest = choose_recompute(trace, budget)
+    assert recompute_candidates(trace, budget) == (cheapest, recompute_outermost(trace, budget))
+    assert recompute_candidates(trace, _demand(trace)) == ()  # nothing needs to leave
+
+
+def test_an_outermost_unit_whose_working_set_does_not_fit_gives_way_to_its_children() -> None:
+    names = ["forward:big.0", "forward:big.1", "backward:big.1", "backward:big.0"]
+    steps = tuple(
+        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
+    )
+    tensors = [TraceTensor(i, 100 * KB, ("float32",), i, i + 1, (3 - i,)) for i in range(2)]
+    units = (
+        TraceUnit("big", 0, 1, 0.002, (0, 1), (), True),
+        TraceUnit("big.0", 0, 0, 0.001, (0,), (), True),
+        TraceUnit("big.1", 1, 1, 0.001, (1,), (), True),
+    )
+    trace = Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+    budget = 150 * KB
+    assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
+    chosen, _ = recompute_outermost(trace, budget)
+    assert "big" not in chosen and chosen
+    assert min_budget(build_lgm(with_recompute(trace, chosen), None))[0] <= budget
+
+
 def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_set() -> None:
     trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
     after = with_recompute(trace, ["b"])
@@ -210,8 +249,15 @@ def _unit_traces(draw: st.DrawFn) -> tuple[Trace, int]:
 @given(_unit_traces())
 def test_any_choice_is_safe_unnested_deterministic_and_plannable(case: tuple[Trace, int]) -> None:
     trace, budget = case
-    chosen, selective = choose_recompute(trace, budget)
-    assert (chosen, selective) == choose_recompute(trace, budget)
+    for chosen, selective in recompute_candidates(trace, budget):
+        _assert_a_fitting_choice(trace, budget, chosen, selective)
+    assert recompute_candidates(trace, budget) == recompute_candidates(trace, budget)
+    _assert_a_fitting_choice(trace, budget, *recompute_outermost(trace, budget))
+
+
+def _assert_a_fitting_choice(
+    trace: Trace, budget: int, chosen: tuple[str, ...], selective: tuple[str, ...]
+) -> None:
     units = {u.name: u for u in trace.units}
     assert all(units[n].safe for n in chosen)
     assert set(selective) <= set(chosen) and all(units[n].selective_safe for n in selective)
