@@ -1,16 +1,17 @@
 """Choosing between candidate plans by timing their replays, in turn (NOTE [plan race]).
 
 NOTE [plan race]
-A hybrid plan and the swap-only plan of the same iteration are compared by their measured
-replays, not by the model's prediction. The prediction (measured compute of the profiled
-steps plus the predicted stall) ranked them wrongly on MobileNetV2: on a CPU the swap engine's
-work (sealing, system calls, page faults on return) takes cores from compute even where the
-planner hides the transfer, and recomputation under torch's selective checkpointing runs every
-op of the unit through a Python dispatch mode, which neither the trace's durations nor the
-model see. So the next iterations replay the candidates in turn, ``ROUNDS`` times each, and the
-one with the smaller best wall time is kept (the best of a few, because on a shared machine a
-slow iteration says more about the machine than about the plan). Every replay is a real
-training iteration under the budget: the race costs nothing but the slower candidate's extra
+The hybrid plans (one per candidate recomputation, NOTE [hybrid plan] in
+``planner/recompute.py``) and the swap-only plan of the same iteration are compared by their
+measured replays, not by the model's prediction. The prediction (measured compute of the
+profiled steps plus the predicted stall) ranked them wrongly on MobileNetV2: on a CPU the swap
+engine's work (sealing, system calls, page faults on return) takes cores from compute even
+where the planner hides the transfer, and recomputation under torch's selective checkpointing
+runs every op of the unit through a Python dispatch mode, which neither the trace's durations
+nor the model see. So the next iterations replay the candidates in turn, ``ROUNDS`` times
+each, and the one with the smallest best wall time is kept (the best of a few, because on a
+shared machine a slow iteration says more about the machine than about the plan). Every replay is a real
+training iteration under the budget: the race costs nothing but the slower candidates' extra
 time, a few iterations once per model, input signature and budget.
 """
 

@@ -17,10 +17,11 @@ still not covered, selective units are recomputed whole instead, those adding th
 second first. What remains is left to the swap planner. No bandwidth model decides between the
 two: on a CPU the swap engine's work (sealing, system calls, page faults on return) takes cores
 from compute even where the planner hides the transfer, which a model of the disk alone does not
-see. So the choice is tested, not trusted: the iteration after it is profiled with those units
-recomputed, its trace planned by ``plan_lgm``, and the hybrid plan and the swap-only one are
-then replayed in turn and the faster replay kept (NOTE [plan race] in
-``activations/race.py``).
+see. So the choice is tested, not trusted, and is not the only one tried: every outermost safe
+unit recomputed, selectively where it may be (what checkpointing every block does), is a second
+candidate. Each is profiled in an iteration of its own, its trace planned by ``plan_lgm``, and
+the hybrid plans and the swap-only one are then replayed in turn and the fastest replay kept
+(NOTE [plan race] in ``activations/race.py``).
 """
 
 import dataclasses
