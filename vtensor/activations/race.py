@@ -10,9 +10,9 @@ where the planner hides the transfer, and recomputation under torch's selective 
 runs every op of the unit through a Python dispatch mode, which neither the trace's durations
 nor the model see. So the next iterations replay the candidates in turn, ``ROUNDS`` times
 each, and the one with the smallest best wall time is kept (the best of a few, because on a
-shared machine a slow iteration says more about the machine than about the plan). Every replay is a real
-training iteration under the budget: the race costs nothing but the slower candidates' extra
-time, a few iterations once per model, input signature and budget.
+shared machine a slow iteration says more about the machine than about the plan). Every replay
+is a real training iteration under the budget: the race costs nothing but the slower
+candidates' extra time, a few iterations once per model, input signature and budget.
 """
 
 from dataclasses import dataclass, field
