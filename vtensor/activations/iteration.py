@@ -8,8 +8,11 @@ from typing import Any, Protocol
 
 import torch
 
+from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
+from vtensor.activations.lean import replays_lean
+from vtensor.activations.live import LiveBytes
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, StoreStats, VTensor
@@ -19,8 +22,6 @@ from vtensor.measure.trackers import DeviceTracker
 from vtensor.planner.trace import Trace, TraceTensor, TraceUnit
 
 logger = logging.getLogger(__name__)
-
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class PlannedRead(Protocol):
@@ -79,61 +80,32 @@ class Iteration:
         self.policy = policy
         self.tracker = tracker
         self.device = device
-        self.protected = protected_storages
+        self.admission = Admission(device, protected_storages, min_tensor_bytes)
         self.baseline_bytes = baseline_bytes
-        self.min_tensor_bytes = min_tensor_bytes
         self.record_trace = record_trace
         self.executor = executor
-        # NOTE [transient bytes]: ops allocate workspaces (convolution im2col buffers, say) that
-        # live only inside one call, where no hook can sample them. While profiling, the
-        # process's RSS high-water mark is read at every step boundary: what a step grew in RSS
-        # beyond what it grew in tracked bytes is its transient, which the trace records and,
-        # with ``count_workspaces``, the plan and the policy
-        # then budget for. It also keeps the iteration's RSS peak (``rss_peak_bytes``). With
-        # ``count_workspaces`` every iteration measures them, so the reactive policy (which
-        # never profiles) learns them too.
+        # NOTE [transient bytes] in activations/recorder.py; it also keeps the RSS peak.
         self.rss = rss if record_trace or count_workspaces else None
         self.count_workspaces = count_workspaces
         self.rss_peak_bytes = 0
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
         self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
-        # On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so
-        # count the growth since entry on top of the tensors known to exist at entry.
-        self._absolute = device.type == "cuda"
-        self._entry_counter = tracker.current_bytes()
-        self._entry_released = store.released_bytes
+        self.meter = LiveBytes(tracker, store, device, baseline_bytes, params)
         self._entry_pool = tracker.pool_bytes()
         self.one_time_bytes = 0  # NOTE [MKL buffer pool]: measured when the iteration ends
         self.books = IterationBooks()
         self.floor = BudgetFloor(store, self.books, policy.budget_bytes)
         self.step_index = -1
         self._open: OpenStep | None = None
-        self._last_param = 0
-        self._last_live = 0
-        self._note_live(self.live_bytes())
+        self.meter.note(self.live_bytes())
         self._backward_done_queued = False
-        # NOTE [lean replay]: a replayed plan that this process measured in full while
-        # profiling is followed with per-tensor work only where the plan acts: hook points
-        # inside a module (saves, unpacks, backward nodes) route to the store and the plan, and
-        # the tracked bytes are read, and the guard acts, at the module boundaries the plan
-        # watches only: its predicted peak's and those it predicts near the budget. The
-        # profiled iteration judged every hook point and backward node; the replay repeats
-        # it (the executor checks every saved tensor's size and every step's name, and a
-        # divergence turns the checks back on for the rest of the iteration). A boundary reading
-        # over the budget also turns them back on, and the plan is profiled again next time:
-        # a lean iteration cannot state a minimum budget of its own (it has not judged every
-        # point), so it reports the profiled iteration's. A plan replays lean only once a full
-        # replay of it needed nothing from the guard (no eviction beyond the plan's): where the
-        # guard helps, it helps between boundaries too (``PlanBook``).
-        # Only a plan that leaves the guard its headroom (NOTE [plan within the guard]): where
-        # the plan fills the whole budget, the guard acts between boundaries as well.
-        self.lean = (
-            lean
-            and executor is not None
-            and executor.plan.budget_bytes + executor.plan.reserve_bytes <= policy.budget_bytes
-            and params is None
-            and not count_workspaces
-            and not record_trace
+        self.lean = replays_lean(  # NOTE [lean replay] in activations/lean.py
+            lean,
+            executor,
+            policy.budget_bytes,
+            joint=params is not None,
+            count_workspaces=count_workspaces,
+            record_trace=record_trace,
         )
         self.was_lean = self.lean
         if self.lean:
@@ -142,19 +114,6 @@ class Iteration:
         self.begin_step("other:start")
 
     # -- measurement --------------------------------------------------------------------------
-    def _note_live(self, live: int) -> None:
-        self._last_live = live
-        self._last_param = self.params.resident_bytes() if self.params is not None else 0
-
-    def _growth(self, live: int) -> int:
-        """Growth since the last hook point that nobody announced: the guard's headroom.
-
-        Reads of the parameter offloading sharing the budget are announced (``make_room``) and,
-        under a joint plan, planned; they are not headroom the guard must keep.
-        """
-        param = self.params.resident_bytes() if self.params is not None else 0
-        return live - self._last_live - max(0, param - self._last_param)
-
     def _step_name(self) -> str:
         if self._open is not None:
             return self._open.name
@@ -162,14 +121,7 @@ class Iteration:
 
     def live_bytes(self) -> int:
         """Tracked device bytes now."""
-        now = self.tracker.current_bytes()
-        if self._absolute:
-            return now
-        # Pages released in place are still allocated for the heap counter (NOTE [release in
-        # place] in io/pages.py). Frees of memory allocated before the step (a previous loss,
-        # say) lower the counter below its entry value; never report less than nothing.
-        released = self.store.released_bytes - self._entry_released
-        return max(0, self.baseline_bytes + now - self._entry_counter - released)
+        return self.meter.read()
 
     def _sample(self, live: int) -> None:
         if live > self.policy.budget_bytes + self.overshoot_bytes:
@@ -189,26 +141,16 @@ class Iteration:
     # -- hook target --------------------------------------------------------------------------
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Plain dense tensors on the managed device, not parameters or buffers, not tiny."""
-        if not self._plain(tensor):
+        if not self.admission.plain(tensor):
             return False
-        if not self._big_enough(tensor.untyped_storage()):
+        if not self.admission.big_enough(tensor):
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False
         return True
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""
-        return self._plain(tensor) and self._big_enough(tensor.untyped_storage())
-
-    def _big_enough(self, storage: torch.UntypedStorage) -> bool:
-        return storage.nbytes() >= self.min_tensor_bytes and storage.resizable()
-
-    def _plain(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
-            return False
-        if tensor.device.type != self.device.type or tensor.is_quantized or tensor.is_nested:
-            return False
-        return tensor.untyped_storage()._cdata not in self.protected
+        return self.admission.plain(tensor) and self.admission.big_enough(tensor)
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """Account a newly saved tensor and keep the budget."""
@@ -257,7 +199,7 @@ class Iteration:
         ):
             live = self.live_bytes()
             self._sample(live)
-        self._note_live(live)
+        self.meter.note(live)
 
     def begin_step(self, name: str) -> None:
         """Close the open step and open the next one."""
@@ -314,7 +256,7 @@ class Iteration:
         self._sample(live)
         # The growth since the last reading spans many steps here: no headroom the guard must
         # keep between two hook points (the plan's reserve stands).
-        self._note_live(live)
+        self.meter.note(live)
         if self.books.violated:
             logger.warning(
                 "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
@@ -342,11 +284,11 @@ class Iteration:
         """
         live = self.live_bytes()
         self._sample(live)
-        self.policy.keep_reserve(self._growth(live))
+        self.policy.keep_reserve(self.meter.growth(live))
         # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
         # policy had no chance to act since the last hook point.
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
-        self._note_live(live)
+        self.meter.note(live)
 
     def _backward_done(self) -> None:
         self._backward_done_queued = False
@@ -392,7 +334,7 @@ class Iteration:
         else:
             live = live_hint  # NOTE [reused readings]
         self._sample(live)
-        self.policy.keep_reserve(self._growth(live))
+        self.policy.keep_reserve(self.meter.growth(live))
         epoch = self.store.memory_epoch
         self.policy.enforce(live + incoming_bytes, pinned)
         if self.store.memory_epoch != epoch or self.params is not None:
@@ -407,7 +349,7 @@ class Iteration:
             live = self.live_bytes()
         if judge:
             self.floor.note(live + incoming_bytes, pinned, self._step_name(), self.step_index)
-        self._note_live(live)
+        self.meter.note(live)
 
     # -- closing ------------------------------------------------------------------------------
     def _close_step(self) -> None:
@@ -416,16 +358,11 @@ class Iteration:
             return
         transient = 0
         if self.rss is not None:
-            # How far the step's peak rose above its end level, in RSS beyond what the samples
-            # saw: allocations still held at the end (one-time kernel caches, outputs) are not
-            # transient and are excluded.
-            # Both rises are measured from the higher of the step's start and end levels, so
-            # memory freed during the step (garbage of earlier code) is not mistaken for one.
             high_water = self.rss.peak_rss_bytes()
             self.rss_peak_bytes = max(self.rss_peak_bytes, high_water)
-            rss_rise = high_water - max(step.rss_start, self.rss.current_rss_bytes())
-            sampled_rise = step.peak - max(step.live_start, self.live_bytes())
-            transient = max(0, rss_rise - max(sampled_rise, 0))
+            transient = step.transient_bytes(
+                high_water, self.rss.current_rss_bytes(), self.live_bytes()
+            )
             if self.count_workspaces:
                 self.policy.keep_transient(transient)
         self.books.close(step, self.store.stats, transient, counted=self.count_workspaces)

@@ -248,6 +248,24 @@ class PlanBook:
                 self._store(chosen, plan)
         return True
 
+    def excuse(self, chosen: IterationPlan, was_lean: bool) -> bool:
+        """An iteration broke the budget: whether it is excused (else the step raises).
+
+        A lean replay's plan is profiled again (NOTE [lean replay]: its own minimum would not be
+        one that works); a trial of recomputation drops its candidate (its gradients are right,
+        only its working set did not fit).
+        """
+        if was_lean:
+            self.forget(chosen)
+            return True
+        if not self.abandon_trial(chosen):
+            return False
+        logger.warning(
+            "recomputing %d modules broke the budget: that candidate is dropped",
+            len(chosen.recompute),
+        )
+        return True
+
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         self._plans[chosen.signature] = plan
         self._reprofile.discard(chosen.signature)

@@ -22,6 +22,24 @@ class OpenStep:
     unmanaged_peak: int = 0
     rss_start: int = 0
 
+    def transient_bytes(self, rss_high_water: int, rss_now: int, live_now: int) -> int:
+        """How far the step's peak rose above its end level, in RSS beyond what samples saw.
+
+        NOTE [transient bytes]: ops allocate workspaces (convolution im2col buffers, say) that
+        live only inside one call, where no hook can sample them. While profiling, the
+        process's RSS high-water mark is read at every step boundary: what a step grew in RSS
+        beyond what it grew in tracked bytes is its transient, which the trace records and,
+        with ``count_workspaces``, the plan and the policy then budget for. With
+        ``count_workspaces`` every iteration measures them, so the reactive policy (which
+        never profiles) learns them too. Allocations still held at the end (one-time kernel
+        caches, outputs) are not transient. Both rises are measured from the higher of the
+        step's start and end levels, so memory freed during the step (garbage of earlier code)
+        is not mistaken for one.
+        """
+        rss_rise = rss_high_water - max(self.rss_start, rss_now)
+        sampled_rise = self.peak - max(self.live_start, live_now)
+        return max(0, rss_rise - max(sampled_rise, 0))
+
 
 @dataclass
 class IterationBooks:

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_hooks
+from vtensor.activations.hooks import make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.model_state import device_of, start_bytes, storages_of
 from vtensor.activations.planning import IterationPlan, PlanBook
 from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.report import (
     Granularity,
     IterationReport,
@@ -26,7 +25,7 @@ from vtensor.activations.report import (
 )
 from vtensor.activations.reporting import StoreCounters, iteration_report
 from vtensor.activations.store import ChunkStore
-from vtensor.activations.units import UnitRecorder
+from vtensor.activations.wiring import instrumented
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import engine_for
@@ -95,7 +94,7 @@ class MemoryManager:
             at every hook point (each saved tensor, each unpack, each backward node), as
             while profiling. Off, a replay of a plan profiled in this process or loaded from
             the cache reads them at module boundaries only, and does per-tensor work only where
-            the plan acts (NOTE [lean replay] in ``vtensor/activations/iteration.py``); its
+            the plan acts (NOTE [lean replay] in ``vtensor/activations/lean.py``); its
             report then has no per-step statistics and states the profiled iteration's minimum.
     """
 
@@ -291,18 +290,8 @@ class MemoryManager:
             stack.callback(iteration.finish)
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
-            for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
-                stack.callback(hook.remove)
             plan = executor.plan if executor is not None else chosen
-            if plan.recompute:
-                iteration.recomputed, iteration.selective = plan.recompute, plan.selective
-                stack.enter_context(
-                    recompute_modules(model, plan.recompute, iteration, plan.selective)
-                )
-            elif chosen.find_units:
-                iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
-                for hook in iteration.units.install():
-                    stack.callback(hook.remove)
+            stack.enter_context(instrumented(model, iteration, plan, chosen.find_units))
             started = time.perf_counter()
             stats_before = StoreCounters.of(store)
             self._active = True
@@ -310,19 +299,9 @@ class MemoryManager:
             with torch.autograd.graph.saved_tensors_hooks(*make_saved_tensor_hooks(iteration)):
                 yield
         books = iteration.books
-        if books.violated and iteration.was_lean:
-            # NOTE [lean replay]: its own minimum would not be one that works; profile again.
-            self._plans.forget(chosen)
-        elif books.violated:
-            if not self._plans.abandon_trial(chosen):
-                raise InfeasibleBudgetError(
-                    self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
-                )
-            # Its gradients are right; only the trial's working set did not fit.
-            logger.warning(
-                "recomputing %d modules broke the budget at step %r: swapping only from now on",
-                len(chosen.recompute),
-                books.min_budget_step,
+        if books.violated and not self._plans.excuse(chosen, iteration.was_lean):
+            raise InfeasibleBudgetError(
+                self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
             )
         self._record(iteration, chosen, device, started, stats_before, joint, pending)
 

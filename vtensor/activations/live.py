@@ -1,0 +1,70 @@
+"""An iteration's tracked device bytes: the reading, and the growth the guard keeps as headroom."""
+
+from typing import Protocol
+
+import torch
+
+from vtensor.activations.store import ChunkStore
+from vtensor.measure.trackers import DeviceTracker
+
+
+class ResidentParams(Protocol):
+    """Parameter offloading that shares the budget: the bytes of it now resident."""
+
+    def resident_bytes(self) -> int:
+        """Bytes of its parameters, gradients and state on the device now."""
+        ...
+
+
+class LiveBytes:
+    """Reads the tracked bytes of one iteration and the growth between two readings.
+
+    On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so the
+    growth since entry is counted on top of ``baseline_bytes``, the tensors known to exist at
+    entry.
+    """
+
+    def __init__(
+        self,
+        tracker: DeviceTracker,
+        store: ChunkStore,
+        device: torch.device,
+        baseline_bytes: int,
+        params: ResidentParams | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.store = store
+        self.baseline_bytes = baseline_bytes
+        self.params = params
+        self._absolute = device.type == "cuda"
+        self._entry_counter = tracker.current_bytes()
+        self._entry_released = store.released_bytes
+        self._last_live = 0
+        self._last_param = 0
+
+    def read(self) -> int:
+        """Tracked device bytes now."""
+        now = self.tracker.current_bytes()
+        if self._absolute:
+            return now
+        # Pages released in place are still allocated for the heap counter (NOTE [release in
+        # place] in io/pages.py). Frees of memory allocated before the step (a previous loss,
+        # say) lower the counter below its entry value; never report less than nothing.
+        released = self.store.released_bytes - self._entry_released
+        return max(0, self.baseline_bytes + now - self._entry_counter - released)
+
+    def note(self, live: int) -> None:
+        """``live`` is the reading the next growth is measured from."""
+        self._last_live = live
+        self._last_param = self._param_bytes()
+
+    def growth(self, live: int) -> int:
+        """Growth since the last noted reading that nobody announced: the guard's headroom.
+
+        Reads of the parameter offloading sharing the budget are announced (``make_room``) and,
+        under a joint plan, planned; they are not headroom the guard must keep.
+        """
+        return live - self._last_live - max(0, self._param_bytes() - self._last_param)
+
+    def _param_bytes(self) -> int:
+        return self.params.resident_bytes() if self.params is not None else 0

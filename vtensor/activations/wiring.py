@@ -1,0 +1,44 @@
+"""What one managed iteration installs on the model: module hooks, recomputation, unit profiling."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+from torch import nn
+
+from vtensor.activations.hooks import install_module_hooks
+from vtensor.activations.iteration import Iteration
+from vtensor.activations.recompute import recompute_modules
+from vtensor.activations.units import UnitRecorder
+
+
+class Recomputation(Protocol):
+    """The modules an iteration recomputes (a plan, or the trial of one)."""
+
+    @property
+    def recompute(self) -> tuple[str, ...]: ...  # noqa: D102
+
+    @property
+    def selective(self) -> tuple[str, ...]: ...  # noqa: D102
+
+
+@contextlib.contextmanager
+def instrumented(
+    model: nn.Module, iteration: Iteration, plan: Recomputation, find_units: bool
+) -> Iterator[None]:
+    """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
+
+    The modules ``plan`` names are recomputed (NOTE [recompute] in ``activations/recompute.py``);
+    otherwise, with ``find_units``, the profile records which modules could be.
+    """
+    with contextlib.ExitStack() as stack:
+        for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
+            stack.callback(hook.remove)
+        if plan.recompute:
+            iteration.recomputed, iteration.selective = plan.recompute, plan.selective
+            stack.enter_context(recompute_modules(model, plan.recompute, iteration, plan.selective))
+        elif find_units:
+            iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
+            for hook in iteration.units.install():
+                stack.callback(hook.remove)
+        yield
