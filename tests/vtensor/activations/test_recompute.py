@@ -425,6 +425,28 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports)
 
 
+def test_a_trial_that_breaks_the_budget_gives_way_to_the_next_candidate_then_to_swapping() -> None:
+    from vtensor.activations.planning import IterationPlan, PlanBook, Trials
+    from vtensor.activations.report import PlanSource
+
+    book = PlanBook(1 << 20, None, None, recompute=True)
+    swap_only = dataclasses.replace(_EMPTY_PLAN, planner="swap only")
+    book._trial["sig"] = Trials([(("a",), ()), (("b",), ("b",))], [], swap_only)
+
+    def trial() -> IterationPlan:
+        names, selective = book._trial["sig"].pending[0]
+        return IterationPlan(
+            "sig", PlanSource.PROFILED, None, True, None, recompute=names, selective=selective
+        )
+
+    first = trial()
+    assert first.recompute == ("a",) and book.excuse(first, was_lean=False) and first.abandoned
+    second = trial()
+    assert second.recompute == ("b",) and book.excuse(second, was_lean=False)
+    assert "sig" not in book._trial and book._plans["sig"] is swap_only  # swapping only
+    assert not book.excuse(IterationPlan("sig", PlanSource.PLANNED, None, False, None), False)
+
+
 def test_a_race_keeps_the_plan_with_the_least_best_time() -> None:
     a, b = (dataclasses.replace(_EMPTY_PLAN, recompute=names) for names in (("x",), ()))
     race = PlanRace([a, b])
