@@ -232,9 +232,10 @@ class PlanBook:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
 
     def abandon_trial(self, chosen: IterationPlan) -> bool:
-        """Keep to the swap-only plan after a trial of recomputation broke the budget.
+        """Drop the candidate whose trial broke the budget: the next is tried, then the race.
 
-        Returns False if ``chosen`` was no trial.
+        With no candidate left, the plans of those that fitted race the swap-only plan, or the
+        swap-only plan is kept. Returns False if ``chosen`` was no trial.
         """
         trials = self._trial.get(chosen.signature)
         if trials is None or chosen.executor is not None:
