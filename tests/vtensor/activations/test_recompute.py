@@ -348,6 +348,21 @@ class Slow(Block):
         return super().forward(x)
 
 
+def _race(
+    model: nn.Module, budget: int, steps: int, tmp_path: Path
+) -> tuple[tuple[vtensor.IterationReport, ...], Plan | None]:
+    """``steps`` iterations on one batch with recomputation: the reports and the plan kept."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _batch(0)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with mm.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return mm.reports, mm.plan_for(model, inputs=(x, y))
+
+
 def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -356,16 +371,7 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     )
     budget = int(_peak(Block, tmp_path) * 0.5)
     model = _model(Slow)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = _batch(0)
-    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
-        for _ in range(2 + 2 * RACE_ROUNDS + 1):
-            opt.zero_grad(set_to_none=True)
-            with mm.step(model, opt, inputs=(x, y)):
-                nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        reports = mm.reports
-        plan = mm.plan_for(model, inputs=(x, y))
+    reports, plan = _race(model, budget, 2 + 2 * RACE_ROUNDS + 1, tmp_path)
     assert [r.plan_source for r in reports[:2]] == ["profiled", "profiled"]
     assert reports[1].recomputed == ("3",)  # the trial, the slow block
     raced = reports[2 : 2 + 2 * RACE_ROUNDS]
@@ -377,6 +383,8 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     assert reports[-1].recomputed == () and reports[-1].plan_source == "planned"
     # The swap-only replays move what their plan moves: the guard keeps that plan's headroom,
     # not the larger one the trial of recomputation grew (its unit's tensors came back at once).
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _batch(0)
     with vtensor.MemoryManager(budget, storage_dir=tmp_path) as plain:
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
@@ -399,17 +407,7 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
 
     budget = int(_peak(Block, tmp_path) * 0.5)
     monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", candidates)
-    model = _model(Block)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = _batch(0)
-    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
-        for _ in range(1 + 2 + 3 * RACE_ROUNDS):
-            opt.zero_grad(set_to_none=True)
-            with mm.step(model, opt, inputs=(x, y)):
-                nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        reports = mm.reports
-        plan = mm.plan_for(model, inputs=(x, y))
+    reports, plan = _race(_model(Block), budget, 1 + 2 + 3 * RACE_ROUNDS, tmp_path)
     assert len(found) == 1 and len(found[0]) == 2, found  # the cheapest cover, every block
     (cheapest, _), (outermost, selective) = found[0]
     assert cheapest != outermost and set(selective) == set(outermost) - {"0", "7"}
