@@ -141,7 +141,7 @@ def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...
     in its place. Both sorted, maybe empty; deterministic.
     """
     safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
-    frontier = [u for u in safe if not any(_inside(u.name, o.name) for o in safe)]
+    frontier = _outermost(safe)
     chosen: list[str] = []
     selective: list[str] = []
     while frontier:
@@ -152,8 +152,7 @@ def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...
             chosen.append(unit.name)
             selective += partial
             continue
-        inner = [u for u in safe if _inside(u.name, unit.name)]
-        frontier += [u for u in inner if not any(_inside(u.name, o.name) for o in inner)]
+        frontier += _outermost([u for u in safe if _inside(u.name, unit.name)])
     return tuple(sorted(chosen)), tuple(sorted(selective))
 
 
@@ -194,5 +193,10 @@ def _inside(a: str, b: str) -> bool:
     return a.startswith(b + ".")
 
 
+def _outermost(units: Sequence[TraceUnit]) -> list[TraceUnit]:
+    """Those of ``units`` inside none of the others, in order."""
+    return [u for u in units if not any(_inside(u.name, o.name) for o in units)]
+
+
 def _nested(a: str, b: str) -> bool:
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+    return a == b or _inside(a, b) or _inside(b, a)
