@@ -20,14 +20,18 @@ fractions of each model's unmanaged tracked peak, with these variants:
 - ``micro-2``, ``micro-4``: the batch in 2 or 4 micro-batches with gradient accumulation (the
   same mean loss; not bit-identical: BatchNorm sees smaller batches and the gradient sums in
   another order, so their "grads identical" column says no).
+- ``compile``: ``torch.compile`` (inductor) with ``activation_memory_budget`` set to the budget
+  fraction, one per budget (``benchmarks/compiled.py``; not bit-identical; its first step compiles
+  and is timed apart; its peak is an RSS figure, since the manager cannot track its buffers).
 
 Per variant it measures the median step time over round-robin interleaved rounds after the
-profiling round, bytes moved, stall, the tracked peak and the independent ones (RSS, and a
-``LiveStorageTracker`` on one extra step, which counts live storages and reads the page tables
-for the pages released in place), the planner's predicted peak and stall, the
-planning time, the time to load the plan from the plan cache, and whether the gradients are
-bit-identical to the unmanaged run on every round. A planner micro-benchmark times ``plan_lgm`` on
-a synthetic 1000-step trace. Infeasible budgets become rows with the stated minimum budget.
+profiling round, its kernel time and minor page faults per step, bytes moved, stall, the
+tracked peak and the independent ones (RSS, and a ``LiveStorageTracker`` on one extra step,
+which counts live storages and reads the page tables for the pages released in place), the
+planner's predicted peak and stall, the planning time, the time to load the plan from the plan
+cache, and whether the gradients are bit-identical to the unmanaged run on every round. A
+planner micro-benchmark times ``plan_lgm`` on a synthetic 1000-step trace. Infeasible budgets
+become rows with the stated minimum budget.
 
 Run from the repository root::
 
@@ -42,8 +46,10 @@ so that RSS follows the live bytes (see NOTE [honest RSS] in ``vtensor/measure/r
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -55,7 +61,9 @@ import torch
 from torch import nn
 
 import vtensor
+from benchmarks.activation_tables import comparisons, median_or_none, print_comparisons, table
 from benchmarks.common import (
+    add_default_malloc,
     add_out,
     add_quick,
     add_repeats,
@@ -66,8 +74,10 @@ from benchmarks.common import (
     tagged,
     write_json_lines,
 )
+from benchmarks.compiled import compile_under_budget, rss_step_peak
 from benchmarks.zoo import Workload, workloads
 from vtensor.measure.dispatch import LiveStorageTracker
+from vtensor.measure.rss import rss_is_honest
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
@@ -106,6 +116,8 @@ class Variant:
     min_budget_bytes: int | None = None
     step_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
+    sys_s: list[float] = field(default_factory=list)  # kernel time (page faults, I/O)
+    minor_faults: list[int] = field(default_factory=list)
     reports: list[vtensor.IterationReport] = field(default_factory=list)
     grads_identical: list[bool] = field(default_factory=list)
     dispatch_peak: int | None = None
@@ -293,6 +305,11 @@ def _make_variants(
                 measure_peaks=True,  # the RSS column (resets VmHWM: a benchmark may)
             )
             variants.append(v)
+        if args.compile:
+            # Not bit-identical, and its peak is an RSS figure (benchmarks/compiled.py).
+            model = copy.deepcopy(base)
+            compiled = compile_under_budget(model, frac)
+            variants.append(Variant("compile", frac, compiled, _make_opt(compiled)))
     return variants
 
 
@@ -304,6 +321,7 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
         if v.error is not None:
             continue
         gc.collect()
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             _run_step(v, w, x, y)
@@ -318,6 +336,9 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
             )
             continue
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+        if r == 0 and v.name == "compile":
+            v.extra["compile_s"] = dt  # the first call compiles
         if v.name == "unmanaged":
             ref = _grads(v.model)
         else:
@@ -331,6 +352,8 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
         if r > 0 and not profiled:
             v.step_s.append(dt)
             v.cpu_s.append(dc)
+            v.sys_s.append(u1.ru_stime - u0.ru_stime)
+            v.minor_faults.append(u1.ru_minflt - u0.ru_minflt)
 
 
 def _after_rounds(
@@ -341,8 +364,15 @@ def _after_rounds(
     for v in variants:
         if v.error is not None:
             continue
+        if v.name in ("unmanaged", "compile"):
+            # The compiled graph's peak from outside; unmanaged the same way, to set it against.
+            v.optimizer.zero_grad(set_to_none=True)
+            live = sum(t.untyped_storage().nbytes() for t in _state_tensors(v.model, v.optimizer))
+            v.extra["rss_step_peak_bytes"] = rss_step_peak(
+                functools.partial(_run_step, v, w, x, y), live + x.nbytes + y.nbytes
+            )
         if v.manager is None:
-            v.dispatch_peak = refs[v.name]["dispatch"]
+            v.dispatch_peak = refs[v.name]["dispatch"] if v.name in refs else None
             continue
         # The tracker reads the page tables, so it sees pages released in place too.
         v.dispatch_peak = _dispatch_peak(v, w, x, y)
@@ -397,14 +427,11 @@ def run_model(
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
+        "rss_honest": rss_is_honest(),
         **_tick_fracs(ticks_before, _cpu_ticks()),
     }
     unmanaged_s = statistics.median(variants[0].step_s)
     return [_row(v, w, p0, refs, args, machine, unmanaged_s) for v in variants]
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _row(
@@ -428,9 +455,11 @@ def _row(
         "error": v.error,
         "min_budget_bytes": v.min_budget_bytes,
         "dispatch_peak_bytes": v.dispatch_peak,
-        "step_s_median": _median(v.step_s),
+        "step_s_median": median_or_none(v.step_s),
         "step_s_all": v.step_s,
-        "cpu_s_median": _median(v.cpu_s),
+        "cpu_s_median": median_or_none(v.cpu_s),
+        "sys_s_median": median_or_none(v.sys_s),
+        "minor_faults_median": median_or_none([float(n) for n in v.minor_faults]),
         "steps_timed": len(v.step_s),
         "vs_unmanaged": None if not v.step_s else statistics.median(v.step_s) / unmanaged_s,
         "grads_identical": True
@@ -440,6 +469,16 @@ def _row(
         "extra": v.extra,
         "machine": machine,
     }
+    if v.name == "compile":
+        row.update(
+            budget_bytes=int(p0 * v.budget_frac) if v.budget_frac else None,
+            tracked_peak_bytes=None,  # its buffers are not tracked: the RSS figure stands in
+            rss_peak_bytes=v.extra.get("rss_step_peak_bytes"),
+            bytes_out_per_step=0,
+            bytes_in_per_step=0,
+            stall_s_median=0.0,
+        )
+        return row
     if v.manager is None:
         r = refs[v.name]
         row.update(
@@ -454,13 +493,13 @@ def _row(
         tracked_peak_bytes=max((rep.peak_device_bytes for rep in v.reports), default=None),
         timed_tracked_peak_bytes=max((rep.peak_device_bytes for rep in timed), default=None),
         rss_peak_bytes=max((rep.peak_independent_bytes or 0 for rep in v.reports), default=None),
-        bytes_out_per_step=_median([rep.bytes_out for rep in timed]),
-        bytes_in_per_step=_median([rep.bytes_in for rep in timed]),
-        copied_bytes_per_step=_median([rep.copied_bytes for rep in timed]),
+        bytes_out_per_step=median_or_none([rep.bytes_out for rep in timed]),
+        bytes_in_per_step=median_or_none([rep.bytes_in for rep in timed]),
+        copied_bytes_per_step=median_or_none([rep.copied_bytes for rep in timed]),
         bytes_out_all=[rep.bytes_out for rep in v.reports],
         bytes_in_all=[rep.bytes_in for rep in v.reports],
-        stall_s_median=_median([rep.stall_s for rep in timed]),
-        transfer_s_median=_median([rep.transfer_s for rep in timed]),
+        stall_s_median=median_or_none([rep.stall_s for rep in timed]),
+        transfer_s_median=median_or_none([rep.transfer_s for rep in timed]),
         plan_sources=[rep.plan_source for rep in v.reports],
         policies=[rep.policy for rep in v.reports],
         planning_s=max((rep.planning_s for rep in v.reports), default=None),
@@ -474,178 +513,6 @@ def _row(
         min_budget_seen_bytes=max((rep.min_budget_bytes for rep in v.reports), default=None),
     )
     return row
-
-
-# -- output ---------------------------------------------------------------------------------------
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / MIB:.1f}"
-
-
-def _num(n: float | None, fmt: str) -> str:
-    return "-" if n is None else format(n, fmt)
-
-
-def _replayed(r: dict[str, Any]) -> str:
-    timed = r.get("policies", [])[1:]
-    if "plan_sources" not in r or not timed:
-        return "-"
-    return f"{sum(p == 'planned' for p in timed)}/{len(timed)}"
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """One markdown table of the rows of one model."""
-    cols = (
-        "variant",
-        "budget MiB (%)",
-        "tracked peak MiB",
-        "dispatch peak MiB",
-        "RSS peak MiB",
-        "predicted peak MiB",
-        "MiB moved/step",
-        "prefix copies MiB/step",
-        "stall s (pred.)",
-        "step s",
-        "vs unmanaged",
-        "planned steps",
-        "planning ms",
-        "cache load ms",
-        "grads identical",
-    )
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        if r["budget_bytes"] is None:
-            budget = "-"
-        elif r["budget_frac"] is None:
-            budget = "never binds"
-        else:
-            budget = f"{r['budget_bytes'] / MIB:.1f} ({r['budget_frac']:.0%})"
-        if r["error"] is not None:
-            lines.append(
-                f"| {r['variant']} | {budget} | infeasible: min budget "
-                f"{_mib(r['min_budget_bytes'])} MiB |" + " |" * (len(cols) - 3)
-            )
-            continue
-        moved = (r["bytes_out_per_step"] or 0) + (r["bytes_in_per_step"] or 0)
-        stall = _num(r["stall_s_median"], ".3f")
-        if r.get("predicted_stall_s") is not None:
-            stall += f" ({r['predicted_stall_s']:.3f})"
-        grads = {True: "yes", False: "NO", None: "-"}[r["grads_identical"]]
-        planning = r.get("planning_s")
-        load = r["extra"].get("cache_load_s_median")
-        lines.append(
-            " | ".join(
-                [
-                    f"| {r['variant']}",
-                    budget,
-                    _mib(r["tracked_peak_bytes"]),
-                    _mib(r["dispatch_peak_bytes"]),
-                    _mib(r["rss_peak_bytes"]),
-                    _mib(r.get("predicted_peak_bytes")),
-                    _mib(moved),
-                    _mib(r.get("copied_bytes_per_step")),
-                    stall,
-                    _num(r["step_s_median"], ".2f"),
-                    _num(r["vs_unmanaged"], ".2f"),
-                    _replayed(r),
-                    "-" if not planning else f"{planning * 1e3:.0f}",
-                    "-" if load is None else f"{load * 1e3:.2f}",
-                    grads,
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """LGM chunked vs whole-tensor at each budget, measured in the same run, and vs checkpoint."""
-    by = {(r["variant"], r["budget_frac"]): r for r in rows}
-    ckpt = by.get(("checkpoint", None))
-    out = []
-    for frac in sorted({r["budget_frac"] for r in rows if r["budget_frac"]}, reverse=True):
-        chunk, whole = by.get(("lgm-chunk", frac)), by.get(("lgm-tensor", frac))
-        c: dict[str, Any] = {"model": rows[0]["model"], "budget_frac": frac}
-        if chunk and whole and not chunk["error"] and not whole["error"]:
-            cm = chunk["bytes_out_per_step"] + chunk["bytes_in_per_step"]
-            wm = whole["bytes_out_per_step"] + whole["bytes_in_per_step"]
-            paired = [t / s for t, s in zip(whole["step_s_all"], chunk["step_s_all"], strict=False)]
-            c.update(
-                throughput_ratio=whole["step_s_median"] / chunk["step_s_median"],
-                throughput_ratio_paired_median=_median(paired),
-                bytes_ratio=cm / wm if wm else None,
-            )
-        if chunk and ckpt and not chunk["error"]:
-            c.update(
-                checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
-                chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"],
-            )
-        hybrid = by.get(("lgm-hybrid", frac))
-        if hybrid and not hybrid["error"] and hybrid["step_s_median"] is not None:
-            unmanaged = by[("unmanaged", None)]["step_s_median"]
-            c.update(
-                hybrid_vs_unmanaged=hybrid["step_s_median"] / unmanaged,
-                hybrid_recomputed=hybrid["extra"].get("recomputed_modules", 0),
-            )
-            if chunk and not chunk["error"]:
-                c["hybrid_vs_chunk"] = hybrid["step_s_median"] / chunk["step_s_median"]
-            if ckpt and ckpt["tracked_peak_bytes"] <= hybrid["budget_bytes"]:
-                c["hybrid_vs_checkpoint"] = hybrid["step_s_median"] / ckpt["step_s_median"]
-            # The fastest alternative whose peak fits the same budget.
-            fitting = [
-                r
-                for r in rows
-                if r["variant"] in ("checkpoint", "selective", "micro-2", "micro-4")
-                and r["tracked_peak_bytes"] <= hybrid["budget_bytes"]
-            ]
-            tensor = by.get(("lgm-tensor", frac))
-            if tensor and not tensor["error"] and tensor["step_s_median"] is not None:
-                fitting.append(tensor)
-            if fitting:
-                best = min(fitting, key=lambda r: r["step_s_median"])
-                c["best_baseline"] = best["variant"]
-                c["hybrid_vs_best_baseline"] = hybrid["step_s_median"] / best["step_s_median"]
-        out.append(c)
-    return out
-
-
-def _print_comparisons(comps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
-    for r in rows:
-        if r["variant"] == "unbound" and r["vs_unmanaged"] is not None:
-            print(
-                f"{r['model']}: the manager with a budget that never binds "
-                f"{r['vs_unmanaged']:.3f}x unmanaged"
-            )
-    for c in comps:
-        if "throughput_ratio" not in c:
-            print(f"{c['model']} {c['budget_frac']:.0%}: no chunk/tensor comparison (infeasible)")
-            continue
-        br = "-" if c["bytes_ratio"] is None else f"{c['bytes_ratio']:.3f}x"
-        line = (
-            f"{c['model']} {c['budget_frac']:.0%}: LGM chunk/tensor throughput "
-            f"{c['throughput_ratio']:.3f}x (paired rounds "
-            f"{c['throughput_ratio_paired_median']:.3f}x), bytes moved {br}"
-        )
-        if "chunk_vs_checkpoint_time" in c:
-            fits = "fits" if c["checkpoint_fits"] else "exceeds"
-            line += (
-                f"; chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
-                f"(checkpoint peak {fits} the budget)"
-            )
-        if "hybrid_vs_unmanaged" in c:
-            line += (
-                f"; hybrid ({c['hybrid_recomputed']} modules recomputed) "
-                f"{c['hybrid_vs_unmanaged']:.2f}x unmanaged"
-            )
-            if "hybrid_vs_chunk" in c:
-                line += f", {c['hybrid_vs_chunk']:.2f}x LGM-chunk"
-            if "hybrid_vs_checkpoint" in c:
-                line += f", {c['hybrid_vs_checkpoint']:.2f}x checkpoint"
-            if "best_baseline" in c:
-                line += (
-                    f", {c['hybrid_vs_best_baseline']:.2f}x the fastest alternative that fits "
-                    f"({c['best_baseline']})"
-                )
-        print(line)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -681,13 +548,23 @@ def main(argv: list[str] | None = None) -> None:
         help="torch.set_num_threads (1 recommended on a shared host)",
     )
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the torch.compile variant at every budget (default: on; quick: off; compiling "
+        "takes about a minute per budget on 2 cores)",
+    )
     add_repeats(p, "best-of repeats of the planner micro-benchmark", full=5, quick=2)
+    add_default_malloc(p)
     add_out(p)
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 1 if args.quick else 5
     if args.budgets is None:
         args.budgets = [0.6] if args.quick else [0.8, 0.6, 0.4, 0.25]
+    if args.compile is None:
+        args.compile = not args.quick
     torch.set_num_threads(args.threads)
     storage_dir = args.storage_dir or tempfile.gettempdir()
     env = environment(cuda=torch.cuda.is_available())
@@ -716,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
             comps += comparisons(model_rows)
             print(f"\n## {name}: {model_rows[0]['model_description']}\n")
             print(table(model_rows) + "\n", flush=True)
-    _print_comparisons(comps, rows)
+    print_comparisons(comps, rows)
     end = {"kind": "end", "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - started}
     print(
         f"# load average at start {load[0]:.2f}, at end {end['load_avg'][0]:.2f}; "

@@ -22,6 +22,7 @@ from typing import Any
 # NOTE [honest RSS] in vtensor/measure/rss.py: with this threshold RSS follows the live bytes.
 HONEST_RSS_ENV = "MALLOC_MMAP_THRESHOLD_"
 HONEST_RSS_VALUE = "65536"
+DEFAULT_MALLOC_FLAG = "--default-malloc"
 RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", HONEST_RSS_ENV)
 
 
@@ -59,13 +60,27 @@ def repeats(args: argparse.Namespace, full: int, quick: int) -> int:
 
 
 # -- environment ----------------------------------------------------------------------------------
+def add_default_malloc(parser: argparse.ArgumentParser) -> None:
+    """``--default-malloc``: run under glibc's default settings (see ``reexec_with_honest_rss``)."""
+    parser.add_argument(
+        DEFAULT_MALLOC_FLAG,
+        action="store_true",
+        help="keep glibc's default allocator settings: steps as a user's process runs them "
+        "(freed memory is reused without page faults), but RSS figures do not follow the live "
+        "bytes",
+    )
+
+
 def reexec_with_honest_rss() -> None:
     """Re-execute this process with ``MALLOC_MMAP_THRESHOLD_=65536`` unless it already has it.
 
     glibc reads the variable at start-up only, so a script that reports RSS calls this first
     thing under ``if __name__ == "__main__"``; the re-executed process runs the same module.
+    With ``--default-malloc`` on the command line it does nothing: every allocation above the
+    threshold is then a fresh mapping, page-faulted on first touch, which costs time a process
+    under glibc's defaults does not spend (NOTE [honest RSS]).
     """
-    if os.environ.get(HONEST_RSS_ENV) == HONEST_RSS_VALUE:
+    if os.environ.get(HONEST_RSS_ENV) == HONEST_RSS_VALUE or DEFAULT_MALLOC_FLAG in sys.argv:
         return
     os.environ[HONEST_RSS_ENV] = HONEST_RSS_VALUE
     os.execv(sys.executable, [sys.executable, *_module_argv()])
