@@ -100,6 +100,7 @@ MANAGED = {  # variant -> (policy, granularity, recompute)
     "lgm-hybrid": ("planned", "chunk", True),
     "reactive-chunk": ("reactive", "chunk", False),
 }
+VARIANTS = [*(n for n in BASELINES if n != "unmanaged"), "unbound", *MANAGED, "compile"]
 
 
 @dataclass
@@ -281,15 +282,20 @@ def _make_variants(
 ) -> list[Variant]:
     variants = []
     for name, (ckpt, micro) in BASELINES.items():
+        if name not in args.variants:
+            continue
         model = copy.deepcopy(base)
         model.checkpoint_blocks = ckpt
         variants.append(Variant(name, None, model, _make_opt(model), micro=micro))
-    # The manager's own cost: a budget that never binds, so its plan moves nothing.
-    model = copy.deepcopy(base)
-    unbound = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, measure_peaks=True)
-    variants.append(Variant("unbound", None, model, _make_opt(model), manager=unbound))
+    if "unbound" in args.variants:
+        # The manager's own cost: a budget that never binds, so its plan moves nothing.
+        model = copy.deepcopy(base)
+        unbound = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, measure_peaks=True)
+        variants.append(Variant("unbound", None, model, _make_opt(model), manager=unbound))
     for frac in args.budgets:
         for name, (policy, granularity, recompute) in MANAGED.items():
+            if name not in args.variants:
+                continue
             model = copy.deepcopy(base)
             v = Variant(name, frac, model, _make_opt(model))
             if policy == "planned":
@@ -305,7 +311,7 @@ def _make_variants(
                 measure_peaks=True,  # the RSS column (resets VmHWM: a benchmark may)
             )
             variants.append(v)
-        if args.compile:
+        if "compile" in args.variants:
             # Not bit-identical, and its peak is an RSS figure (benchmarks/compiled.py).
             model = copy.deepcopy(base)
             compiled = compile_under_budget(model, frac)
@@ -407,7 +413,11 @@ def run_model(
     load_before, ticks_before, started = os.getloadavg(), _cpu_ticks(), time.perf_counter()
     print(f"# {w.name}: {w.describe}", flush=True)
     base = w.build()
-    refs = {name: _reference(w, base, mode, storage_dir) for name, mode in BASELINES.items()}
+    refs = {
+        name: _reference(w, base, mode, storage_dir)
+        for name, mode in BASELINES.items()
+        if name in args.variants
+    }
     ref = refs["unmanaged"]
     p0 = ref["tracked"]
     print(
@@ -549,11 +559,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
     p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
+        "--variants",
+        nargs="+",
         default=None,
-        help="the torch.compile variant at every budget (default: on; quick: off; compiling "
-        "takes about a minute per budget on 2 cores)",
+        choices=VARIANTS,
+        metavar="VARIANT",
+        help=f"which variants to run besides unmanaged, the reference (default all; quick: all "
+        f"but compile, which takes up to a minute per budget to compile): {' '.join(VARIANTS)}",
     )
     add_repeats(p, "best-of repeats of the planner micro-benchmark", full=5, quick=2)
     add_default_malloc(p)
@@ -563,8 +575,9 @@ def main(argv: list[str] | None = None) -> None:
         args.steps = 1 if args.quick else 5
     if args.budgets is None:
         args.budgets = [0.6] if args.quick else [0.8, 0.6, 0.4, 0.25]
-    if args.compile is None:
-        args.compile = not args.quick
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS if not (args.quick and v == "compile")]
+    args.variants = ["unmanaged", *args.variants]
     torch.set_num_threads(args.threads)
     storage_dir = args.storage_dir or tempfile.gettempdir()
     env = environment(cuda=torch.cuda.is_available())
