@@ -25,13 +25,13 @@ fractions of each model's unmanaged tracked peak, with these variants:
   and is timed apart; its peak is an RSS figure, since the manager cannot track its buffers).
 
 Per variant it measures the median step time over round-robin interleaved rounds after the
-profiling round, its kernel time and minor page faults per step, bytes moved, stall, the
-tracked peak and the independent ones (RSS, and a ``LiveStorageTracker`` on one extra step,
-which counts live storages and reads the page tables for the pages released in place), the
-planner's predicted peak and stall, the planning time, the time to load the plan from the plan
-cache, and whether the gradients are bit-identical to the unmanaged run on every round. A
-planner micro-benchmark times ``plan_lgm`` on a synthetic 1000-step trace. Infeasible budgets
-become rows with the stated minimum budget.
+profiling round, its kernel time, minor page faults and heap-counter readings (count and time)
+per step, bytes moved, stall, the tracked peak and the independent ones (RSS, and a
+``LiveStorageTracker`` on one extra step, which counts live storages and reads the page tables
+for the pages released in place), the planner's predicted peak and stall, the planning time,
+the time to load the plan from the plan cache, and whether the gradients are bit-identical to
+the unmanaged run on every round. A planner micro-benchmark times ``plan_lgm`` on a synthetic
+1000-step trace. Infeasible budgets become rows with the stated minimum budget.
 
 Run from the repository root::
 
@@ -78,6 +78,7 @@ from benchmarks.compiled import compile_under_budget, rss_step_peak
 from benchmarks.zoo import Workload, workloads
 from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.measure.rss import rss_is_honest
+from vtensor.measure.trackers import MallocTracker
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
@@ -119,11 +120,42 @@ class Variant:
     cpu_s: list[float] = field(default_factory=list)
     sys_s: list[float] = field(default_factory=list)  # kernel time (page faults, I/O)
     minor_faults: list[int] = field(default_factory=list)
+    heap_reads: list[int] = field(default_factory=list)  # heap-counter readings per step
+    heap_read_s: list[float] = field(default_factory=list)  # and the time they took
     reports: list[vtensor.IterationReport] = field(default_factory=list)
     grads_identical: list[bool] = field(default_factory=list)
     dispatch_peak: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     micro: int = 1  # micro-batches with gradient accumulation (a baseline)
+
+
+class HeapReads:
+    """Counts and times every heap-counter reading (``MallocTracker.current_bytes``) in-process.
+
+    A reading walks every free chunk of every malloc arena, so its cost depends on the whole
+    process's heap, other variants' included; the rows report it per step.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        """Wrap the tracker class's reading (this script's process only)."""
+        original = MallocTracker.current_bytes
+
+        def timed(tracker: MallocTracker) -> int:
+            t0 = time.perf_counter()
+            try:
+                return original(tracker)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - t0
+
+        MallocTracker.current_bytes = timed  # type: ignore[method-assign]
+
+
+HEAP_READS = HeapReads()
 
 
 # -- one step -------------------------------------------------------------------------------------
@@ -328,6 +360,7 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
             continue
         gc.collect()
         u0 = resource.getrusage(resource.RUSAGE_SELF)
+        reads0, read_s0 = HEAP_READS.calls, HEAP_READS.seconds
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             _run_step(v, w, x, y)
@@ -360,6 +393,8 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
             v.cpu_s.append(dc)
             v.sys_s.append(u1.ru_stime - u0.ru_stime)
             v.minor_faults.append(u1.ru_minflt - u0.ru_minflt)
+            v.heap_reads.append(HEAP_READS.calls - reads0)
+            v.heap_read_s.append(HEAP_READS.seconds - read_s0)
 
 
 def _after_rounds(
@@ -470,6 +505,8 @@ def _row(
         "cpu_s_median": median_or_none(v.cpu_s),
         "sys_s_median": median_or_none(v.sys_s),
         "minor_faults_median": median_or_none([float(n) for n in v.minor_faults]),
+        "heap_reads_median": median_or_none([float(n) for n in v.heap_reads]),
+        "heap_read_s_median": median_or_none(v.heap_read_s),
         "steps_timed": len(v.step_s),
         "vs_unmanaged": None if not v.step_s else statistics.median(v.step_s) / unmanaged_s,
         "grads_identical": True
@@ -579,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
         args.variants = [v for v in VARIANTS if not (args.quick and v == "compile")]
     args.variants = ["unmanaged", *args.variants]
     torch.set_num_threads(args.threads)
+    HEAP_READS.install()
     storage_dir = args.storage_dir or tempfile.gettempdir()
     env = environment(cuda=torch.cuda.is_available())
     load = env["load_avg"]
