@@ -156,6 +156,7 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_comparisons(comps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """The manager's own cost per model, then one line per model and budget."""
     for r in rows:
         if r["variant"] == "unbound" and r["vs_unmanaged"] is not None:
             print(
@@ -163,39 +164,47 @@ def print_comparisons(comps: list[dict[str, Any]], rows: list[dict[str, Any]]) -
                 f"{r['vs_unmanaged']:.3f}x unmanaged"
             )
     for c in comps:
-        if "throughput_ratio" not in c:
-            print(f"{c['model']} {c['budget_frac']:.0%}: no chunk/tensor comparison (infeasible)")
-            continue
+        parts = [*_chunk_parts(c), *_hybrid_parts(c)]
+        print(f"{c['model']} {c['budget_frac']:.0%}: " + ("; ".join(parts) or "nothing to compare"))
+
+
+def _chunk_parts(c: dict[str, Any]) -> list[str]:
+    parts = []
+    if "throughput_ratio" in c:
         br = "-" if c["bytes_ratio"] is None else f"{c['bytes_ratio']:.3f}x"
-        line = (
-            f"{c['model']} {c['budget_frac']:.0%}: LGM chunk/tensor throughput "
-            f"{c['throughput_ratio']:.3f}x (paired rounds "
+        parts.append(
+            f"LGM chunk/tensor throughput {c['throughput_ratio']:.3f}x (paired rounds "
             f"{c['throughput_ratio_paired_median']:.3f}x), bytes moved {br}"
         )
-        if "chunk_vs_checkpoint_time" in c:
-            fits = "fits" if c["checkpoint_fits"] else "exceeds"
-            line += (
-                f"; chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
-                f"(checkpoint peak {fits} the budget)"
-            )
-        if "hybrid_vs_unmanaged" in c:
-            line += (
-                f"; hybrid ({c['hybrid_recomputed']} modules recomputed) "
-                f"{c['hybrid_vs_unmanaged']:.2f}x unmanaged"
-            )
-            if "hybrid_vs_chunk" in c:
-                line += f", {c['hybrid_vs_chunk']:.2f}x LGM-chunk"
-            if "hybrid_vs_checkpoint" in c:
-                line += f", {c['hybrid_vs_checkpoint']:.2f}x checkpoint"
-            if "hybrid_vs_compile" in c:
-                fits = "fits" if c["compile_fits"] else "exceeds"
-                line += (
-                    f", {c['hybrid_vs_compile']:.2f}x torch.compile (its peak "
-                    f"{c['compile_peak_frac']:.0%}: {fits})"
-                )
-            if "best_baseline" in c:
-                line += (
-                    f", {c['hybrid_vs_best_baseline']:.2f}x the fastest alternative that fits "
-                    f"({c['best_baseline']})"
-                )
-        print(line)
+    if "chunk_vs_checkpoint_time" in c:
+        fits = "fits" if c["checkpoint_fits"] else "exceeds"
+        parts.append(
+            f"chunk step / checkpoint step {c['chunk_vs_checkpoint_time']:.2f} "
+            f"(checkpoint peak {fits} the budget)"
+        )
+    return parts
+
+
+def _hybrid_parts(c: dict[str, Any]) -> list[str]:
+    if "hybrid_vs_unmanaged" not in c:
+        return []
+    line = (
+        f"hybrid ({c['hybrid_recomputed']} modules recomputed) "
+        f"{c['hybrid_vs_unmanaged']:.2f}x unmanaged"
+    )
+    if "hybrid_vs_chunk" in c:
+        line += f", {c['hybrid_vs_chunk']:.2f}x LGM-chunk"
+    if "hybrid_vs_checkpoint" in c:
+        line += f", {c['hybrid_vs_checkpoint']:.2f}x checkpoint"
+    if "hybrid_vs_compile" in c:
+        fits = "fits" if c["compile_fits"] else "exceeds"
+        line += (
+            f", {c['hybrid_vs_compile']:.2f}x torch.compile (its peak "
+            f"{c['compile_peak_frac']:.0%}: {fits})"
+        )
+    if "best_baseline" in c:
+        line += (
+            f", {c['hybrid_vs_best_baseline']:.2f}x the fastest alternative that fits "
+            f"({c['best_baseline']})"
+        )
+    return [line]
