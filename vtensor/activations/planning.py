@@ -4,13 +4,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from os import PathLike
 
 import torch
 from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.iteration_plan import IterationPlan, Trials
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.store import ChunkStore
@@ -30,44 +30,6 @@ from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class IterationPlan:
-    """What one iteration runs with."""
-
-    signature: str
-    source: PlanSource
-    executor: PlanExecutor | None
-    record_trace: bool
-    key: PlanKey | None
-    planning_s: float = 0.0
-    cache_load_s: float = 0.0
-    recompute: tuple[str, ...] = ()  # modules recomputed in this iteration (NOTE [recompute])
-    selective: tuple[str, ...] = ()  # of those, the ones recomputed selectively
-    find_units: bool = False  # profile which modules could be recomputed
-    abandoned: bool = False  # a trial of recomputation that broke the budget
-    racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
-    lean: bool = False  # replayed lean (NOTE [lean replay]): an earlier full replay needed no guard
-
-
-@dataclass
-class Trials:
-    """A signature's recomputations still to profile, and the plans to race (NOTE [plan race]).
-
-    Attributes:
-        pending: the candidates not yet profiled, the next first: (modules, those selective).
-        plans: the hybrid plans of those profiled.
-        swap_only: the profiled iteration's plan, without recomputation.
-    """
-
-    pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
-    plans: list[Plan]
-    swap_only: Plan | None
-
-    def candidates(self) -> list[Plan]:
-        """The plans to race: the hybrid ones, then the swap-only one."""
-        return [*self.plans, *([self.swap_only] if self.swap_only is not None else [])]
 
 
 class PlanBook:
@@ -111,6 +73,10 @@ class PlanBook:
         self._lean: set[str] = set()
         # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
         self._race: dict[str, PlanRace] = {}
+        # The swap-only profile of each signature (trace, reserve, minimum budget), and the
+        # signatures planned again from it with a margin (NOTE [guard margin]).
+        self._profiles: dict[str, tuple[Trace, int, int]] = {}
+        self._margined: set[str] = set()
 
     def _key(
         self,
@@ -190,16 +156,21 @@ class PlanBook:
         find_units = self.recompute and not params
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=find_units)
 
-    def _plan(self, trace: Trace, reserve_bytes: int, min_budget_bytes: int) -> Plan | None:
+    def _plan(
+        self, trace: Trace, reserve_bytes: int, min_budget_bytes: int, margin_bytes: int = 0
+    ) -> Plan | None:
         """The plan of ``trace`` that leaves the guard its headroom; None if there is none.
 
         NOTE [plan within the guard]: the plan leaves the guard ``reserve_bytes`` (the largest
         growth between two hook points) free, so that the guard moves no bytes of its own and
         the bytes an iteration moves are the plan's. Where that is infeasible the plan fills
-        the whole budget and the guard keeps its headroom as it can.
+        the whole budget and the guard keeps its headroom as it can. ``margin_bytes`` more are
+        left free first where a replay showed the guard still had to act (NOTE [guard margin]).
         """
         plan: Plan | None = None
-        for budget_bytes in (max(0, self.budget_bytes - reserve_bytes), self.budget_bytes):
+        under_guard = max(0, self.budget_bytes - reserve_bytes)
+        margined = max(0, under_guard - margin_bytes)
+        for budget_bytes in dict.fromkeys((margined, under_guard, self.budget_bytes)):
             try:
                 plan = plan_lgm(trace, budget_bytes, chunk_bytes=self.chunk_bytes)
                 break
@@ -267,6 +238,41 @@ class PlanBook:
         )
         return True
 
+    def _plan_with_margin(self, chosen: IterationPlan, plan: Plan, guard_bytes: int) -> None:
+        """Plan ``chosen``'s signature again, ``guard_bytes`` further under the guard, once.
+
+        NOTE [guard margin]
+        A plan made to the guard's high watermark (NOTE [plan within the guard]) leaves no room
+        for the difference between the planner's model (bytes per step, an eviction gone from
+        its step on) and the readings of a real replay, so the guard evicts at the hook points
+        where a reading comes out higher, and, having cut a victim once, takes its remainder
+        whole (NOTE [guard takes whole remainders]): on MobileNetV2 at 50 % every full replay
+        moved bytes beyond the plan, and no replay could go lean (NOTE [lean replay]). So the
+        first full replay that needed the guard has the swap-only plan made again from the same
+        profile, leaving the bytes the guard moved free as well; if that plan still needs the
+        guard it is kept all the same (once per profile, so plans cannot drift down). Plans that
+        recompute come from the profile of their own trial, which is not kept, and plans from
+        the cache from another process's profile: they stay as they are.
+        """
+        profile = self._profiles.get(chosen.signature)
+        if profile is None or plan.recompute or chosen.signature in self._margined:
+            return
+        self._margined.add(chosen.signature)
+        trace, reserve_bytes, min_budget_bytes = profile
+        replanned = self._plan(trace, reserve_bytes, min_budget_bytes, margin_bytes=guard_bytes)
+        if replanned is None or replanned.budget_bytes >= plan.budget_bytes:
+            return
+        replanned = dataclasses.replace(
+            replanned, predicted_step_s=predicted_step_s(trace, replanned)
+        )
+        logger.info(
+            "the guard moved %d bytes beyond the plan: planned again %d bytes further under the "
+            "budget",
+            guard_bytes,
+            plan.budget_bytes - replanned.budget_bytes,
+        )
+        self._store(chosen, replanned)
+
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         self._plans[chosen.signature] = plan
         self._reprofile.discard(chosen.signature)
@@ -315,10 +321,14 @@ class PlanBook:
                 self._lean.add(chosen.signature)
             else:
                 self._lean.discard(chosen.signature)
+                self._plan_with_margin(chosen, chosen.executor.plan, guard_bytes)
         if trace is not None and trace.incomplete:
             # Not a steady-state iteration (it created optimizer state): profile the next one.
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
+            if not chosen.recompute:
+                self._profiles[chosen.signature] = (trace, reserve_bytes, min_budget_bytes)
+                self._margined.discard(chosen.signature)
             begin = time.perf_counter()
             plan = self._choose(chosen.signature, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin

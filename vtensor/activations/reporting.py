@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from vtensor.activations.iteration import Iteration
-from vtensor.activations.planning import IterationPlan
+from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, PlanSource, Policy
 from vtensor.activations.store import ChunkStore
 from vtensor.measure.independent import IndependentPeak

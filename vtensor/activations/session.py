@@ -15,8 +15,9 @@ from torch import nn
 
 from vtensor.activations.hooks import make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
+from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import device_of, start_bytes, storages_of
-from vtensor.activations.planning import IterationPlan, PlanBook
+from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import (
     Granularity,

@@ -183,3 +183,36 @@ def test_a_plan_the_guard_had_to_help_is_never_replayed_lean(
             _step(model, x, mm)
         assert [r.plan_source for r in mm.reports] == ["profiled", "planned", "planned", "planned"]
         assert not any(r.lean for r in mm.reports)
+
+
+def test_a_plan_the_guard_had_to_help_is_planned_again_under_a_margin_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    ref = _step(model, x, None)
+    # As if the guard had evicted four chunks of its own in every full replay of the plan.
+    monkeypatch.setattr(vtensor.MemoryManager, "_guard_bytes", lambda *_: 4 * CHUNK)
+    cache = tmp_path / "plans"
+    plans = []
+    with vtensor.MemoryManager(
+        budget, chunk_bytes=CHUNK, storage_dir=tmp_path, plan_cache_dir=cache
+    ) as mm:
+        for _ in range(4):
+            assert all(map(torch.equal, ref, _step(model, x, mm)))
+            plans.append(mm.plan_for(model, (x,)))
+        assert [r.plan_source for r in mm.reports] == ["profiled", "planned", "planned", "planned"]
+        assert not any(r.lean for r in mm.reports)
+        assert max(r.peak_device_bytes for r in mm.reports) <= budget
+    first, margined, *later = plans
+    assert first is not None and margined is not None
+    # Planned again from the same profile, the guard's bytes further under the budget ...
+    assert margined.budget_bytes == first.budget_bytes - 4 * CHUNK
+    assert margined.reserve_bytes == first.reserve_bytes
+    # ... once: the plan that still needs the guard is kept.
+    assert all(p == margined for p in later)
+    key = plan_key(
+        model, (x,), budget_bytes=budget, chunk_bytes=CHUNK, planner_version=PLANNER_VERSION
+    )
+    assert PlanCache(cache).get(key) == margined  # and cached for the next process

@@ -424,7 +424,8 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
 
 
 def test_a_trial_that_breaks_the_budget_gives_way_to_the_next_candidate_then_to_swapping() -> None:
-    from vtensor.activations.planning import IterationPlan, PlanBook, Trials
+    from vtensor.activations.iteration_plan import IterationPlan, Trials
+    from vtensor.activations.planning import PlanBook
     from vtensor.activations.report import PlanSource
 
     book = PlanBook(1 << 20, None, None, recompute=True)

@@ -1,0 +1,46 @@
+"""What one iteration runs with, and the candidate recomputations a signature still has to try."""
+
+from dataclasses import dataclass
+
+from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.report import PlanSource
+from vtensor.planner.keys import PlanKey
+from vtensor.planner.plan import Plan
+
+
+@dataclass
+class IterationPlan:
+    """What one iteration runs with."""
+
+    signature: str
+    source: PlanSource
+    executor: PlanExecutor | None
+    record_trace: bool
+    key: PlanKey | None
+    planning_s: float = 0.0
+    cache_load_s: float = 0.0
+    recompute: tuple[str, ...] = ()  # modules recomputed in this iteration (NOTE [recompute])
+    selective: tuple[str, ...] = ()  # of those, the ones recomputed selectively
+    find_units: bool = False  # profile which modules could be recomputed
+    abandoned: bool = False  # a trial of recomputation that broke the budget
+    racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
+    lean: bool = False  # replayed lean (NOTE [lean replay]): an earlier full replay needed no guard
+
+
+@dataclass
+class Trials:
+    """A signature's recomputations still to profile, and the plans to race (NOTE [plan race]).
+
+    Attributes:
+        pending: the candidates not yet profiled, the next first: (modules, those selective).
+        plans: the hybrid plans of those profiled.
+        swap_only: the profiled iteration's plan, without recomputation.
+    """
+
+    pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
+    plans: list[Plan]
+    swap_only: Plan | None
+
+    def candidates(self) -> list[Plan]:
+        """The plans to race: the hybrid ones, then the swap-only one."""
+        return [*self.plans, *([self.swap_only] if self.swap_only is not None else [])]
