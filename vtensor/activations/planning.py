@@ -31,6 +31,8 @@ from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
 
+Profile = tuple[Trace, int, int]  # a profiled trace, its guard's reserve, its minimum budget
+
 
 class PlanBook:
     """Keeps a plan per input signature; profiles, plans and caches as needed.
@@ -73,9 +75,11 @@ class PlanBook:
         self._lean: set[str] = set()
         # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
         self._race: dict[str, PlanRace] = {}
-        # The swap-only profile of each signature (trace, reserve, minimum budget), and the
-        # signatures planned again from it with a margin (NOTE [guard margin]).
-        self._profiles: dict[str, tuple[Trace, int, int]] = {}
+        # The profile (trace, reserve, minimum budget) of each signature's kept plan, of each
+        # candidate plan while they are tried, and the signatures planned again from their
+        # profile with a margin (NOTE [guard margin]).
+        self._profiles: dict[str, Profile] = {}
+        self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
         self._margined: set[str] = set()
 
     def _key(
@@ -248,14 +252,14 @@ class PlanBook:
         where a reading comes out higher, and, having cut a victim once, takes its remainder
         whole (NOTE [guard takes whole remainders]): on MobileNetV2 at 50 % every full replay
         moved bytes beyond the plan, and no replay could go lean (NOTE [lean replay]). So the
-        first full replay that needed the guard has the swap-only plan made again from the same
-        profile, leaving the bytes the guard moved free as well; if that plan still needs the
-        guard it is kept all the same (once per profile, so plans cannot drift down). Plans that
-        recompute come from the profile of their own trial, which is not kept, and plans from
-        the cache from another process's profile: they stay as they are.
+        first full replay that needed the guard has the plan made again from the profile it was
+        made from (a hybrid plan's from its trial, with the same recomputation), leaving the
+        bytes the guard moved free as well; if that plan still needs the guard it is kept all
+        the same (once per decision, so plans cannot drift down). Plans from the cache come
+        from another process's profile: they stay as they are.
         """
         profile = self._profiles.get(chosen.signature)
-        if profile is None or plan.recompute or chosen.signature in self._margined:
+        if profile is None or chosen.signature in self._margined:
             return
         self._margined.add(chosen.signature)
         trace, reserve_bytes, min_budget_bytes = profile
@@ -263,7 +267,10 @@ class PlanBook:
         if replanned is None or replanned.budget_bytes >= plan.budget_bytes:
             return
         replanned = dataclasses.replace(
-            replanned, predicted_step_s=predicted_step_s(trace, replanned)
+            replanned,
+            recompute=plan.recompute,
+            selective=plan.selective,
+            predicted_step_s=predicted_step_s(trace, replanned),
         )
         logger.info(
             "the guard moved %d bytes beyond the plan: planned again %d bytes further under the "
@@ -274,6 +281,14 @@ class PlanBook:
         self._store(chosen, replanned)
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
+        candidates = self._candidates.pop(chosen.signature, None)
+        if candidates is not None:  # a new decision: its profile, and a margin allowed again
+            profile = next((pr for p, pr in candidates if p is plan), None)
+            if profile is not None:
+                self._profiles[chosen.signature] = profile
+            else:
+                self._profiles.pop(chosen.signature, None)
+            self._margined.discard(chosen.signature)
         self._plans[chosen.signature] = plan
         self._reprofile.discard(chosen.signature)
         if plan is not None and self.cache is not None and chosen.key is not None:
@@ -326,9 +341,6 @@ class PlanBook:
             # Not a steady-state iteration (it created optimizer state): profile the next one.
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
-            if not chosen.recompute:
-                self._profiles[chosen.signature] = (trace, reserve_bytes, min_budget_bytes)
-                self._margined.discard(chosen.signature)
             begin = time.perf_counter()
             plan = self._choose(chosen.signature, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin
@@ -366,11 +378,14 @@ class PlanBook:
         plan = self._plan(trace, reserve_bytes, min_budget_bytes)
         if plan is not None:
             plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
+        profile = (trace, reserve_bytes, min_budget_bytes)
         trials = self._trial.get(signature)
         if trials is not None:
             names, selective = trials.pending.pop(0)
             if plan is not None:
-                trials.plans.append(dataclasses.replace(plan, recompute=names, selective=selective))
+                hybrid = dataclasses.replace(plan, recompute=names, selective=selective)
+                trials.plans.append(hybrid)
+                self._candidates.setdefault(signature, []).append((hybrid, profile))
             logger.info(
                 "recomputing %d modules, %d selectively, predicted %.3f s per step: %s",
                 len(names),
@@ -382,6 +397,7 @@ class PlanBook:
                 return None  # the next iteration profiles the next candidate
             del self._trial[signature]
             return self._race_or_only(signature, trials)
+        self._candidates[signature] = [] if plan is None else [(plan, profile)]
         if trace.units:
             candidates = recompute_candidates(trace, self.budget_bytes - reserve_bytes)
             if candidates:

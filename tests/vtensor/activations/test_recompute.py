@@ -396,6 +396,41 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     assert all(out <= plain_out for out in swap_only), (swap_only, plain_out)
 
 
+def test_a_kept_hybrid_plan_the_guard_had_to_help_is_made_again_from_its_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        vtensor.activations.planning, "recompute_candidates", lambda _t, _b: ((("3",), ()),)
+    )
+    monkeypatch.setattr(PlanRace, "_best", lambda _race: 0)  # the hybrid plan wins the race
+    # As if the guard had evicted 256 KiB of its own in every full replay.
+    monkeypatch.setattr(vtensor.MemoryManager, "_guard_bytes", lambda *_: 256 * 1024)
+    budget = int(_peak(Block, tmp_path) * 0.5)
+    model = _model(Block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _batch(0)
+    plans = []
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
+        for _ in range(2 + 2 * RACE_ROUNDS + 3):  # profile, trial, race, three replays
+            opt.zero_grad(set_to_none=True)
+            with mm.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            plans.append(mm.plan_for(model, inputs=(x, y)))
+        reports = mm.reports
+    kept, margined, *later = plans[-4:]  # the race's winner, then after each replay
+    assert [r.plan_source for r in reports[-3:]] == ["planned"] * 3
+    assert kept is not None and kept.recompute == ("3",)
+    # Made again from the trial's profile, with the same recomputation, 256 KiB further under
+    # the budget; and only once.
+    assert margined is not None and margined.recompute == kept.recompute
+    assert margined.selective == kept.selective
+    assert margined.budget_bytes == kept.budget_bytes - 256 * 1024
+    assert later == [margined, margined]
+    assert reports[-1].recomputed == ("3",)
+    assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports)
+
+
 def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_only_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
