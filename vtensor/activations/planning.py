@@ -11,6 +11,7 @@ from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.iteration_plan import IterationPlan, Trials
+from vtensor.activations.margin import Profile, plan_again
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.store import ChunkStore
@@ -30,8 +31,6 @@ from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
-
-Profile = tuple[Trace, int, int]  # a profiled trace, its guard's reserve, its minimum budget
 
 
 class PlanBook:
@@ -243,42 +242,14 @@ class PlanBook:
         return True
 
     def _plan_with_margin(self, chosen: IterationPlan, plan: Plan, guard_bytes: int) -> None:
-        """Plan ``chosen``'s signature again, ``guard_bytes`` further under the guard, once.
-
-        NOTE [guard margin]
-        A plan made to the guard's high watermark (NOTE [plan within the guard]) leaves no room
-        for the difference between the planner's model (bytes per step, an eviction gone from
-        its step on) and the readings of a real replay, so the guard evicts at the hook points
-        where a reading comes out higher, and, having cut a victim once, takes its remainder
-        whole (NOTE [guard takes whole remainders]): on MobileNetV2 at 50 % every full replay
-        moved bytes beyond the plan, and no replay could go lean (NOTE [lean replay]). So the
-        first full replay that needed the guard has the plan made again from the profile it was
-        made from (a hybrid plan's from its trial, with the same recomputation), leaving the
-        bytes the guard moved free as well; if that plan still needs the guard it is kept all
-        the same (once per decision, so plans cannot drift down). Plans from the cache come
-        from another process's profile: they stay as they are.
-        """
+        """Plan ``chosen``'s signature again under the guard's margin, once per decision."""
         profile = self._profiles.get(chosen.signature)
         if profile is None or chosen.signature in self._margined:
             return
         self._margined.add(chosen.signature)
-        trace, reserve_bytes, min_budget_bytes = profile
-        replanned = self._plan(trace, reserve_bytes, min_budget_bytes, margin_bytes=guard_bytes)
-        if replanned is None or replanned.budget_bytes >= plan.budget_bytes:
-            return
-        replanned = dataclasses.replace(
-            replanned,
-            recompute=plan.recompute,
-            selective=plan.selective,
-            predicted_step_s=predicted_step_s(trace, replanned),
-        )
-        logger.info(
-            "the guard moved %d bytes beyond the plan: planned again %d bytes further under the "
-            "budget",
-            guard_bytes,
-            plan.budget_bytes - replanned.budget_bytes,
-        )
-        self._store(chosen, replanned)
+        replanned = plan_again(self._plan, profile, plan, guard_bytes)  # NOTE [guard margin]
+        if replanned is not None:
+            self._store(chosen, replanned)
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         candidates = self._candidates.pop(chosen.signature, None)
