@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import vtensor
+import vtensor.activations.planning
 from vtensor.measure import trackers
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
@@ -89,7 +90,13 @@ def test_a_replay_that_never_binds_reads_the_heap_a_few_times(tmp_path: Path, re
     assert report.steps == () or not report.lean
 
 
-def test_lean_and_full_replays_move_the_same_bytes_bit_identically(tmp_path: Path):
+def test_lean_and_full_replays_move_the_same_bytes_bit_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # One plan in both runs: whether a full replay's guard evicts a chunk of its own depends on
+    # how fast the writes before it complete, and where it does the plan is made again
+    # (NOTE [guard margin], tested apart); here it is kept.
+    monkeypatch.setattr(vtensor.activations.planning, "plan_again", lambda *_: None)
     torch.manual_seed(0)
     model, x = Hoarder(), torch.randn(4096, 64)
     budget = int(0.6 * _peak(model, x))
