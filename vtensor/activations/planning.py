@@ -74,12 +74,11 @@ class PlanBook:
         self._lean: set[str] = set()
         # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
         self._race: dict[str, PlanRace] = {}
-        # The profile (trace, reserve, minimum budget) of each signature's kept plan, of each
-        # candidate plan while they are tried, and the signatures planned again from their
-        # profile with a margin (NOTE [guard margin]).
+        # The profile (trace, reserve, minimum budget) of each signature's kept plan until it is
+        # planned again with a margin (NOTE [guard margin]), and of each candidate plan while
+        # they are tried.
         self._profiles: dict[str, Profile] = {}
         self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
-        self._margined: set[str] = set()
 
     def _key(
         self,
@@ -243,23 +242,21 @@ class PlanBook:
 
     def _plan_with_margin(self, chosen: IterationPlan, plan: Plan, guard_bytes: int) -> None:
         """Plan ``chosen``'s signature again under the guard's margin, once per decision."""
-        profile = self._profiles.get(chosen.signature)
-        if profile is None or chosen.signature in self._margined:
+        profile = self._profiles.pop(chosen.signature, None)  # once: the profile is used up
+        if profile is None:
             return
-        self._margined.add(chosen.signature)
         replanned = plan_again(self._plan, profile, plan, guard_bytes)  # NOTE [guard margin]
         if replanned is not None:
             self._store(chosen, replanned)
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         candidates = self._candidates.pop(chosen.signature, None)
-        if candidates is not None:  # a new decision: its profile, and a margin allowed again
+        if candidates is not None:  # a new decision: its profile allows one margin again
             profile = next((pr for p, pr in candidates if p is plan), None)
             if profile is not None:
                 self._profiles[chosen.signature] = profile
             else:
                 self._profiles.pop(chosen.signature, None)
-            self._margined.discard(chosen.signature)
         self._plans[chosen.signature] = plan
         self._reprofile.discard(chosen.signature)
         if plan is not None and self.cache is not None and chosen.key is not None:
