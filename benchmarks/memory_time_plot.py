@@ -6,7 +6,8 @@ step), joined in order of budget; the budget-free baselines (checkpointing, sele
 checkpointing, micro-batching, the manager with a budget that never binds) are one point each.
 Lower and further left is better. A baseline's peak is its dispatch peak (the live storages of
 one unmanaged step, ``LiveStorageTracker``); a managed variant's, its tracked peak over the
-timed rounds.
+timed rounds; ``torch.compile``'s, whose buffers nothing tracks, its RSS peak over one step
+against the unmanaged step's measured the same way (labelled "compile (RSS)").
 
 Run from the repository root on the JSON lines ``activation_swap --out`` wrote::
 
@@ -34,13 +35,27 @@ def load_rows(path: str) -> list[dict[str, Any]]:
 def points(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
     """model -> variant -> [(peak / unmanaged peak, step / unmanaged step)], by budget."""
     ordered = sorted(rows, key=lambda r: -(r["budget_frac"] or 0.0))
+    unmanaged_rss = {
+        r["model"]: r["extra"].get("rss_step_peak_bytes")
+        for r in rows
+        if r["variant"] == "unmanaged"
+    }
     out: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for r in ordered:
+        variant = r["variant"]
+        if variant == "compile":  # nothing tracks its buffers: RSS against RSS
+            reference = unmanaged_rss.get(r["model"])
+            if not reference or r.get("rss_peak_bytes") is None:
+                continue
+            out[r["model"]]["compile (RSS)"].append(
+                (r["rss_peak_bytes"] / reference, r["vs_unmanaged"])
+            )
+            continue
         if r["budget_bytes"] is None:  # a baseline: the live storages its step held
             peak = r["dispatch_peak_bytes"]
         else:
             peak = r.get("timed_tracked_peak_bytes") or r["tracked_peak_bytes"]
-        out[r["model"]][r["variant"]].append(
+        out[r["model"]][variant].append(
             (peak / r["unmanaged_tracked_peak_bytes"], r["vs_unmanaged"])
         )
     return out

@@ -3,8 +3,6 @@
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
 
 import torch
 
@@ -13,41 +11,16 @@ from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
 from vtensor.activations.lean import replays_lean
 from vtensor.activations.live import LiveBytes
+from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, StoreStats, VTensor
 from vtensor.activations.units import UnitRecorder
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
-from vtensor.planner.trace import Trace, TraceTensor, TraceUnit
+from vtensor.planner.trace import Trace, TraceUnit
 
 logger = logging.getLogger(__name__)
-
-
-class PlannedRead(Protocol):
-    """A tensor of the parameter side that a joint plan reads at a step."""
-
-    nbytes: int
-
-
-class ParamSide(Protocol):
-    """The parameter offloading that shares the iteration's budget (``offload/joint.py``)."""
-
-    def on_step(self, index: int) -> Sequence[PlannedRead]:
-        """Step ``index`` begins; returns the reads the plan starts now, in order."""
-        ...
-
-    def read(self, entry: Any) -> None:
-        """Start one read that :meth:`on_step` returned (room was made for it)."""
-        ...
-
-    def resident_bytes(self) -> int:
-        """Bytes of its movable tensors in memory now."""
-        ...
-
-    def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
-        """Its tensors as trace tensors (profiling), numbered from ``first_vid``."""
-        ...
 
 
 class Iteration:
@@ -74,6 +47,7 @@ class Iteration:
         # Above 0 while a forward runs again (NOTE [recompute] in activations/recompute.py):
         # module hooks then ignore it. ``units`` records the candidates while profiling.
         self.recomputing = 0
+        self._recompute_from: int | None = None  # the reading the outermost one began at
         self.units: UnitRecorder | None = None
         self.recomputed: tuple[str, ...] = ()
         self.selective: tuple[str, ...] = ()  # of those, recomputed selectively
@@ -137,6 +111,20 @@ class Iteration:
                 if self.params is not None:
                     unmanaged -= self.params.resident_bytes()  # the plan places them
                 self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
+
+    # -- recomputation --------------------------------------------------------------------------
+    def recompute_began(self) -> None:
+        """Note the tracked bytes a recomputation starts from (not in a lean replay)."""
+        if self.recomputing == 1 and not self.lean:
+            self._recompute_from = self.live_bytes()
+
+    def recompute_ended(self) -> None:
+        """Its growth is the plan's to place, not headroom (NOTE [recomputed growth])."""
+        if self.recomputing == 1 and self._recompute_from is not None:
+            live = self.live_bytes()
+            self._sample(live)
+            self.meter.announce_recomputed(live - self._recompute_from)
+            self._recompute_from = None
 
     # -- hook target --------------------------------------------------------------------------
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -284,7 +272,7 @@ class Iteration:
         """
         live = self.live_bytes()
         self._sample(live)
-        self.policy.keep_reserve(self.meter.growth(live))
+        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
         # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
         # policy had no chance to act since the last hook point.
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
@@ -334,7 +322,7 @@ class Iteration:
         else:
             live = live_hint  # NOTE [reused readings]
         self._sample(live)
-        self.policy.keep_reserve(self.meter.growth(live))
+        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
         epoch = self.store.memory_epoch
         self.policy.enforce(live + incoming_bytes, pinned)
         if self.store.memory_epoch != epoch or self.params is not None:

@@ -1,19 +1,10 @@
 """An iteration's tracked device bytes: the reading, and the growth the guard keeps as headroom."""
 
-from typing import Protocol
-
 import torch
 
+from vtensor.activations.param_side import ResidentParams
 from vtensor.activations.store import ChunkStore
 from vtensor.measure.trackers import DeviceTracker
-
-
-class ResidentParams(Protocol):
-    """Parameter offloading that shares the budget: the bytes of it now resident."""
-
-    def resident_bytes(self) -> int:
-        """Bytes of its parameters, gradients and state on the device now."""
-        ...
 
 
 class LiveBytes:
@@ -41,6 +32,7 @@ class LiveBytes:
         self._entry_released = store.released_bytes
         self._last_live = 0
         self._last_param = 0
+        self.recomputed_bytes = 0  # growth of the recomputations since the last noted reading
 
     def read(self) -> int:
         """Tracked device bytes now."""
@@ -57,12 +49,18 @@ class LiveBytes:
         """``live`` is the reading the next growth is measured from."""
         self._last_live = live
         self._last_param = self._param_bytes()
+        self.recomputed_bytes = 0
+
+    def announce_recomputed(self, nbytes: int) -> None:
+        """A recomputation grew the tracked bytes by ``nbytes`` (NOTE [recomputed growth])."""
+        self.recomputed_bytes += max(0, nbytes)
 
     def growth(self, live: int) -> int:
         """Growth since the last noted reading that nobody announced: the guard's headroom.
 
         Reads of the parameter offloading sharing the budget are announced (``make_room``) and,
-        under a joint plan, planned; they are not headroom the guard must keep.
+        under a joint plan, planned; they are not headroom the guard must keep. The growth of
+        recomputations is in it, and apart in ``recomputed_bytes`` (NOTE [recomputed growth]).
         """
         return live - self._last_live - max(0, self._param_bytes() - self._last_param)
 

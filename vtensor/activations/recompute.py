@@ -39,14 +39,28 @@ class RecomputeTarget(Protocol):
     recomputing: int
 
 
+class RecomputeHost(RecomputeTarget, Protocol):
+    """The iteration a plan's recomputations run in: it measures what each one grows."""
+
+    def recompute_began(self) -> None:
+        """A recomputation starts (``recomputing`` is 1 now for the outermost)."""
+        ...
+
+    def recompute_ended(self) -> None:
+        """The recomputation ``recompute_began`` announced is done (NOTE [recomputed growth])."""
+        ...
+
+
 @contextlib.contextmanager
-def recomputing(target: RecomputeTarget, module: nn.Module) -> Iterator[None]:
+def recomputing(target: RecomputeHost, module: nn.Module) -> Iterator[None]:
     """Run again the forward of ``module``: hooks ignore it, its buffers come back unchanged."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     target.recomputing += 1
+    target.recompute_began()
     try:
         yield
     finally:
+        target.recompute_ended()
         target.recomputing -= 1
         with torch.no_grad():
             for buffer, value in buffers:
@@ -57,7 +71,7 @@ def recomputing(target: RecomputeTarget, module: nn.Module) -> Iterator[None]:
 def recompute_modules(
     model: nn.Module,
     names: Sequence[str],
-    target: RecomputeTarget,
+    target: RecomputeHost,
     selective: Sequence[str] = (),
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
@@ -92,7 +106,7 @@ def recompute_modules(
 
 
 def _checkpointed(
-    module: nn.Module, forward: Callable[..., Any], target: RecomputeTarget, selective: bool
+    module: nn.Module, forward: Callable[..., Any], target: RecomputeHost, selective: bool
 ) -> Callable[..., Any]:
     def contexts() -> tuple[contextlib.AbstractContextManager[Any], Any]:
         if not selective:

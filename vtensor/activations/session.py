@@ -336,7 +336,7 @@ class MemoryManager:
         source = self._plans.after_iteration(
             chosen,
             trace,
-            self._policy.reserve_bytes,
+            self._policy.plan_reserve_bytes,
             iteration.books.min_budget_bytes + pending_state_bytes,
             time.perf_counter() - started,
             self._guard_bytes(chosen, before),

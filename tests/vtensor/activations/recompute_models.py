@@ -1,0 +1,176 @@
+"""Models and helpers of the recomputation and hybrid-plan tests (a block, its unsafe kinds)."""
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import vtensor
+from vtensor.planner.trace import Trace
+
+MIB = 1 << 20
+STEPS = 4
+
+
+class Block(nn.Module):
+    """A module with children whose inner activations only its own backward uses."""
+
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.norm(self.fc(x))))
+
+
+class InPlaceInput(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(1.0)  # writes its input in place: a second forward would start elsewhere
+        return super().forward(x)
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class CustomFunction(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(Scale.apply(x))
+
+
+class PythonRandom(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1.0 + random.random())  # outside torch's generators
+
+
+class Counter(Block):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # a side effect a second forward would repeat
+        return super().forward(x)
+
+
+class InputBranch(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if bool(x.sum() > 0) else y  # control flow the inputs decide: safe
+
+
+class ProductInPlace(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.add_(1.0)  # modifies a product output in place: SAC's cached copy would be wrong
+        return x + self.drop(torch.tanh(self.norm(h)))
+
+
+class ProductOut(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.norm(x)))  # a product output leaves it
+
+
+class Inverted(Block):
+    """An inverted residual, as MobileNetV2's: an expansion, an in-place ReLU6, a projection."""
+
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
+        super().__init__(width, dropout)
+        self.expand = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.BatchNorm1d(2 * width), nn.ReLU6(inplace=True)
+        )
+        self.project = nn.Sequential(nn.Linear(2 * width, width), nn.BatchNorm1d(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.project(self.expand(x))
+
+
+NOT_SELECTIVE = {
+    ProductInPlace: "modifies a product output in place",
+    ProductOut: "a product output leaves it",
+}
+
+UNSAFE = {
+    InPlaceInput: "modifies an input in place",
+    CustomFunction: "custom autograd Function",
+    PythonRandom: "other outputs",
+    Counter: "changes a module attribute",
+}
+
+
+def model_with(
+    kind: type[Block], width: int = 256, depth: int = 6, dropout: float = 0.1
+) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [Block(width, dropout) for _ in range(depth)]
+    blocks[2] = kind(width, dropout)
+    return nn.Sequential(nn.Linear(64, width), *blocks, nn.Linear(width, 10))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g)
+
+
+def train(model: nn.Module, manager: vtensor.MemoryManager | None) -> list[list[torch.Tensor]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    grads = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        random.seed(step)
+        torch.manual_seed(100 + step)  # dropout
+        if manager is None:
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with manager.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        opt.step()
+    return grads
+
+
+def peak_bytes(kind: type[Block], tmp_path: Path) -> int:
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path) as probe:
+        train(model_with(kind), probe)
+        return max(r.peak_device_bytes for r in probe.reports)
+
+
+def hybrid_run(kind: type[Block], fraction: float, tmp_path: Path, **kw: object) -> tuple:
+    budget = int(peak_bytes(kind, tmp_path) * fraction)
+    model = model_with(kind)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True, **kw) as mm:
+        grads = train(model, mm)
+        return model, grads, mm.reports, [u for u in (mm.trace.units if mm.trace else ())]
+
+
+def assert_same(kind: type[Block], model: nn.Module, grads: list[list[torch.Tensor]]) -> None:
+    ref = model_with(kind)
+    want = train(ref, None)
+    for step, (a, b) in enumerate(zip(want, grads, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
+    for (name, x), y in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(x, y), f"{name} differs (BatchNorm statistics updated twice?)"
+
+
+Names = tuple[str, ...]
+Choice = Callable[[Trace, int], tuple[Names, Names]]
+
+
+def all_selective(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
+    """A choice that recomputes every unit it may selectively (the top-level blocks)."""
+    names = tuple(sorted(u.name for u in trace.units if u.selective_safe and "." not in u.name))
+    return names, names
+
+
+def only(choice: Choice) -> Callable[[Trace, int], tuple[tuple[Names, Names], ...]]:
+    """Candidates for the race: ``choice`` alone."""
+    return lambda trace, budget_bytes: (choice(trace, budget_bytes),)

@@ -1,0 +1,36 @@
+"""What the activation side knows of the parameter offloading that shares its budget."""
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from vtensor.planner.trace import TraceTensor
+
+
+class ResidentParams(Protocol):
+    """Parameter offloading that shares the budget: the bytes of it now resident."""
+
+    def resident_bytes(self) -> int:
+        """Bytes of its parameters, gradients and state on the device now."""
+        ...
+
+
+class PlannedRead(Protocol):
+    """A tensor of the parameter side that a joint plan reads at a step."""
+
+    nbytes: int
+
+
+class ParamSide(ResidentParams, Protocol):
+    """The parameter offloading that shares the iteration's budget (``offload/joint.py``)."""
+
+    def on_step(self, index: int) -> Sequence[PlannedRead]:
+        """Step ``index`` begins; returns the reads the plan starts now, in order."""
+        ...
+
+    def read(self, entry: Any) -> None:
+        """Start one read that :meth:`on_step` returned (room was made for it)."""
+        ...
+
+    def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
+        """Its tensors as trace tensors (profiling), numbered from ``first_vid``."""
+        ...
