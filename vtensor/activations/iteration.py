@@ -201,14 +201,16 @@ class Iteration:
             self._lean_step = name
             self.step_index += 1
             assert self.executor is not None
-            # The plan counts an eviction's bytes as gone from its step on: each has had the
-            # previous step to overlap with, and is waited for now. No guard reads the bytes
-            # between boundaries, so this is what keeps compute from running ahead of the
-            # writes (a full replay's guard waits once the headroom is gone instead).
-            self.store.reap(block=True, block_restores=False)
+            # NOTE [lean waits] in activations/lean.py: only for writes beyond the headroom.
+            self.store.reap(block=False, block_restores=False)
+            headroom = self.executor.plan.step_headroom_bytes
+            room = headroom[self.step_index] if self.step_index < len(headroom) else 0
+            if self.store.outgoing_bytes() > room:
+                self.store.reap(block=True, block_restores=False)
+            watched = self.step_index in self.executor.watched
             self.executor.on_step(self.step_index, name)
             if self.executor.active:
-                if self.step_index in self.executor.watched:
+                if watched:
                     self._check_boundary()
                 return
             self._leave_lean()

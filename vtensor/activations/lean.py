@@ -12,9 +12,20 @@ the budget also turns them back on, and the plan is profiled again next time: a 
 cannot state a minimum budget of its own (it has not judged every point), so it reports the
 profiled iteration's. A plan replays lean only once a full replay of it needed nothing from the
 guard (no eviction beyond the plan's): where the guard helps, it helps between boundaries too
-(``PlanBook``). At each boundary a lean replay waits for the evictions of the step before: no
-guard reads the bytes between boundaries, so this is what keeps compute from running ahead of
-the writes.
+(``PlanBook``).
+
+NOTE [lean waits]
+No guard reads the bytes between a lean replay's boundaries, so the boundaries are what keeps
+compute from running ahead of the writes: an eviction's bytes count as gone from its step on
+(NOTE [eviction timing]), and a write still in flight holds them. The plan knows, per step, how
+far under its budget it predicts the step (``Plan.step_headroom_bytes``), and its budget is
+itself the guard's reserve under the manager's (``replays_lean``). So as a step begins, a lean
+replay waits for the writes only where those in flight hold more than that step's headroom: the
+step then stays within the plan's budget, with the guard's reserve to spare, as a full replay's
+guard would keep it. Waiting at every boundary, MobileNetV2's lean replays at 50 % stalled
+0.08-0.15 s a step that their full replays did not (a full replay's guard waits only once the
+headroom is gone); waiting nowhere, the main job's two clients sharing two cores, whose writes
+fell behind compute, went up to 70 % over budget in lean replays.
 """
 
 from vtensor.activations.executor import PlanExecutor

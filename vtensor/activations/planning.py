@@ -25,7 +25,7 @@ from vtensor.planner.keys import (
     parameter_dtype,
 )
 from vtensor.planner.lgm import PLANNER_VERSION
-from vtensor.planner.memory_model import watched_steps
+from vtensor.planner.memory_model import step_headroom, watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
@@ -189,6 +189,7 @@ class PlanBook:
             reserve_bytes=reserve_bytes,
             min_budget_bytes=min_budget_bytes,
             watched_steps=watched_steps(plan, trace, margin),
+            step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
         )
 
     def plan_for(

@@ -81,6 +81,11 @@ def watched_steps(plan: Plan, trace: Trace, margin_bytes: int) -> tuple[int, ...
     return tuple(i for i, b in enumerate(resident) if b >= near or i == top)
 
 
+def step_headroom(plan: Plan, trace: Trace) -> tuple[int, ...]:
+    """Per step, the plan's budget less the bytes it predicts resident there (never below 0)."""
+    return tuple(max(0, plan.budget_bytes - b) for b in simulate(plan, trace))
+
+
 def check_plan(plan: Plan, trace: Trace, budget_bytes: int) -> list[str]:
     """Every way ``plan`` breaks the rules on ``trace`` under ``budget_bytes``; empty if none.
 

@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 5
+PLAN_SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class Plan:
             point, reports it (NOTE [lean replay]).
         watched_steps: the steps at which a lean replay reads the tracked bytes: the predicted
             peak's and those predicted near the budget (``memory_model.watched_steps``).
+        step_headroom_bytes: per step, the plan's budget less the bytes it predicts resident
+            there: the writes a lean replay may leave in flight as the step begins (NOTE [lean
+            waits]); empty: none.
     """
 
     budget_bytes: int
@@ -81,6 +84,7 @@ class Plan:
     min_budget_bytes: int = 0
     watched_steps: tuple[int, ...] = ()
     selective: tuple[str, ...] = ()
+    step_headroom_bytes: tuple[int, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -117,6 +121,7 @@ class Plan:
             recompute=tuple(raw.pop("recompute", ())),
             watched_steps=tuple(raw.pop("watched_steps", ())),
             selective=tuple(raw.pop("selective", ())),
+            step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
             **raw,
         )
 

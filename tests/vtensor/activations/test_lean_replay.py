@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
+from vtensor.activations.executor import PlanExecutor
+from vtensor.io.transfer import FileTransferEngine
 from vtensor.measure import trackers
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
@@ -223,3 +226,41 @@ def test_a_plan_the_guard_had_to_help_is_planned_again_under_a_margin_once(
         model, (x,), budget_bytes=budget, chunk_bytes=CHUNK, planner_version=PLANNER_VERSION
     )
     assert PlanCache(cache).get(key) == margined  # and cached for the next process
+
+
+def test_a_lean_replay_leaves_writes_in_flight_only_within_each_steps_headroom(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # NOTE [lean waits]: with writes slower than compute, a lean replay still lets them run
+    # on into a step the plan predicts far enough under its budget, and waits for them where
+    # it does not: as each step begins, the writes in flight hold at most its headroom.
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.5 * _peak(model, x))
+    ref = _step(model, x, None)
+    write = FileTransferEngine._write_dropped
+
+    def slow(self: FileTransferEngine, offset: int, views: list[memoryview]) -> None:
+        time.sleep(0.002)
+        write(self, offset, views)
+
+    monkeypatch.setattr(FileTransferEngine, "_write_dropped", slow)
+    in_flight: list[tuple[int, int]] = []  # (bytes, the step's headroom) as each step begins
+    on_step = PlanExecutor.on_step
+
+    def noted(self: PlanExecutor, index: int, name: str) -> None:
+        headroom = self.plan.step_headroom_bytes
+        in_flight.append((self.store.outgoing_bytes(), headroom[index]))
+        on_step(self, index, name)
+
+    monkeypatch.setattr(PlanExecutor, "on_step", noted)
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        for _ in range(3):  # profiled, a full replay that needs no guard, a lean one
+            in_flight.clear()
+            grads = _step(model, x, mm)
+        assert mm.report().lean
+        assert all(map(torch.equal, ref, grads))
+        plan = mm.plan_for(model, (x,))
+    assert plan is not None and len(plan.step_headroom_bytes) == len(plan.step_names)
+    assert all(held <= room for held, room in in_flight), in_flight
+    assert any(held > 0 for held, _ in in_flight), in_flight  # it did not wait at every step
