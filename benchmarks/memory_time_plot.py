@@ -9,9 +9,12 @@ one unmanaged step, ``LiveStorageTracker``); a managed variant's, its tracked pe
 timed rounds; ``torch.compile``'s, whose buffers nothing tracks, its RSS peak over one step
 against the unmanaged step's measured the same way (labelled "compile (RSS)").
 
-Run from the repository root on the JSON lines ``activation_swap --out`` wrote::
+Run from the repository root on the JSON lines ``activation_swap --out`` wrote, one file or
+several (each file's rows are set against that file's own unmanaged run; a variant of a model
+found in two files is drawn from the first)::
 
     python -m benchmarks.memory_time_plot act.jsonl benchmarks/figures/memory_time.png
+    python -m benchmarks.memory_time_plot eager.jsonl compile.jsonl memory_time.png
 """
 
 import argparse
@@ -63,17 +66,21 @@ def points(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("jsonl", help="the --out file of benchmarks.activation_swap")
+    p.add_argument("jsonl", nargs="+", help="--out files of benchmarks.activation_swap")
     p.add_argument("png", help="where to write the figure")
     args = p.parse_args(argv)
-    data = points(load_rows(args.jsonl))
+    data: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(dict)
+    for path in args.jsonl:
+        for model, variants in points(load_rows(path)).items():
+            for variant, series in variants.items():
+                data[model].setdefault(variant, series)
     fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.5), squeeze=False)
     for ax, (model, variants) in zip(axes[0], sorted(data.items()), strict=True):
         for variant, series in sorted(variants.items()):
             xs, ys = zip(*series, strict=True)
             ax.plot(xs, ys, marker="o", linestyle="-" if len(xs) > 1 else "", label=variant)
         ax.set_title(model)
-        ax.set_xlabel("tracked peak / unmanaged peak")
+        ax.set_xlabel("peak / unmanaged peak (tracked; compile: RSS)")
         ax.set_ylabel("step time / unmanaged step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
