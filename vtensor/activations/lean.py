@@ -22,10 +22,11 @@ far under its budget it predicts the step (``Plan.step_headroom_bytes``), and it
 itself the guard's reserve under the manager's (``replays_lean``). So as a step begins, a lean
 replay waits for the writes only where those in flight hold more than that step's headroom: the
 step then stays within the plan's budget, with the guard's reserve to spare, as a full replay's
-guard would keep it. Waiting at every boundary, MobileNetV2's lean replays at 50 % stalled
-0.08-0.15 s a step that their full replays did not (a full replay's guard waits only once the
-headroom is gone); waiting nowhere, the main job's two clients sharing two cores, whose writes
-fell behind compute, went up to 70 % over budget in lean replays.
+guard would keep it. Waiting at every boundary, lean replays stalled where full replays did
+not (a full replay's guard waits only once the headroom is gone); with this rule MobileNetV2's
+lean replays at 80-50 % stall 0.000 s (benchmarks/README.md, 2026-12-02). Waiting nowhere, the
+main job's two clients sharing two cores, whose writes fell behind compute, went up to 70 %
+over budget in lean replays.
 """
 
 from vtensor.activations.executor import PlanExecutor
