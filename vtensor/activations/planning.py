@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES
 from vtensor.activations.iteration_plan import IterationPlan, Trials
 from vtensor.activations.margin import Profile, plan_again
 from vtensor.activations.race import PlanRace
@@ -182,13 +183,15 @@ class PlanBook:
         if plan is None:
             return None
         # NOTE [lean replay]: a replay reads the tracked bytes where the plan comes within the
-        # guard's headroom twice over, or a tenth of the budget, of the budget.
+        # guard's headroom twice over, or a tenth of the budget, of the budget; of those steps,
+        # where the plan predicts a chunk more than it last confirmed (NOTE [confirmed readings]).
         margin = max(2 * reserve_bytes, self.budget_bytes // 10)
+        slack = self.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
         return dataclasses.replace(
             plan,
             reserve_bytes=reserve_bytes,
             min_budget_bytes=min_budget_bytes,
-            watched_steps=watched_steps(plan, trace, margin),
+            watched_steps=watched_steps(plan, trace, margin, slack),
             step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
         )
 

@@ -67,18 +67,58 @@ def simulate(plan: Plan, trace: Trace) -> list[int]:
     return [int(b) for b in unmanaged + np.cumsum(delta[:n])]
 
 
-def watched_steps(plan: Plan, trace: Trace, margin_bytes: int) -> tuple[int, ...]:
+# NOTE [confirmed readings]: a lean replay's reading of the tracked bytes confirms the plan's
+# prediction at that step; the bytes the trace explains are then known at every later step from
+# the plan alone (the reading plus the predicted change). What another reading adds is the
+# bytes no trace explains (memory held outside autograd), and a reading walks the whole heap
+# (its cost grows with the process's free heap chunks). So among the steps predicted near the
+# budget, a lean replay reads where the plan predicts more than at its last reading (by more
+# than ``slack_bytes``), at the predicted peak, and after ``stride`` near steps without a
+# reading: unexplained bytes are found within ``stride`` near steps instead of at the next one.
+READING_STRIDE = 8
+
+
+def watched_steps(
+    plan: Plan,
+    trace: Trace,
+    margin_bytes: int,
+    slack_bytes: int,
+    stride: int = READING_STRIDE,
+) -> tuple[int, ...]:
     """The steps a lean replay reads the tracked bytes at (NOTE [lean replay]).
 
-    The step of the predicted peak, where the reading is the iteration's peak, and every step
-    predicted within ``margin_bytes`` of the plan's budget, where the guard may have to act.
+    Of the steps predicted within ``margin_bytes`` of the plan's budget, where the guard may
+    have to act, and the step of the predicted peak, where the reading is the iteration's peak:
+    those NOTE [confirmed readings] keeps.
     """
     resident = simulate(plan, trace)
     if not resident:
         return ()
     top = max(range(len(resident)), key=resident.__getitem__)
     near = plan.budget_bytes - margin_bytes
-    return tuple(i for i, b in enumerate(resident) if b >= near or i == top)
+    candidates = [i for i, b in enumerate(resident) if b >= near or i == top]
+    return confirming_readings(resident, candidates, top, slack_bytes, stride)
+
+
+def confirming_readings(
+    resident: list[int], candidates: list[int], top: int, slack_bytes: int, stride: int
+) -> tuple[int, ...]:
+    """Of ``candidates`` (ascending steps), those NOTE [confirmed readings] reads at.
+
+    A candidate is read if it is ``top``, the first, predicted more than ``slack_bytes`` above
+    the last one read, or the ``stride``-th unread candidate since that one.
+    """
+    if stride < 1:
+        raise ValueError(f"stride={stride}: a lean replay must read at least every candidate")
+    chosen: list[int] = []
+    confirmed, unread = 0, 0
+    for step in candidates:
+        if not chosen or step == top or resident[step] > confirmed + slack_bytes or unread >= stride:
+            chosen.append(step)
+            confirmed, unread = resident[step], 0
+        else:
+            unread += 1
+    return tuple(chosen)
 
 
 def step_headroom(plan: Plan, trace: Trace) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from vtensor.measure import trackers
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
 from vtensor.planner.lgm import PLANNER_VERSION
+from vtensor.planner.memory_model import simulate
 
 CHUNK = 65536
 
@@ -118,6 +119,31 @@ def test_lean_and_full_replays_move_the_same_bytes_bit_identically(
     assert moved[False][:2] == moved[True][:2]
     # The lean replay states the profiled iteration's minimum, a budget that works.
     assert 0 < moved[False][2] <= budget
+
+
+def test_a_lean_replay_reads_the_heap_where_its_plan_predicts_more_than_it_confirmed(
+    tmp_path: Path, reads: list[int]
+):
+    # NOTE [confirmed readings]: of the steps near the budget, only those predicted above the
+    # last reading, the peak's, and one every READING_STRIDE are read.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(24)))
+    x = torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    ref = _step(model, x, None)
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        for _ in range(3):  # profiled, a full replay that needs no guard, a lean one
+            reads.clear()
+            assert all(map(torch.equal, ref, _step(model, x, mm)))
+        report, plan, trace = mm.report(), mm.plan_for(model, (x,)), mm.trace
+    assert report.lean and plan is not None and trace is not None
+    assert report.peak_device_bytes <= budget + CHUNK
+    resident = simulate(plan, trace)
+    margin = max(2 * plan.reserve_bytes, budget // 10)
+    near = [i for i, b in enumerate(resident) if b >= plan.budget_bytes - margin]
+    assert set(plan.watched_steps) <= {*near, resident.index(max(resident))}
+    assert len(near) >= 2 * len(plan.watched_steps), (len(near), plan.watched_steps)
+    assert len(reads) <= len(plan.watched_steps) + 3, (len(reads), plan.watched_steps)
 
 
 def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
