@@ -4,10 +4,12 @@ NOTE [lean replay]
 A replayed plan that this process measured in full while profiling is followed with per-tensor
 work only where the plan acts: hook points inside a module (saves, unpacks, backward nodes)
 route to the store and the plan, and the tracked bytes are read, and the guard acts, at the
-module boundaries the plan watches only (``Plan.watched_steps``): its predicted peak's and those
-it predicts near the budget. The profiled iteration judged every hook point and backward node;
-the replay repeats it (the executor checks every saved tensor's size and every step's name, and
-a divergence turns the checks back on for the rest of the iteration). A boundary reading over
+module boundaries the plan watches only (``Plan.watched_steps``): its predicted peak's, and of
+those it predicts near the budget, where it predicts more than the last reading confirmed (NOTE
+[confirmed readings] in ``planner/memory_model.py``). The profiled iteration judged every hook
+point and backward node; the replay repeats it (the executor checks every saved tensor's size
+and every step's name, and a divergence turns the checks back on for the rest of the
+iteration). A boundary reading over
 the budget also turns them back on, and the plan is profiled again next time: a lean iteration
 cannot state a minimum budget of its own (it has not judged every point), so it reports the
 profiled iteration's. A plan replays lean only once a full replay of it needed nothing from the

@@ -113,7 +113,8 @@ def confirming_readings(
     chosen: list[int] = []
     confirmed, unread = 0, 0
     for step in candidates:
-        if not chosen or step == top or resident[step] > confirmed + slack_bytes or unread >= stride:
+        rises = resident[step] > confirmed + slack_bytes
+        if not chosen or step == top or rises or unread >= stride:
             chosen.append(step)
             confirmed, unread = resident[step], 0
         else:

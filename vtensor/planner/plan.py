@@ -62,7 +62,8 @@ class Plan:
             have run at (NOTE [minimum budget]); a lean replay, which does not judge every hook
             point, reports it (NOTE [lean replay]).
         watched_steps: the steps at which a lean replay reads the tracked bytes: the predicted
-            peak's and those predicted near the budget (``memory_model.watched_steps``).
+            peak's, and of those predicted near the budget the ones NOTE [confirmed readings]
+            keeps (``memory_model.watched_steps``).
         step_headroom_bytes: per step, the plan's budget less the bytes it predicts resident
             there: the writes a lean replay may leave in flight as the step begins (NOTE [lean
             waits]); empty: none.
