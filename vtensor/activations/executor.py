@@ -25,7 +25,7 @@ class PlanExecutor:
         self.store = store
         # See NOTE [eviction timing]: True when the plan budgets op workspaces (count_workspaces).
         self.wait_early_evictions = wait_early_evictions
-        self.records: list[VTensor] = []
+        self.records: list[VTensor | None] = []  # None: passed to autograd (NOTE [passed])
         self.diverged: str | None = None
         self.missed = 0  # planned evictions that could not be issued (vTensor still in use)
         self.issued_bytes = 0  # bytes of the evictions it issued (the guard's come on top)
@@ -34,6 +34,7 @@ class PlanExecutor:
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
         self._count = plan.activation_count  # the parameter side is ParamPlanExecutor's
         self.watched = frozenset(plan.watched_steps)  # NOTE [lean replay]
+        self._moved = {m.vid for m in plan.moves if m.vid < self._count}
         for move in plan.moves:
             if move.vid >= self._count:
                 continue
@@ -52,12 +53,27 @@ class PlanExecutor:
 
     def on_record(self, record: VTensor) -> None:
         """A vTensor was saved for the first time in this iteration."""
+        self._place(record, record.nbytes)
+
+    def on_pass(self, nbytes: int) -> bool:
+        """A storage the plan never moves was saved and left to autograd (NOTE [passed]).
+
+        Returns whether the run still follows the plan.
+        """
+        self._place(None, nbytes)
+        return self.active
+
+    def moves_next(self) -> bool:
+        """Whether the plan moves the next storage saved for the first time."""
+        return len(self.records) in self._moved
+
+    def _place(self, record: VTensor | None, nbytes: int) -> None:
         position = len(self.records)
         self.records.append(record)
         expected = self.plan.tensor_bytes[: self._count]
-        if position >= len(expected) or expected[position] != record.nbytes:
+        if position >= len(expected) or expected[position] != nbytes:
             want = expected[position] if position < len(expected) else "none"
-            self._diverge(f"saved tensor {position} has {record.nbytes} bytes, plan: {want}")
+            self._diverge(f"saved tensor {position} has {nbytes} bytes, plan: {want}")
 
     def on_step(self, index: int, name: str) -> None:
         """Step ``index`` named ``name`` begins: issue what the plan says for it."""
@@ -106,6 +122,7 @@ class PlanExecutor:
                 self.store.restore(record)
 
     def _record(self, move: TensorMove) -> VTensor | None:
-        if move.vid >= len(self.records) or self.records[move.vid].dead:
+        if move.vid >= len(self.records):
             return None
-        return self.records[move.vid]
+        record = self.records[move.vid]
+        return None if record is None or record.dead else record

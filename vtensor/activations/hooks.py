@@ -23,6 +23,10 @@ class HookTarget(Protocol):
         """Whether ``tensor`` may be virtualized."""
         ...
 
+    def passes(self, tensor: torch.Tensor) -> bool:
+        """Whether an accepted ``tensor`` is left to autograd all the same (a lean replay)."""
+        ...
+
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """A saved tensor was adopted into ``record``."""
         ...
@@ -74,6 +78,8 @@ def make_saved_tensor_hooks(
     def pack(tensor: torch.Tensor) -> Any:
         if not target.accepts(tensor):
             return tensor
+        if target.passes(tensor):
+            return (tensor, tensor._version)  # NOTE [passed] in activations/lean.py
         record = target.store.adopt(tensor.untyped_storage(), step=target.step_index)
         if not record.fully_resident():
             target.store.ensure_resident(record)
@@ -84,24 +90,33 @@ def make_saved_tensor_hooks(
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, tuple):
+            passed, version = packed
+            _check_version(passed, version)
+            return passed  # type: ignore[no-any-return]
         handle: SavedHandle = packed
         target.before_unpack(handle.record)
         target.store.ensure_resident(handle.record)
         alias = handle.alias
         assert alias is not None
-        if alias._version != handle.version:
-            raise InPlaceModificationError(
-                f"a tensor of shape {tuple(alias.shape)} and dtype {alias.dtype} saved for "
-                f"backward was modified in place after it was saved (version {handle.version} "
-                f"at save, {alias._version} now). Autograd would compute a wrong gradient: "
-                "use the out-of-place op, or .clone() the tensor before modifying it."
-            )
+        _check_version(alias, handle.version)
         target.after_unpack(handle.record)
         # A fresh alias per unpack: while backward holds it, the storage's use count exceeds the
         # store's own references, which pins the record against eviction until it is consumed.
         return alias.detach()
 
     return pack, unpack
+
+
+def _check_version(saved: torch.Tensor, version: int) -> None:
+    """Raise if ``saved`` changed in place since it was saved at ``version``."""
+    if saved._version != version:
+        raise InPlaceModificationError(
+            f"a tensor of shape {tuple(saved.shape)} and dtype {saved.dtype} saved for "
+            f"backward was modified in place after it was saved (version {version} "
+            f"at save, {saved._version} now). Autograd would compute a wrong gradient: "
+            "use the out-of-place op, or .clone() the tensor before modifying it."
+        )
 
 
 class Removable(Protocol):

@@ -9,7 +9,7 @@ import torch
 from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
-from vtensor.activations.lean import replays_lean
+from vtensor.activations.lean import Passing, replays_lean
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
@@ -82,7 +82,10 @@ class Iteration:
             record_trace=record_trace,
         )
         self.was_lean = self.lean
+        self._passing: Passing | None = None
         if self.lean:
+            assert executor is not None
+            self._passing = Passing(store, executor)  # NOTE [passed] in activations/lean.py
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")
@@ -135,6 +138,13 @@ class Iteration:
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False
         return True
+
+    def passes(self, tensor: torch.Tensor) -> bool:
+        """Whether a lean replay leaves ``tensor`` (accepted) to autograd (NOTE [passed])."""
+        executor = self.executor
+        if not self.lean or self._passing is None or executor is None or not executor.active:
+            return False
+        return self._passing.passes(tensor)
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""

@@ -29,9 +29,44 @@ not (a full replay's guard waits only once the headroom is gone); with this rule
 lean replays at 80-50 % stall 0.000 s (benchmarks/README.md, 2026-12-02). Waiting nowhere, the
 main job's two clients sharing two cores, whose writes fell behind compute, went up to 70 %
 over budget in lean replays.
+
+NOTE [passed]
+A lean replay leaves to autograd, as it is, every saved storage its plan never moves: no
+vTensor, no alias, no record to free, so per-tensor work is done only where the plan acts. Its
+position among the iteration's first saves and its size are still matched with the plan's (a
+storage seen again, found by a weak reference that holds no memory, keeps its first position),
+and unpacking it still checks that it was not modified in place after saving. What this gives
+up: where the replay stops following the plan (a divergence, a reading over the budget), the
+guard that takes over can evict only the storages saved as vTensors.
 """
 
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.store import ChunkStore
+
+
+class Passing:
+    """The saved storages a lean replay leaves to autograd (NOTE [passed])."""
+
+    def __init__(self, store: ChunkStore, executor: PlanExecutor) -> None:
+        self.store = store
+        self.executor = executor
+        self._seen: dict[int, StorageWeakRef] = {}
+
+    def passes(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is left to autograd; places it in the plan if new."""
+        storage = tensor.untyped_storage()
+        if self.store.known(storage):
+            return False
+        seen = self._seen.get(storage._cdata)
+        if seen is not None and not seen.expired():  # type: ignore[no-untyped-call]
+            return True
+        if self.executor.moves_next() or not self.executor.on_pass(storage.nbytes()):
+            return False  # a vTensor; past a divergence the iteration leaves the lean replay
+        self._seen[storage._cdata] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        return True
 
 
 def replays_lean(

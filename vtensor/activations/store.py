@@ -81,6 +81,11 @@ class ChunkStore:
         self._by_storage[storage._cdata] = record
         return record
 
+    def known(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` has a live record."""
+        record = self._by_storage.get(storage._cdata)
+        return record is not None and not record.dead
+
     def drop_handle(self, record: VTensor) -> None:
         """Called when autograd releases one handle; frees the record with its last handle."""
         record.handles -= 1

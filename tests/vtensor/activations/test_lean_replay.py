@@ -12,6 +12,8 @@ from torch import nn
 import vtensor
 import vtensor.activations.planning
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.errors import InPlaceModificationError
 from vtensor.io.transfer import FileTransferEngine
 from vtensor.measure import trackers
 from vtensor.planner.cache import PlanCache
@@ -144,6 +146,72 @@ def test_a_lean_replay_reads_the_heap_where_its_plan_predicts_more_than_it_confi
     assert set(plan.watched_steps) <= {*near, resident.index(max(resident))}
     assert len(near) >= 2 * len(plan.watched_steps), (len(near), plan.watched_steps)
     assert len(reads) <= len(plan.watched_steps) + 3, (len(reads), plan.watched_steps)
+
+
+@pytest.fixture
+def adopted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The vids of the storages made into vTensors (one entry per save)."""
+    seen: list[int] = []
+    adopt = ChunkStore.adopt
+
+    def counted(self: ChunkStore, storage: torch.UntypedStorage, step: int) -> VTensor:
+        record = adopt(self, storage, step)
+        seen.append(record.vid)
+        return record
+
+    monkeypatch.setattr(ChunkStore, "adopt", counted)
+    return seen
+
+
+def test_a_lean_replay_makes_vtensors_only_of_what_its_plan_moves(
+    tmp_path: Path, adopted: list[int]
+):
+    # NOTE [passed]: the storages the plan never moves stay autograd's.
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    ref = _step(model, x, None)
+    for budget in (int(0.6 * _peak(model, x)), 1 << 30):
+        with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+            for _ in range(3):  # profiled, a full replay that needs no guard, a lean one
+                adopted.clear()
+                assert all(map(torch.equal, ref, _step(model, x, mm)))
+            report, plan = mm.report(), mm.plan_for(model, (x,))
+        assert report.lean and plan is not None
+        moved = {m.vid for m in plan.moves}
+        assert len(set(adopted)) == len(moved), (adopted, sorted(moved))
+        assert (report.bytes_out > 0) is bool(moved)
+        assert report.peak_device_bytes <= budget + CHUNK
+
+
+class Meddler(nn.Module):
+    """Saves a tanh output for backward and, when told, changes it in place afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.meddle = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if self.meddle:
+                x.mul_(1.0)  # a new version of what tanh saved
+        return x
+
+
+def test_a_tensor_left_to_autograd_is_still_checked_for_changes_in_place(
+    tmp_path: Path, adopted: list[int]
+):
+    torch.manual_seed(0)
+    model, x = Meddler(), torch.randn(4096, 64)
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as mm:
+        for _ in range(3):
+            adopted.clear()
+            _step(model, x, mm)
+        assert mm.report().lean and adopted == []  # nothing moves: everything was passed
+        model.meddle = True
+        with pytest.raises(InPlaceModificationError, match="modified in place"):
+            _step(model, x, mm)
 
 
 def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
