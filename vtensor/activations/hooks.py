@@ -23,8 +23,12 @@ class HookTarget(Protocol):
         """Whether ``tensor`` may be virtualized."""
         ...
 
-    def passes(self, tensor: torch.Tensor) -> bool:
-        """Whether an accepted ``tensor`` is left to autograd all the same (a lean replay)."""
+    def passes(self, tensor: torch.Tensor) -> int | None:
+        """Its plan position if an accepted ``tensor`` is left to autograd (a lean replay)."""
+        ...
+
+    def after_passed_unpack(self, position: int) -> None:
+        """Backward has a tensor left to autograd, at ``position`` in the plan."""
         ...
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
@@ -78,8 +82,9 @@ def make_saved_tensor_hooks(
     def pack(tensor: torch.Tensor) -> Any:
         if not target.accepts(tensor):
             return tensor
-        if target.passes(tensor):
-            return (tensor, tensor._version)  # NOTE [passed] in activations/lean.py
+        position = target.passes(tensor)
+        if position is not None:
+            return (tensor, tensor._version, position)  # NOTE [passed] in activations/lean.py
         record = target.store.adopt(tensor.untyped_storage(), step=target.step_index)
         if not record.fully_resident():
             target.store.ensure_resident(record)
@@ -91,8 +96,9 @@ def make_saved_tensor_hooks(
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, tuple):
-            passed, version = packed
+            passed, version, position = packed
             _check_version(passed, version)
+            target.after_passed_unpack(position)
             return passed  # type: ignore[no-any-return]
         handle: SavedHandle = packed
         target.before_unpack(handle.record)

@@ -9,7 +9,7 @@ import torch
 from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
-from vtensor.activations.lean import Passing, replays_lean
+from vtensor.activations.lean import Passing, replays_hookless, replays_lean
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
@@ -83,9 +83,12 @@ class Iteration:
         )
         self.was_lean = self.lean
         self._passing: Passing | None = None
+        self.hookless = False  # NOTE [hookless replay] in activations/lean.py
         if self.lean:
             assert executor is not None
-            self._passing = Passing(store, executor)  # NOTE [passed] in activations/lean.py
+            self.hookless = replays_hookless(executor)
+            read_peak = self._check_boundary if self.hookless else None
+            self._passing = Passing(store, executor, read_peak)  # NOTE [passed]
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")
@@ -139,12 +142,17 @@ class Iteration:
             return False
         return True
 
-    def passes(self, tensor: torch.Tensor) -> bool:
-        """Whether a lean replay leaves ``tensor`` (accepted) to autograd (NOTE [passed])."""
+    def passes(self, tensor: torch.Tensor) -> int | None:
+        """Its plan position if a lean replay leaves ``tensor`` to autograd (NOTE [passed])."""
         executor = self.executor
         if not self.lean or self._passing is None or executor is None or not executor.active:
-            return False
+            return None
         return self._passing.passes(tensor)
+
+    def after_passed_unpack(self, position: int) -> None:
+        """Backward has a tensor left to autograd, at ``position`` in the plan."""
+        if self.lean and self._passing is not None:
+            self._passing.unpacked(position)
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""

@@ -38,7 +38,19 @@ storage seen again, found by a weak reference that holds no memory, keeps its fi
 and unpacking it still checks that it was not modified in place after saving. What this gives
 up: where the replay stops following the plan (a divergence, a reading over the budget), the
 guard that takes over can evict only the storages saved as vTensors.
+
+NOTE [hookless replay]
+A lean replay of a plan that moves nothing and watches one step, its predicted peak's (a budget
+that never binds), has nothing to do at module boundaries: it installs no module hooks at all,
+so the model's modules run on torch's path without hooks. Saved tensors are still matched with
+the plan by position and size (NOTE [passed]), and the tracked bytes are read at the
+saved-tensor event first after the predicted peak's step (``Plan.peak_event``), instead of at
+that step's boundary: the reading that states the iteration's peak and would find bytes no trace
+explains. A reading over the budget turns the checks back on, at the saved-tensor hooks only,
+and the plan is profiled again next time.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -50,23 +62,50 @@ from vtensor.activations.store import ChunkStore
 class Passing:
     """The saved storages a lean replay leaves to autograd (NOTE [passed])."""
 
-    def __init__(self, store: ChunkStore, executor: PlanExecutor) -> None:
+    def __init__(
+        self, store: ChunkStore, executor: PlanExecutor, read_peak: Callable[[], None] | None
+    ) -> None:
         self.store = store
         self.executor = executor
-        self._seen: dict[int, StorageWeakRef] = {}
+        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
+        # NOTE [hookless replay]: without module hooks, the peak is read at this event.
+        self._read_peak = read_peak
+        self._peak_event = executor.plan.peak_event if read_peak is not None else ()
 
-    def passes(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s storage is left to autograd; places it in the plan if new."""
+    def unpacked(self, position: int) -> None:
+        """Backward has the tensor at ``position``, left to autograd."""
+        if self._peak_event == (position, 1) and self._read_peak is not None:
+            self._peak_event = ()  # its first unpack only
+            self._read_peak()
+
+    def passes(self, tensor: torch.Tensor) -> int | None:
+        """The plan position of ``tensor``'s storage if it is left to autograd, else None.
+
+        A storage seen for the first time is placed in the plan.
+        """
         storage = tensor.untyped_storage()
         if self.store.known(storage):
-            return False
+            return None
         seen = self._seen.get(storage._cdata)
-        if seen is not None and not seen.expired():  # type: ignore[no-untyped-call]
-            return True
+        if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
+            return seen[1]
+        position = len(self.executor.records)
         if self.executor.moves_next() or not self.executor.on_pass(storage.nbytes()):
-            return False  # a vTensor; past a divergence the iteration leaves the lean replay
-        self._seen[storage._cdata] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-        return True
+            return None  # a vTensor; past a divergence the iteration leaves the lean replay
+        self._seen[storage._cdata] = (StorageWeakRef(storage), position)  # type: ignore[no-untyped-call]
+        if self._peak_event == (position, 0) and self._read_peak is not None:
+            self._read_peak()
+        return position
+
+
+def replays_hookless(executor: PlanExecutor) -> bool:
+    """Whether a lean replay of ``executor``'s plan needs no module hooks.
+
+    NOTE [hookless replay]: a plan that moves no activation and watches one step at most.
+    """
+    plan = executor.plan
+    nothing_moves = not any(m.vid < plan.activation_count for m in plan.moves)
+    return nothing_moves and len(plan.watched_steps) <= 1 and len(plan.peak_event) == 2
 
 
 def replays_lean(

@@ -26,7 +26,7 @@ from vtensor.planner.keys import (
     parameter_dtype,
 )
 from vtensor.planner.lgm import PLANNER_VERSION
-from vtensor.planner.memory_model import step_headroom, watched_steps
+from vtensor.planner.memory_model import peak_event, step_headroom, watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
@@ -193,6 +193,7 @@ class PlanBook:
             min_budget_bytes=min_budget_bytes,
             watched_steps=watched_steps(plan, trace, margin, slack),
             step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
+            peak_event=peak_event(plan, trace),  # NOTE [hookless replay]
         )
 
     def plan_for(

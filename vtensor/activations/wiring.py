@@ -32,8 +32,9 @@ def instrumented(
     otherwise, with ``find_units``, the profile records which modules could be.
     """
     with contextlib.ExitStack() as stack:
-        for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
-            stack.callback(hook.remove)
+        if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
+            for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
+                stack.callback(hook.remove)
         if plan.recompute:
             iteration.recomputed, iteration.selective = plan.recompute, plan.selective
             stack.enter_context(recompute_modules(model, plan.recompute, iteration, plan.selective))

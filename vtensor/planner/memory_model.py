@@ -122,6 +122,27 @@ def confirming_readings(
     return tuple(chosen)
 
 
+def peak_event(plan: Plan, trace: Trace) -> tuple[int, ...]:
+    """The first saved-tensor event at or after the predicted peak's step (NOTE [hookless replay]).
+
+    ``(vid, 0)``: the save of activation ``vid``; ``(vid, 1)``: its first unpack. Empty when no
+    activation is saved or first used from that step on. At one step a save comes first.
+    """
+    resident = simulate(plan, trace)
+    if not resident:
+        return ()
+    top = max(range(len(resident)), key=resident.__getitem__)
+    events = [(t.saved_step, 0, t.vid) for t in trace.tensors[: plan.activation_count]]
+    events += [
+        (t.use_steps[0], 1, t.vid) for t in trace.tensors[: plan.activation_count] if t.use_steps
+    ]
+    after = [e for e in events if e[0] >= top]
+    if not after:
+        return ()
+    _, kind, vid = min(after)
+    return (vid, kind)
+
+
 def step_headroom(plan: Plan, trace: Trace) -> tuple[int, ...]:
     """Per step, the plan's budget less the bytes it predicts resident there (never below 0)."""
     return tuple(max(0, plan.budget_bytes - b) for b in simulate(plan, trace))

@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 6
+PLAN_SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class Plan:
         step_headroom_bytes: per step, the plan's budget less the bytes it predicts resident
             there: the writes a lean replay may leave in flight as the step begins (NOTE [lean
             waits]); empty: none.
+        peak_event: the saved-tensor event a replay without module hooks reads the tracked
+            bytes at, first after the predicted peak's step: ``(vid, 0)`` its save, ``(vid,
+            1)`` its first unpack (NOTE [hookless replay]); empty: none.
     """
 
     budget_bytes: int
@@ -86,6 +89,7 @@ class Plan:
     watched_steps: tuple[int, ...] = ()
     selective: tuple[str, ...] = ()
     step_headroom_bytes: tuple[int, ...] = ()
+    peak_event: tuple[int, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -123,6 +127,7 @@ class Plan:
             watched_steps=tuple(raw.pop("watched_steps", ())),
             selective=tuple(raw.pop("selective", ())),
             step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
+            peak_event=tuple(raw.pop("peak_event", ())),
             **raw,
         )
 

@@ -4,6 +4,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
+import vtensor.activations.wiring
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
@@ -212,6 +214,60 @@ def test_a_tensor_left_to_autograd_is_still_checked_for_changes_in_place(
         model.meddle = True
         with pytest.raises(InPlaceModificationError, match="modified in place"):
             _step(model, x, mm)
+
+
+@pytest.fixture
+def installs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the installations of module hooks (one entry per iteration that installs them)."""
+    seen: list[int] = []
+    install = vtensor.activations.wiring.install_module_hooks
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        return install(*args, **kwargs)
+
+    monkeypatch.setattr(vtensor.activations.wiring, "install_module_hooks", counted)
+    return seen
+
+
+def test_a_replay_that_never_binds_runs_without_module_hooks(
+    tmp_path: Path, reads: list[int], installs: list[int]
+):
+    # NOTE [hookless replay]
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(2048, 64)
+    ref = _step(model, x, None)
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as mm:
+        for _ in range(3):
+            reads.clear()
+            installs.clear()
+            assert all(map(torch.equal, ref, _step(model, x, mm)))
+        report, plan = mm.report(), mm.plan_for(model, (x,))
+    assert report.lean and plan is not None and len(plan.peak_event) == 2
+    assert installs == [] and len(reads) <= 3
+    assert report.peak_device_bytes > 0  # read at the saved-tensor event after the peak
+
+
+def test_a_hookless_replay_over_its_budget_checks_again_and_profiles_next_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, installs: list[int]
+):
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(2048, 64)
+    peak = _peak(model, x)
+    ref = _step(model, x, None)
+    with vtensor.MemoryManager(2 * peak, storage_dir=tmp_path) as mm:
+        for _ in range(3):
+            installs.clear()
+            _step(model, x, mm)
+        assert mm.report().lean and installs == []
+        model.hoard_bytes = 3 * peak  # outside autograd: the plan cannot see it coming
+        with caplog.at_level(logging.WARNING, logger="vtensor"):
+            assert all(map(torch.equal, ref, _step(model, x, mm)))
+        assert mm.report().plan_source == "fallback" and not mm.report().lean
+        assert "went over the budget" in caplog.text
+        model.hoard_bytes, model.hoard = 0, []
+        _step(model, x, mm)
+        assert mm.report().plan_source == "profiled"
 
 
 def test_a_lean_replay_over_its_budget_checks_again_and_profiles_next_time(
