@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from vtensor.activations.lean import Passing
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
 from vtensor.outputs import tensors_in
@@ -23,12 +24,9 @@ class HookTarget(Protocol):
         """Whether ``tensor`` may be virtualized."""
         ...
 
-    def passes(self, tensor: torch.Tensor) -> int | None:
-        """Its plan position if an accepted ``tensor`` is left to autograd (a lean replay)."""
-        ...
-
-    def after_passed_unpack(self, position: int) -> None:
-        """Backward has a tensor left to autograd, at ``position`` in the plan."""
+    @property
+    def passing(self) -> Passing | None:
+        """While a lean replay lasts, what it leaves to autograd (NOTE [passed])."""
         ...
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
@@ -82,7 +80,8 @@ def make_saved_tensor_hooks(
     def pack(tensor: torch.Tensor) -> Any:
         if not target.accepts(tensor):
             return tensor
-        position = target.passes(tensor)
+        passing = target.passing
+        position = passing.passes(tensor) if passing is not None else None
         if position is not None:
             return (tensor, tensor._version, position)  # NOTE [passed] in activations/lean.py
         record = target.store.adopt(tensor.untyped_storage(), step=target.step_index)
@@ -98,7 +97,9 @@ def make_saved_tensor_hooks(
         if isinstance(packed, tuple):
             passed, version, position = packed
             _check_version(passed, version)
-            target.after_passed_unpack(position)
+            passing = target.passing
+            if passing is not None:
+                passing.unpacked(position)
             return passed  # type: ignore[no-any-return]
         handle: SavedHandle = packed
         target.before_unpack(handle.record)

@@ -82,13 +82,13 @@ class Iteration:
             record_trace=record_trace,
         )
         self.was_lean = self.lean
-        self._passing: Passing | None = None
+        self.passing: Passing | None = None  # while lean (NOTE [passed])
         self.hookless = False  # NOTE [hookless replay] in activations/lean.py
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
             read_peak = self._check_boundary if self.hookless else None
-            self._passing = Passing(store, executor, read_peak)  # NOTE [passed]
+            self.passing = Passing(store, executor, read_peak)
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")
@@ -141,18 +141,6 @@ class Iteration:
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False
         return True
-
-    def passes(self, tensor: torch.Tensor) -> int | None:
-        """Its plan position if a lean replay leaves ``tensor`` to autograd (NOTE [passed])."""
-        executor = self.executor
-        if not self.lean or self._passing is None or executor is None or not executor.active:
-            return None
-        return self._passing.passes(tensor)
-
-    def after_passed_unpack(self, position: int) -> None:
-        """Backward has a tensor left to autograd, at ``position`` in the plan."""
-        if self.lean and self._passing is not None:
-            self._passing.unpacked(position)
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""
@@ -280,6 +268,7 @@ class Iteration:
 
     def _leave_lean(self) -> None:
         self.lean = False
+        self.passing = None
         self.policy.follow_plan(self.executor is not None and self.executor.active)
 
     def after_node(self) -> None:

@@ -81,8 +81,11 @@ class Passing:
     def passes(self, tensor: torch.Tensor) -> int | None:
         """The plan position of ``tensor``'s storage if it is left to autograd, else None.
 
-        A storage seen for the first time is placed in the plan.
+        A storage seen for the first time is placed in the plan. None once the run has left
+        the plan.
         """
+        if not self.executor.active:
+            return None
         storage = tensor.untyped_storage()
         if self.store.known(storage):
             return None
