@@ -1,6 +1,7 @@
 """One managed training iteration: routes hook events to the store and policy, keeps the books."""
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -87,8 +88,8 @@ class Iteration:
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
-            read_peak = self._check_boundary if self.hookless else None
-            self.passing = Passing(store, executor, read_peak)
+            read_peak = functools.partial(self._check_boundary, "after the predicted peak")
+            self.passing = Passing(store, executor, read_peak if self.hookless else None)
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")
@@ -246,8 +247,8 @@ class Iteration:
         same = self.store.memory_epoch == epoch and self.params is None
         self.enforce(live_hint=live if same else None)
 
-    def _check_boundary(self) -> None:
-        """A lean replay's reading at a module boundary (NOTE [lean replay])."""
+    def _check_boundary(self, where: str = "") -> None:
+        """A lean replay's reading at a module boundary (NOTE [lean replay]), or ``where``."""
         live = self.live_bytes()
         self._sample(live)
         # The growth since the last reading spans many steps here: no headroom the guard must
@@ -257,7 +258,7 @@ class Iteration:
             logger.warning(
                 "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
                 "every hook point from here on, and profiling again next iteration",
-                self._lean_step,
+                where or self._lean_step,
                 live,
                 self.policy.budget_bytes,
             )

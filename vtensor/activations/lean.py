@@ -9,12 +9,11 @@ those it predicts near the budget, where it predicts more than the last reading 
 [confirmed readings] in ``planner/memory_model.py``). The profiled iteration judged every hook
 point and backward node; the replay repeats it (the executor checks every saved tensor's size
 and every step's name, and a divergence turns the checks back on for the rest of the
-iteration). A boundary reading over
-the budget also turns them back on, and the plan is profiled again next time: a lean iteration
-cannot state a minimum budget of its own (it has not judged every point), so it reports the
-profiled iteration's. A plan replays lean only once a full replay of it needed nothing from the
-guard (no eviction beyond the plan's): where the guard helps, it helps between boundaries too
-(``PlanBook``).
+iteration). A boundary reading over the budget also turns them back on, and the plan is
+profiled again next time: a lean iteration cannot state a minimum budget of its own (it has not
+judged every point), so it reports the profiled iteration's. A plan replays lean only once a
+full replay of it needed nothing from the guard (no eviction beyond the plan's): where the guard
+helps, it helps between boundaries too (``PlanBook``).
 
 NOTE [lean waits]
 No guard reads the bytes between a lean replay's boundaries, so the boundaries are what keeps

@@ -94,7 +94,7 @@ def watched_steps(
     resident = simulate(plan, trace)
     if not resident:
         return ()
-    top = max(range(len(resident)), key=resident.__getitem__)
+    top = _peak_step(resident)
     near = plan.budget_bytes - margin_bytes
     candidates = [i for i, b in enumerate(resident) if b >= near or i == top]
     return confirming_readings(resident, candidates, top, slack_bytes, stride)
@@ -131,7 +131,7 @@ def peak_event(plan: Plan, trace: Trace) -> tuple[int, ...]:
     resident = simulate(plan, trace)
     if not resident:
         return ()
-    top = max(range(len(resident)), key=resident.__getitem__)
+    top = _peak_step(resident)
     events = [(t.saved_step, 0, t.vid) for t in trace.tensors[: plan.activation_count]]
     events += [
         (t.use_steps[0], 1, t.vid) for t in trace.tensors[: plan.activation_count] if t.use_steps
@@ -141,6 +141,11 @@ def peak_event(plan: Plan, trace: Trace) -> tuple[int, ...]:
         return ()
     _, kind, vid = min(after)
     return (vid, kind)
+
+
+def _peak_step(resident: list[int]) -> int:
+    """The first step of the predicted peak."""
+    return max(range(len(resident)), key=resident.__getitem__)
 
 
 def step_headroom(plan: Plan, trace: Trace) -> tuple[int, ...]:
