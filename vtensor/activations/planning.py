@@ -119,7 +119,9 @@ class PlanBook:
         race = self._race.get(signature)
         if race is not None:
             executor = self._executor(race.current(), store)
-            return IterationPlan(signature, PlanSource.PLANNED, executor, False, key, racing=True)
+            return IterationPlan(
+                signature, PlanSource.PLANNED, executor, False, key, racing=True, lean=race.lean()
+            )
         if signature in self._plans:
             plan = self._plans[signature]
             if plan is None:
@@ -299,7 +301,7 @@ class PlanBook:
         if chosen.abandoned:
             return PlanSource.FALLBACK
         if chosen.racing:
-            return self._race_step(chosen, wall_s)
+            return self._race_step(chosen, wall_s, guard_bytes)
         if chosen.executor is not None and not chosen.executor.active:
             self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
             self._lean.discard(chosen.signature)
@@ -322,7 +324,7 @@ class PlanBook:
             self._store(chosen, plan)
         return chosen.source
 
-    def _race_step(self, chosen: IterationPlan, wall_s: float) -> PlanSource:
+    def _race_step(self, chosen: IterationPlan, wall_s: float, guard_bytes: int) -> PlanSource:
         """Time one candidate's replay; store the winner when every candidate has run."""
         race = self._race.get(chosen.signature)
         if race is None:
@@ -330,7 +332,7 @@ class PlanBook:
         if chosen.executor is not None and not chosen.executor.active:
             del self._race[chosen.signature]  # the run diverged: profile it again
             return PlanSource.FALLBACK
-        winner = race.record(wall_s)
+        winner = race.record(wall_s, guard_bytes, chosen.lean)
         if winner is not None:
             del self._race[chosen.signature]
             logger.info(
@@ -342,6 +344,8 @@ class PlanBook:
                 len(winner.recompute),
             )
             self._store(chosen, winner)
+            if race.winner_clean():  # its replays go on lean (NOTE [plan race])
+                self._lean.add(chosen.signature)
         return PlanSource.RACED
 
     def _choose(

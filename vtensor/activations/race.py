@@ -10,9 +10,14 @@ where the planner hides the transfer, and recomputation under torch's selective 
 runs every op of the unit through a Python dispatch mode, which neither the trace's durations
 nor the model see. So the next iterations replay the candidates in turn, ``ROUNDS`` times
 each, and the one with the smallest best wall time is kept (the best of a few, because on a
-shared machine a slow iteration says more about the machine than about the plan). Every replay
-is a real training iteration under the budget: the race costs nothing but the slower
-candidates' extra time, a few iterations once per model, input signature and budget.
+shared machine a slow iteration says more about the machine than about the plan). A candidate
+is timed as it will run: once a full replay of it needed nothing from the guard, its next
+replays are lean (NOTE [lean replay]), as the kept plan's are from then on: timed in full
+replays only, the candidates paid for a heap reading at every hook point, whose number (and
+cost, which grows with the process's heap) differs from plan to plan, and the race kept plans
+whose lean replays were slower (benchmarks/README.md). Every replay is a real training
+iteration under the budget: the race costs nothing but the slower candidates' extra time, a few
+iterations once per model, input signature and budget.
 """
 
 from dataclasses import dataclass, field
@@ -29,21 +34,37 @@ class PlanRace:
     plans: list[Plan]
     times: list[list[float]] = field(default_factory=list)
     turn: int = 0
+    clean: list[bool] = field(default_factory=list)  # a full replay of it needed no guard
 
     def __post_init__(self) -> None:
         self.times = [[] for _ in self.plans]
+        self.clean = [False for _ in self.plans]
 
     def current(self) -> Plan:
         """The plan the next iteration replays."""
         return self.plans[self.turn % len(self.plans)]
 
-    def record(self, wall_s: float) -> Plan | None:
-        """The current plan's replay took ``wall_s``; returns the winner once all have run."""
-        self.times[self.turn % len(self.plans)].append(wall_s)
+    def lean(self) -> bool:
+        """Whether the next iteration replays its plan lean."""
+        return self.clean[self.turn % len(self.plans)]
+
+    def record(self, wall_s: float, guard_bytes: int = 0, lean: bool = False) -> Plan | None:
+        """The current plan's replay took ``wall_s``; returns the winner once all have run.
+
+        ``guard_bytes``: what the guard evicted beyond the plan in that replay, if it was full.
+        """
+        index = self.turn % len(self.plans)
+        if not lean:
+            self.clean[index] = guard_bytes == 0
+        self.times[index].append(wall_s)
         self.turn += 1
         if self.turn < ROUNDS * len(self.plans):
             return None
         return self.plans[self._best()]
+
+    def winner_clean(self) -> bool:
+        """Whether a full replay of the winner needed nothing from the guard."""
+        return self.clean[self._best()]
 
     def best_times(self) -> list[float]:
         """The best wall time of each candidate so far (inf if it has not run)."""

@@ -143,6 +143,25 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     assert all(out <= plain_out for out in swap_only), (swap_only, plain_out)
 
 
+def test_a_candidate_races_lean_once_a_full_replay_of_it_needed_no_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [plan race]: the candidates are timed as they will run, lean, not with the readings
+    # of a full replay at every hook point (whose cost differs from plan to plan).
+    monkeypatch.setattr(
+        vtensor.activations.planning, "recompute_candidates", lambda _t, _b: ((("3",), ()),)
+    )
+    monkeypatch.setattr(vtensor.MemoryManager, "_guard_bytes", lambda *_: 0)
+    budget = int(peak_bytes(Block, tmp_path) * 0.5)
+    reports, _ = _race(model_with(Block), budget, 2 + 2 * RACE_ROUNDS + 1, tmp_path)
+    raced = reports[2 : 2 + 2 * RACE_ROUNDS]
+    assert [r.plan_source for r in raced] == ["raced"] * len(raced)
+    assert [r.lean for r in raced] == [False, False] + [True, True] * (RACE_ROUNDS - 1)
+    # The winner's full replay needed no guard: it goes on lean.
+    assert reports[-1].plan_source == "planned" and reports[-1].lean
+    assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports)
+
+
 class _Kept(PlanRace):
     """A race whose hybrid plan wins; the races are kept to read their plans."""
 
