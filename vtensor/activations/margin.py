@@ -21,7 +21,7 @@ def plan_again(make_plan: Planner, profile: Profile, plan: Plan, guard_bytes: in
 
     NOTE [guard margin]
     A plan made to the guard's high watermark (NOTE [plan within the guard] in
-    ``activations/planning.py``) leaves no room for the difference between the planner's model
+    ``activations/guarded_plan.py``) leaves no room for the difference between the planner's model
     (bytes per step, an eviction gone from its step on) and the readings of a real replay, so
     the guard evicts at the hook points where a reading comes out higher, and, having cut a
     victim once, takes its remainder whole (NOTE [guard takes whole remainders]): on

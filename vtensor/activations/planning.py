@@ -10,14 +10,13 @@ import torch
 from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
-from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES
+from vtensor.activations.guarded_plan import plan_within_guard
 from vtensor.activations.iteration_plan import IterationPlan, Trials
 from vtensor.activations.margin import Profile, plan_again
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.store import ChunkStore
-from vtensor.errors import InfeasibleBudgetError, VTensorError
-from vtensor.planner.belady import plan_lgm
+from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import (
     PlanKey,
@@ -26,7 +25,6 @@ from vtensor.planner.keys import (
     parameter_dtype,
 )
 from vtensor.planner.lgm import PLANNER_VERSION
-from vtensor.planner.memory_model import peak_event, step_headroom, watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
@@ -164,38 +162,14 @@ class PlanBook:
     def _plan(
         self, trace: Trace, reserve_bytes: int, min_budget_bytes: int, margin_bytes: int = 0
     ) -> Plan | None:
-        """The plan of ``trace`` that leaves the guard its headroom; None if there is none.
-
-        NOTE [plan within the guard]: the plan leaves the guard ``reserve_bytes`` (the largest
-        growth between two hook points) free, so that the guard moves no bytes of its own and
-        the bytes an iteration moves are the plan's. Where that is infeasible the plan fills
-        the whole budget and the guard keeps its headroom as it can. ``margin_bytes`` more are
-        left free first where a replay showed the guard still had to act (NOTE [guard margin]).
-        """
-        plan: Plan | None = None
-        under_guard = max(0, self.budget_bytes - reserve_bytes)
-        margined = max(0, under_guard - margin_bytes)
-        for budget_bytes in dict.fromkeys((margined, under_guard, self.budget_bytes)):
-            try:
-                plan = plan_lgm(trace, budget_bytes, chunk_bytes=self.chunk_bytes)
-                break
-            except InfeasibleBudgetError as err:
-                if budget_bytes == self.budget_bytes:
-                    logger.warning("no swap plan at this budget, staying reactive: %s", err)
-        if plan is None:
-            return None
-        # NOTE [lean replay]: a replay reads the tracked bytes where the plan comes within the
-        # guard's headroom twice over, or a tenth of the budget, of the budget; of those steps,
-        # where the plan predicts a chunk more than it last confirmed (NOTE [confirmed readings]).
-        margin = max(2 * reserve_bytes, self.budget_bytes // 10)
-        slack = self.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
-        return dataclasses.replace(
-            plan,
-            reserve_bytes=reserve_bytes,
-            min_budget_bytes=min_budget_bytes,
-            watched_steps=watched_steps(plan, trace, margin, slack),
-            step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
-            peak_event=peak_event(plan, trace),  # NOTE [hookless replay]
+        """The plan of ``trace`` that leaves the guard its headroom; None if there is none."""
+        return plan_within_guard(
+            trace,
+            self.budget_bytes,
+            self.chunk_bytes,
+            reserve_bytes,
+            min_budget_bytes,
+            margin_bytes,
         )
 
     def plan_for(
@@ -332,7 +306,10 @@ class PlanBook:
         if chosen.executor is not None and not chosen.executor.active:
             del self._race[chosen.signature]  # the run diverged: profile it again
             return PlanSource.FALLBACK
-        winner = race.record(wall_s, guard_bytes, chosen.lean)
+        remade = None
+        if guard_bytes > 0 and not chosen.lean:  # race it as it would be kept (NOTE [plan race])
+            remade = self._remade(chosen.signature, race.current(), guard_bytes)
+        winner = race.record(wall_s, guard_bytes, chosen.lean, remade)
         if winner is not None:
             del self._race[chosen.signature]
             logger.info(
@@ -347,6 +324,15 @@ class PlanBook:
             if race.winner_clean():  # its replays go on lean (NOTE [plan race])
                 self._lean.add(chosen.signature)
         return PlanSource.RACED
+
+    def _remade(self, signature: str, plan: Plan, guard_bytes: int) -> Plan | None:
+        """A racing candidate made again under the guard's margin, once (NOTE [guard margin])."""
+        candidates = self._candidates.get(signature, [])
+        index = next((i for i, (p, _) in enumerate(candidates) if p is plan), None)
+        if index is None:
+            return None  # made again already, or no profile of its own
+        _, profile = candidates.pop(index)  # used up: kept, the plan is not made again
+        return plan_again(self._plan, profile, plan, guard_bytes)
 
     def _choose(
         self, signature: str, trace: Trace, reserve_bytes: int, min_budget_bytes: int

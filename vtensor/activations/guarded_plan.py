@@ -1,0 +1,59 @@
+"""The plan of a profiled trace that leaves the guard its headroom."""
+
+import dataclasses
+import logging
+
+from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES
+from vtensor.errors import InfeasibleBudgetError
+from vtensor.planner.belady import plan_lgm
+from vtensor.planner.memory_model import peak_event, step_headroom, watched_steps
+from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Trace
+
+logger = logging.getLogger(__name__)
+
+
+def plan_within_guard(
+    trace: Trace,
+    budget_bytes: int,
+    chunk_bytes: int | None,
+    reserve_bytes: int,
+    min_budget_bytes: int,
+    margin_bytes: int = 0,
+) -> Plan | None:
+    """The plan of ``trace`` under ``budget_bytes`` that leaves the guard its headroom.
+
+    None if there is none. ``min_budget_bytes`` (the profiled iteration's stated minimum) and
+    ``reserve_bytes`` travel with the plan.
+
+    NOTE [plan within the guard]: the plan leaves the guard ``reserve_bytes`` (the largest
+    growth between two hook points) free, so that the guard moves no bytes of its own and the
+    bytes an iteration moves are the plan's. Where that is infeasible the plan fills the whole
+    budget and the guard keeps its headroom as it can. ``margin_bytes`` more are left free
+    first where a replay showed the guard still had to act (NOTE [guard margin]).
+    """
+    plan: Plan | None = None
+    under_guard = max(0, budget_bytes - reserve_bytes)
+    margined = max(0, under_guard - margin_bytes)
+    for planned_bytes in dict.fromkeys((margined, under_guard, budget_bytes)):
+        try:
+            plan = plan_lgm(trace, planned_bytes, chunk_bytes=chunk_bytes)
+            break
+        except InfeasibleBudgetError as err:
+            if planned_bytes == budget_bytes:
+                logger.warning("no swap plan at this budget, staying reactive: %s", err)
+    if plan is None:
+        return None
+    # NOTE [lean replay]: a replay reads the tracked bytes where the plan comes within the
+    # guard's headroom twice over, or a tenth of the budget, of the budget; of those steps,
+    # where the plan predicts a chunk more than it last confirmed (NOTE [confirmed readings]).
+    margin = max(2 * reserve_bytes, budget_bytes // 10)
+    slack = chunk_bytes or MIN_BUDGET_MARGIN_BYTES
+    return dataclasses.replace(
+        plan,
+        reserve_bytes=reserve_bytes,
+        min_budget_bytes=min_budget_bytes,
+        watched_steps=watched_steps(plan, trace, margin, slack),
+        step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
+        peak_event=peak_event(plan, trace),  # NOTE [hookless replay]
+    )
