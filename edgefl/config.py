@@ -219,6 +219,7 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
                 OffloadParams,
                 "vtensor.offload_params",
             ),
+            recompute=_flag(raw["vtensor"].get("recompute", False), "vtensor.recompute"),
         ),
         fleet=fleet,
         privacy=privacy,
@@ -295,6 +296,12 @@ def _choice(value: Any, choices: type[_Choice], what: str) -> _Choice:
         return choices(str(value))
     except ValueError:
         raise ConfigError(f"{what}={value!r} is not one of {[c.value for c in choices]}") from None
+
+
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what}={value!r} is not true or false; set e.g. {what}=true")
+    return value
 
 
 def _positive(value: Any, what: str) -> int:

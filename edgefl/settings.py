@@ -66,6 +66,7 @@ class VTensorSettings:
     storage_dir: str | None = None
     granularity: vtensor.Granularity = vtensor.Granularity.CHUNK
     offload_params: OffloadParams = OffloadParams.AUTO
+    recompute: bool = False  # plans may recompute modules as well as swap (hybrid plans)
 
 
 @dataclass(frozen=True)

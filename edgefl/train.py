@@ -153,6 +153,7 @@ def open_manager(
         storage_dir=settings.storage_dir,
         granularity=settings.granularity,
         plan_cache_dir=plan_cache_dir,
+        recompute=settings.recompute,
     )
 
 

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 import vtensor
@@ -12,6 +14,7 @@ from edgefl.config import (
 )
 from edgefl.errors import ConfigError
 from edgefl.settings import RunSettings
+from edgefl.train import open_manager
 
 CASES = [(group, option) for group in GROUPS for option in group_options(group)]
 
@@ -84,6 +87,20 @@ def test_parameter_offloading_mode_is_checked() -> None:
     assert load_run_settings(["vtensor.offload_params=on"]).client.vtensor.offload_params == "on"
     with pytest.raises(ConfigError, match=r"vtensor\.offload_params='always'"):
         load_run_settings(["vtensor.offload_params=always"])
+
+
+def test_recomputation_is_a_checked_flag_that_reaches_the_manager(tmp_path: Path) -> None:
+    assert load_run_settings([]).client.vtensor.recompute is False
+    settings = load_run_settings(["vtensor.recompute=true"]).client.vtensor
+    assert settings.recompute is True
+    with pytest.raises(ConfigError, match=r"vtensor\.recompute='sometimes'"):
+        load_run_settings(["vtensor.recompute=sometimes"])
+    manager = open_manager(settings, 1 << 30, tmp_path / "plans")
+    assert manager is not None
+    try:
+        assert manager.recompute is True
+    finally:
+        manager.close()
 
 
 def test_swap_granularity_is_vtensors() -> None:

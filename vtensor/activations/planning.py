@@ -362,7 +362,10 @@ class PlanBook:
             return self._race_or_only(signature, trials)
         self._candidates[signature] = [] if plan is None else [(plan, profile)]
         if trace.units:
-            candidates = recompute_candidates(trace, self.budget_bytes - reserve_bytes)
+            # Judged at the budget the plans are made at: the guard's watermark where the
+            # swap-only plan fits under it, else the whole budget (NOTE [plan within the guard]).
+            judged = plan.budget_bytes if plan is not None else self.budget_bytes
+            candidates = recompute_candidates(trace, judged)
             if candidates:
                 self._trial[signature] = Trials(list(candidates), [], plan)
         return plan

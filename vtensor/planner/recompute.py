@@ -2,26 +2,26 @@
 
 NOTE [hybrid plan]
 Every saved byte is kept, swapped or recomputed. A unit (a module, NOTE [recompute] in
-``activations/recompute.py``) can be recomputed two ways. Whole, it frees its inner tensors from
-its forward to its backward at the price of its measured forward time. Selectively (NOTE
-[selective recompute] in ``activations/selective.py``), torch's selective activation
-checkpointing keeps the outputs of its product ops (convolutions, matrix products) in a cache
-the manager does not see and recomputes only the rest: it frees the inner tensors no product op
-made, at the price of its non-product ops' time, and holds its product outputs, unswappable,
-from their making through its backward. Either way recomputation brings the freed tensors back
-all at once, at the start of the unit's backward, where swapping would bring them back one by
-one. The options cheapest per freed byte are taken first until they cover the deficit (the peak
-over the budget), never two nested units nor both options of one, and an option is taken only if
-the iteration with it (``with_recompute``) still has a feasible floor; where the deficit is
-still not covered, selective units are recomputed whole instead, those adding the most bytes per
-second first. What remains is left to the swap planner. No bandwidth model decides between the
-two: on a CPU the swap engine's work (sealing, system calls, page faults on return) takes cores
-from compute even where the planner hides the transfer, which a model of the disk alone does not
-see. So the choice is tested, not trusted, and is not the only one tried: every outermost safe
-unit recomputed, selectively where it may be (what checkpointing every block does), is a second
-candidate. Each is profiled in an iteration of its own, its trace planned by ``plan_lgm``, and
-the hybrid plans and the swap-only one are then replayed in turn and the fastest replay kept
-(NOTE [plan race] in ``activations/race.py``).
+``activations/recompute.py``) can be recomputed two ways. Whole, it frees its inner tensors from its
+forward to its backward at the price of its measured forward time. Selectively (NOTE [selective
+recompute] in ``activations/selective.py``), torch's selective activation checkpointing keeps the
+outputs of its product ops (convolutions, matrix products) in a cache the manager does not see and
+recomputes only the rest: it frees the inner tensors no product op made, at the price of its
+non-product ops' time, and holds its product outputs, unswappable, from their making through its
+backward. Either way recomputation brings the freed tensors back all at once, at the start of the
+unit's backward, where swapping would bring them back one by one (each then leaves after its last
+use: NOTE [recomputed lifetimes]). The options cheapest per freed byte are taken first until they
+cover the deficit (the peak over the budget), never two nested units nor both options of one, and an
+option is taken only if the iteration with it (``with_recompute``) still has a feasible floor; where
+the deficit is still not covered, selective units are recomputed whole instead, those adding the
+most bytes per second first. What remains is left to the swap planner. No bandwidth model decides
+between the two: on a CPU the swap engine's work (sealing, system calls, page faults on return)
+takes cores from compute even where the planner hides the transfer, which a model of the disk alone
+does not see. So the choice is tested, not trusted, and is not the only one tried: every outermost
+safe unit recomputed, selectively where it may be (what checkpointing every block does), is a second
+candidate. Each is profiled in an iteration of its own, its trace planned by ``plan_lgm``, and the
+hybrid plans and the swap-only one are then replayed in turn and the fastest replay kept (NOTE [plan
+race] in ``activations/race.py``).
 """
 
 import dataclasses
@@ -50,9 +50,20 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     ``selective``: those of ``names`` recomputed selectively. A whole unit's inner tensors are
     gone; a selective unit's inner tensors leave the trace too, and its product outputs'
     bytes are held, as unmanaged bytes, from their save (the others from its first step)
-    through its last backward step. The bytes a unit frees are held through every backward
-    step of it (recomputation brings them all back at its start); its inputs cannot move (the
-    checkpoint holds them). Vids are renumbered in order.
+    through its last backward step. Each tensor recomputation brings back is held, as
+    unmanaged bytes, from the unit's first backward step through its own last use (NOTE
+    [recomputed lifetimes]); the unit's inputs cannot move (the checkpoint holds them). Vids
+    are renumbered in order.
+
+    NOTE [recomputed lifetimes]
+    Recomputation runs the unit's forward again at the first unpack of anything it saved, so
+    every tensor it brings back appears at once, at the start of the unit's backward. It does
+    not stay there: torch's checkpoint keeps a recomputed tensor only under a weak reference
+    keyed by the handle its saved-tensor hook packed, and drops the handle when the tensor is
+    unpacked, so each one is freed once the backward node that used it is done with it. Held
+    through the whole of the unit's backward instead, the bytes used early in it counted at
+    every later step too, and the floor judged with them was higher than the one recomputing
+    the unit leaves.
     """
     chosen, partial = set(names), set(selective)
     units = [u for u in trace.units if u.name in chosen]
@@ -62,13 +73,15 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     extra = [0] * len(trace.steps)
     for unit in units:
         backward = [s.index for s in trace.steps if _in_backward(s.name, unit.name)]
+        first, last = min(backward, default=unit.last_step), max(backward, default=unit.last_step)
+        recomputed = unit.selective_vids if unit.name in partial else unit.inner_vids
+        for v in recomputed:  # NOTE [recomputed lifetimes]
+            tensor = trace.tensors[v]
+            freed = max((s for s in tensor.use_steps if s >= first), default=last)
+            for index in range(first, freed + 1):
+                extra[index] += tensor.nbytes
         if unit.name not in partial:
-            for index in backward:
-                extra[index] += inner_bytes(trace, unit)
             continue
-        for index in backward:
-            extra[index] += sum(trace.tensors[v].nbytes for v in unit.selective_vids)
-        last = max(backward, default=unit.last_step)
         held = [(trace.tensors[v].saved_step, trace.tensors[v].nbytes) for v in unit.product_vids]
         for first, nbytes in [*held, (unit.first_step, unit.product_bytes)]:
             for index in range(first, last + 1):

@@ -333,3 +333,60 @@ def test_a_race_keeps_the_plan_with_the_least_best_time() -> None:
     assert results == [None] * 3 and race.current() is b
     assert race.record(times[-1]) is a
     assert race.best_times() == [1.0, 1.5]
+
+
+def test_a_candidate_made_again_races_anew_and_the_others_wait_for_it() -> None:
+    a, b = (dataclasses.replace(_EMPTY_PLAN, recompute=names) for names in (("x",), ()))
+    b_again = dataclasses.replace(b, budget_bytes=b.budget_bytes - 1)
+    race = PlanRace([a, b])
+    assert race.record(1.0, guard_bytes=0) is None and race.current() is b
+    # b's full replay needed the guard: b is made again; that replay's time is not b_again's.
+    assert race.record(0.5, guard_bytes=4096, remade=b_again) is None
+    assert race.plans == [a, b_again] and race.times == [[1.0], []]
+    assert race.current() is a and race.lean()  # a's full replay needed no guard
+    assert race.record(3.0, lean=True) is None and race.current() is b_again
+    assert not race.lean()  # the new form replays in full first
+    assert race.record(1.2, guard_bytes=0) is None and race.current() is b_again  # a is done
+    assert race.lean()
+    assert race.record(0.9, lean=True) is b_again  # its best 0.9 beats a's 1.0
+    assert race.best_times() == [1.0, 0.9] and race.winner_clean()
+
+
+def _two_units(reserve_kb: int) -> tuple[Trace, int]:
+    """Units a then b, each saving a 1 KB input and 100 KB inside, used in its backward."""
+    from vtensor.planner.trace import Phase, TraceStep, TraceTensor, TraceUnit
+
+    kb = 1024
+    names = ["forward:a", "forward:b", "backward:b", "backward:a"]
+    steps = tuple(
+        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
+    )
+    tensors = []
+    units = []
+    for i, name in enumerate("ab"):
+        back = 3 - i
+        tensors += [
+            TraceTensor(2 * i, kb, ("float32",), i, i + 1, (back,)),
+            TraceTensor(2 * i + 1, 100 * kb, ("float32",), i, i + 1, (back,)),
+        ]
+        units.append(TraceUnit(name, i, i, 0.001, (2 * i + 1,), (2 * i,), True))
+    trace = Trace(steps, tuple(tensors), 0, 0, 0, 64 * kb, "cpu", units=tuple(units))
+    return trace, reserve_kb * kb
+
+
+def test_recomputation_is_judged_at_the_budget_the_plan_is_made_at() -> None:
+    # The guard's reserve leaves less than the swap-only floor under its watermark, so the
+    # plan is made at the whole budget (NOTE [plan within the guard]); recomputing a unit fits
+    # there, and is tried. Judged under the watermark, no candidate fitted: the char GPT at
+    # 50 and 40 % of its peak never tried one.
+    from vtensor.activations.planning import PlanBook
+    from vtensor.planner.lgm import build_lgm, min_budget
+
+    trace, reserve = _two_units(reserve_kb=80)
+    budget = 160 * 1024
+    floor = min_budget(build_lgm(trace, trace.chunk_bytes))[0]
+    assert budget - reserve < floor <= budget
+    book = PlanBook(budget, 64 * 1024, None, recompute=True)
+    plan = book._choose("sig", trace, reserve, floor)
+    assert plan is not None and plan.budget_bytes == budget  # the whole budget
+    assert book._trial["sig"].pending  # a recomputation to try

@@ -171,6 +171,23 @@ def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_s
     assert inner_bytes(trace, trace.units[1]) == 200 * KB
 
 
+def test_a_recomputed_tensor_is_held_from_the_units_backward_to_its_own_last_use() -> None:
+    # NOTE [recomputed lifetimes]: all come back at the unit's first backward step; each is
+    # freed after the step that uses it, as torch's checkpoint drops it at its unpack.
+    names = ["forward:u.0", "forward:u.1", "backward:u.1", "backward:u.0", "backward:stem"]
+    steps = tuple(
+        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
+    )
+    tensors = (
+        TraceTensor(0, 300 * KB, ("float32",), 0, 1, (3,)),  # used last, at backward:u.0
+        TraceTensor(1, 100 * KB, ("float32",), 1, 2, (2,)),  # used at backward:u.1
+    )
+    unit = TraceUnit("u", 0, 1, 0.001, (0, 1), (), True)
+    trace = Trace(steps, tensors, 0, 0, 0, None, "cpu", units=(unit,))
+    held = [s.unmanaged_peak_bytes for s in with_recompute(trace, ["u"]).steps]
+    assert held == [0, 0, 400 * KB, 300 * KB, 0]
+
+
 def test_a_cheap_selective_option_is_taken_and_whole_where_it_frees_more_at_equal_cost() -> None:
     # a: its non-product ops cost a tenth of its forward, selective frees half: selective.
     # b: its non-product ops cost its whole forward: whole frees twice the bytes for the same.
