@@ -150,8 +150,10 @@ def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...
     """Every outermost safe unit of ``trace``, selectively where it may be, and those of them.
 
     What checkpointing every block does, as a candidate for the race: where recomputing a unit
-    would leave no feasible floor at ``budget_bytes``, its outermost safe descendants are tried
-    in its place. Both sorted, maybe empty; deterministic.
+    selectively would leave no feasible floor at ``budget_bytes`` (its product outputs held
+    from its forward through its backward), it is tried whole, as checkpointing recomputes it;
+    where that would not fit either, its outermost safe descendants are tried in its place.
+    Both sorted, maybe empty; deterministic.
     """
     safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
     frontier = _outermost(safe)
@@ -159,13 +161,14 @@ def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...
     selective: list[str] = []
     while frontier:
         unit = frontier.pop(0)
-        partial = [unit.name] if unit.selective_safe else []
-        trial = with_recompute(trace, [*chosen, unit.name], [*selective, *partial])
-        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
-            chosen.append(unit.name)
-            selective += partial
-            continue
-        frontier += _outermost([u for u in safe if _inside(u.name, unit.name)])
+        for partial in ([unit.name], []) if unit.selective_safe else ([],):
+            trial = with_recompute(trace, [*chosen, unit.name], [*selective, *partial])
+            if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
+                chosen.append(unit.name)
+                selective += partial
+                break
+        else:
+            frontier += _outermost([u for u in safe if _inside(u.name, unit.name)])
     return tuple(sorted(chosen)), tuple(sorted(selective))
 
 

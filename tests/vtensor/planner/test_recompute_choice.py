@@ -141,6 +141,20 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
     assert recompute_candidates(trace, _demand(trace)) == ()  # nothing needs to leave
 
 
+def test_an_outermost_unit_whose_selective_option_does_not_fit_is_tried_whole() -> None:
+    # a's product output (300 KB), which selective checkpointing keeps from a's forward through
+    # its backward, would sit beside b's tensors in b's backward; whole, a's tensors come back
+    # only in its own backward, as checkpointing every block does.
+    trace = _trace([("a", 0.01, 100 * KB, True, 0.001, 300 * KB), ("b", 0.01, 200 * KB, True)])
+    budget = 450 * KB
+    floor = {
+        name: min_budget(build_lgm(with_recompute(trace, ["a"], partial), None))[0]
+        for name, partial in (("selective", ["a"]), ("whole", []))
+    }
+    assert floor["whole"] <= budget < floor["selective"], floor
+    assert recompute_outermost(trace, budget) == (("a", "b"), ())
+
+
 def test_an_outermost_unit_whose_working_set_does_not_fit_gives_way_to_its_children() -> None:
     names = ["forward:big.0", "forward:big.1", "backward:big.1", "backward:big.0"]
     steps = tuple(
