@@ -50,7 +50,14 @@ from edgefl.config import load_run_settings
 from edgefl.models import build_model
 from edgefl.peak import measure_unmanaged_peak
 from edgefl.settings import RunSettings, VTensorSettings
-from edgefl.train import LocalRound, TrainOutcome, seed_everything, train_local, train_within_budget
+from edgefl.train import (
+    LocalRound,
+    TrainOutcome,
+    seed_everything,
+    settings_round,
+    train_local,
+    train_within_budget,
+)
 
 MIB = 1 << 20
 
@@ -98,14 +105,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     seed_everything(c.seed, c.train.torch_threads)
     start = build_model(c.model.name, info, c.model.options)
     peak = measure_unmanaged_peak(copy.deepcopy(start), data, c.train.batch_size)
-    local = LocalRound(
-        lr=c.train.lr,
-        momentum=c.train.momentum,
-        epochs=c.train.local_epochs,
-        batch_size=c.train.batch_size,
-        seed=c.seed,
-        max_examples=args.max_examples,
-    )
+    local = settings_round(c.train, c.seed, args.max_examples)
     root = Path(tempfile.mkdtemp(prefix="main-round-"))
     variants = [Variant("unmanaged")]
     for device in c.fleet.classes:

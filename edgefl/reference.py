@@ -16,7 +16,7 @@ import torch
 from edgefl.client_data import client_split
 from edgefl.models import build_model
 from edgefl.settings import ClientSettings
-from edgefl.train import LocalRound, train_local
+from edgefl.train import settings_round, train_local
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,6 @@ def time_unmanaged_round(settings: ClientSettings, num_partitions: int) -> Refer
     torch.manual_seed(settings.seed)
     torch.set_num_threads(settings.train.torch_threads)
     model = build_model(settings.model.name, info, settings.model.options)
-    local = LocalRound(
-        lr=settings.train.lr,
-        momentum=settings.train.momentum,
-        epochs=settings.train.local_epochs,
-        batch_size=settings.train.batch_size,
-        seed=settings.seed,
-    )
     started = time.perf_counter()
-    outcome = train_local(model, train, local)
+    outcome = train_local(model, train, settings_round(settings.train, settings.seed))
     return ReferenceRound(time.perf_counter() - started, outcome.examples_processed)

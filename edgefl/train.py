@@ -20,7 +20,7 @@ from torch import nn
 import vtensor
 from edgefl.data.arrays import ArrayDataset
 from edgefl.errors import ClientBudgetError, ConfigError
-from edgefl.settings import OffloadParams, VTensorSettings
+from edgefl.settings import OffloadParams, TrainSettings, VTensorSettings
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,18 @@ class LocalRound:
     # > 0: the round ends after that many examples (a server's cap on a slow device's work;
     # the last batch is cut to fit); 0: ``epochs`` full passes.
     max_examples: int = 0
+
+
+def settings_round(train: TrainSettings, seed: int, max_examples: int = 0) -> LocalRound:
+    """The local round ``train`` describes (a client's where the server's config is silent)."""
+    return LocalRound(
+        lr=train.lr,
+        momentum=train.momentum,
+        epochs=train.local_epochs,
+        batch_size=train.batch_size,
+        seed=seed,
+        max_examples=max_examples,
+    )
 
 
 @dataclass(frozen=True)
