@@ -18,9 +18,9 @@ cost, which grows with the process's heap) differs from plan to plan, and the ra
 whose lean replays were slower (benchmarks/README.md). For the same reason a candidate whose
 full replay needed the guard is made again under the guard's margin (NOTE [guard margin] in
 ``activations/margin.py``), as a kept plan would be, and races from then on in that form, its
-times so far dropped: raced as first planned, the swap-only plan (whose first replay needed the
-guard on MobileNetV2 at 80 and 50 %) was timed only in full replays and lost to hybrid plans
-whose replays, as kept, were slower than its own. Every replay is a real training iteration
+times so far dropped: raced as first planned, a swap-only plan whose first replay needed the
+guard was timed only in full replays and lost to hybrid plans whose replays, as kept, were
+slower than its own (MobileNetV2, benchmarks/README.md). Every replay is a real training iteration
 under the budget: the race costs nothing but the slower candidates' extra time, a few
 iterations once per model, input signature and budget.
 """
