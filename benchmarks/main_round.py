@@ -13,7 +13,7 @@ round opens a fresh manager that loads the cached plan, as each round of a simul
 Per variant: the median round time of rounds 2 to N and its ratio to the unmanaged round's
 median (the target: 1.15x), the median of the per-round ratios (each managed round against the
 unmanaged round of the same turn), round 1's time, MiB moved out per round, the tracked peak
-against the budget, modules recomputed, and whether the weights after each round are
+against the budget, each round's plan source, and whether the weights after each round are
 bit-identical to the unmanaged round's.
 
 The process keeps glibc's default allocator settings, as the main job's clients do, so RSS
@@ -74,7 +74,6 @@ class Variant:
     ratios: list[float] = field(default_factory=list)  # against the same turn's unmanaged round
     outcomes: list[TrainOutcome] = field(default_factory=list)
     identical: list[bool] = field(default_factory=list)
-    recomputed: int = 0
 
 
 def _round(v: Variant, model: nn.Module, data: Any, local: LocalRound) -> TrainOutcome:
