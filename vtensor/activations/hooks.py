@@ -1,10 +1,11 @@
 """Torch glue: saved-tensor pack/unpack hooks and module boundary hooks. They only route events."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from vtensor.activations.lean import Passing
@@ -189,44 +190,50 @@ class _NodeSampler:
 
 
 def install_module_hooks(
-    model: nn.Module, target: HookTarget, *, sample_nodes: bool = True
+    names: Mapping[int, str], target: HookTarget, *, sample_nodes: bool = True
 ) -> list[Removable]:
-    """Mark forward and backward step boundaries of every module of ``model``.
+    """Mark forward and backward step boundaries of every module of a model.
 
-    Forward boundaries come from forward pre-hooks. Backward boundaries come from pre-hooks on
-    the autograd nodes of module outputs, which leave the graph unchanged (full backward hooks
-    would wrap outputs and break modules that modify their input in place, such as
-    ``ReLU(inplace=True)``). With ``sample_nodes``, every backward node of the graph behind a
-    module output also gets a post-hook that samples the tracked bytes (NOTE [node peaks]).
+    ``names`` gives each of the model's modules its step name by ``id`` (``ModelScan.names``).
+    The hooks are torch's global module hooks, which every module of the process runs while
+    they are registered: two registrations per step, however many modules, and nothing left on
+    the model; modules outside ``names`` pass through them untouched. Forward boundaries come
+    from the pre-hook. Backward boundaries come from pre-hooks on the autograd nodes of module
+    outputs, which leave the graph unchanged (full backward hooks would wrap outputs and break
+    modules that modify their input in place, such as ``ReLU(inplace=True)``). With
+    ``sample_nodes``, every backward node of the graph behind a module output also gets a
+    post-hook that samples the tracked bytes (NOTE [node peaks]).
     """
-    handles: list[Removable] = []
+    forward = {key: f"forward:{name}" for key, name in names.items()}
+    backward = {key: f"backward:{name}" for key, name in names.items()}
     seen_nodes: set[int] = set()
     sampler = _NodeSampler(target)
-    for qualname, module in model.named_modules():
-        name = qualname or "model"
 
-        def pre(_module: nn.Module, _args: Any, name: str = name) -> None:
-            if not target.recomputing:
-                target.begin_step(f"forward:{name}")
+    def pre(module: nn.Module, _args: Any) -> None:
+        name = forward.get(id(module))
+        if name is not None and not target.recomputing:
+            target.begin_step(name)
 
-        def post(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
-            if target.recomputing:
-                return
-            tensors = tensors_in(output)
-            if sample_nodes:
-                sampler.add_graph_of(tensors)
-            for tensor in tensors:
-                node = tensor.grad_fn
-                if node is None or id(node) in seen_nodes:
-                    continue
-                seen_nodes.add(id(node))
+    def post(module: nn.Module, _args: Any, output: Any) -> None:
+        name = backward.get(id(module))
+        if name is None or target.recomputing:
+            return
+        tensors = tensors_in(output)
+        if sample_nodes:
+            sampler.add_graph_of(tensors)
+        for tensor in tensors:
+            node = tensor.grad_fn
+            if node is None or id(node) in seen_nodes:
+                continue
+            seen_nodes.add(id(node))
 
-                def on_backward(_grads: Any, name: str = name) -> None:
-                    target.begin_step(f"backward:{name}")
+            def on_backward(_grads: Any, name: str = name) -> None:
+                target.begin_step(name)
 
-                node.register_prehook(on_backward)
+            node.register_prehook(on_backward)
 
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post))
-    handles.append(sampler)
-    return handles
+    return [
+        register_module_forward_pre_hook(pre),
+        register_module_forward_hook(post),
+        sampler,
+    ]

@@ -5,6 +5,7 @@ manager never swaps them (``ParamOffload`` does), and with the batch they are th
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,54 +23,95 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class ModelScan:
+    """One walk over a model's modules, for everything a step needs of its structure.
+
+    Attributes:
+        names: each module's step name by ``id``: ``"model"`` for the root, else its
+            qualified name.
+        parameters: each parameter once (tied ones once).
+        buffers: each buffer once.
+        structure: what the model's architecture fingerprint depends on that can be checked
+            without computing it (NOTE [fingerprint once]).
+    """
+
+    names: dict[int, str]
+    parameters: tuple[torch.Tensor, ...]
+    buffers: tuple[torch.Tensor, ...]
+    structure: tuple[object, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelScan":
+        """Walk ``model`` once."""
+        names: dict[int, str] = {}
+        parameters: dict[int, torch.Tensor] = {}
+        buffers: dict[int, torch.Tensor] = {}
+        structure: list[object] = []
+        # Direct members of each module (``_parameters``, ``_buffers``): the public iterators
+        # walk the module tree again for every module they are called on.
+        for qualname, module in model.named_modules():
+            names[id(module)] = qualname or "model"
+            structure += (id(module), type(module))
+            for param in module._parameters.values():
+                if param is not None:
+                    parameters[id(param)] = param
+                    structure.append((id(param), param.shape, param.dtype, param.requires_grad))
+            for buffer in module._buffers.values():
+                if buffer is not None:
+                    buffers[id(buffer)] = buffer
+                    structure.append((id(buffer), buffer.shape, buffer.dtype))
+        return cls(names, tuple(parameters.values()), tuple(buffers.values()), tuple(structure))
+
+
+def state_tensors(scan: ModelScan, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Parameters, buffers, gradients and the optimizer's state tensors."""
-    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors: list[torch.Tensor] = [*scan.parameters, *scan.buffers]
+    tensors += [p.grad for p in scan.parameters if p.grad is not None]
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
 
 
-def storages_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> set[int]:
-    """Identities of the storages of the state: never adopted by the store."""
-    return {t.untyped_storage()._cdata for t in state_tensors(model, optimizer)}
-
-
-def baseline_bytes(
-    model: nn.Module,
+def state_storages(
+    scan: ModelScan,
     optimizer: torch.optim.Optimizer | None,
     inputs: Sequence[torch.Tensor],
     device: torch.device,
-) -> int:
-    """Bytes of the state and ``inputs`` on ``device``, each storage once."""
+) -> tuple[set[int], int]:
+    """The state's storages and the bytes on ``device`` of the state and ``inputs``.
+
+    Returns the identities of the state's storages (the store never adopts them) and the bytes
+    of the state's and the inputs' storages on ``device``, each storage once.
+    """
+    protected: set[int] = set()
     seen: dict[int, int] = {}
-    for tensor in [*state_tensors(model, optimizer), *inputs]:
+    for tensor in state_tensors(scan, optimizer):
+        storage = tensor.untyped_storage()
+        protected.add(storage._cdata)
+        if tensor.device.type == device.type:
+            seen[storage._cdata] = storage.nbytes()
+    for tensor in inputs:
         if tensor.device.type == device.type:
             storage = tensor.untyped_storage()
             seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
+    return protected, sum(seen.values())
 
 
-def start_bytes(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    inputs: Sequence[torch.Tensor],
-    device: torch.device,
-    budget_bytes: int,
-    pending_state_bytes: int,
-    held_bytes: int = 0,
+def check_start(
+    state_bytes: int, budget_bytes: int, pending_state_bytes: int, held_bytes: int = 0
 ) -> int:
     """Device bytes before any activation is saved; raises if they alone break the budget.
 
-    ``held_bytes`` are held elsewhere (a parameter offloading's optimizer state); the stated
-    minimum counts ``pending_state_bytes``, the optimizer's state to come.
+    ``state_bytes`` are the state's and the inputs' (``state_storages``), ``held_bytes`` those
+    held elsewhere (a parameter offloading's optimizer state); the stated minimum counts
+    ``pending_state_bytes``, the optimizer's state to come.
 
     Raises:
         InfeasibleBudgetError: the state and the inputs alone exceed ``budget_bytes``.
     """
-    baseline = baseline_bytes(model, optimizer, inputs, device) + held_bytes
+    baseline = state_bytes + held_bytes
     if baseline > budget_bytes:
         raise InfeasibleBudgetError(
             budget_bytes,

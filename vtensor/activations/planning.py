@@ -13,17 +13,13 @@ from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
 from vtensor.activations.iteration_plan import IterationPlan, Trials
 from vtensor.activations.margin import Profile, plan_again
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.store import ChunkStore
 from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache
-from vtensor.planner.keys import (
-    PlanKey,
-    architecture_fingerprint,
-    input_signature,
-    parameter_dtype,
-)
+from vtensor.planner.keys import PlanKey, architecture_fingerprint, dtype_of, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates
@@ -78,18 +74,30 @@ class PlanBook:
         # they are tried.
         self._profiles: dict[str, Profile] = {}
         self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
+        # The last model's structure and fingerprint (NOTE [fingerprint once]).
+        self._architecture: tuple[tuple[object, ...], str] | None = None
 
     def _key(
         self,
         model: nn.Module,
+        scan: ModelScan,
         inputs: Sequence[torch.Tensor],
         device: torch.device,
         params: str,
     ) -> PlanKey:
+        # NOTE [fingerprint once]: the fingerprint renders every module's record and hashes
+        # them; a manager computes it for a model once, and again only when the structure its
+        # scan sees changes (which modules and which parameters and buffers, by identity, with
+        # their shapes, dtypes and ``requires_grad``). A hyperparameter changed in place between
+        # steps (a convolution's stride) is not seen there: the replay then diverges from its
+        # plan (the executor checks every saved tensor's size and every step's name), which
+        # plans it again.
+        if self._architecture is None or self._architecture[0] != scan.structure:
+            self._architecture = (scan.structure, architecture_fingerprint(model))
         return PlanKey(
-            architecture=architecture_fingerprint(model),
+            architecture=self._architecture[1],
             input_signature=input_signature(*inputs),
-            dtype=parameter_dtype(model),
+            dtype=dtype_of(scan.parameters),
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_bytes,
             device_kind=device.type,
@@ -101,6 +109,7 @@ class PlanBook:
     def for_iteration(
         self,
         model: nn.Module,
+        scan: ModelScan,
         inputs: Sequence[torch.Tensor],
         device: torch.device,
         store: ChunkStore,
@@ -112,7 +121,7 @@ class PlanBook:
         """
         if not self.planned:
             return IterationPlan("", PlanSource.REACTIVE, None, False, None)
-        key = self._key(model, inputs, device, params)
+        key = self._key(model, scan, inputs, device, params)
         signature = key.digest()
         race = self._race.get(signature)
         if race is not None:
@@ -180,7 +189,8 @@ class PlanBook:
         params: str = "",
     ) -> Plan | None:
         """The plan held in this process for these settings (None: none yet, or no plan)."""
-        return self._plans.get(self._key(model, inputs, device, params).digest())
+        key = self._key(model, ModelScan.of(model), inputs, device, params)
+        return self._plans.get(key.digest())
 
     def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)

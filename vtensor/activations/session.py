@@ -16,7 +16,7 @@ from torch import nn
 from vtensor.activations.hooks import make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
-from vtensor.activations.model_state import device_of, start_bytes, storages_of
+from vtensor.activations.model_state import ModelScan, check_start, device_of, state_storages
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import (
@@ -32,7 +32,7 @@ from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import engine_for
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
-from vtensor.measure.trackers import make_device_tracker, quiet_heap
+from vtensor.measure.trackers import DeviceTracker, make_device_tracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
@@ -158,6 +158,7 @@ class MemoryManager:
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
         self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
+        self._trackers: dict[torch.device, DeviceTracker] = {}
         self._active = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -205,6 +206,11 @@ class MemoryManager:
         self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
         return self._store, self._policy
 
+    def _tracker(self, device: torch.device) -> DeviceTracker:
+        if device not in self._trackers:  # it holds no state of a step: made once
+            self._trackers[device] = make_device_tracker(device)
+        return self._trackers[device]
+
     # -- one iteration ------------------------------------------------------------------------
     @contextmanager
     def step(
@@ -249,7 +255,9 @@ class MemoryManager:
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
-        baseline = start_bytes(model, optimizer, inputs, device, self.budget_bytes, pending, held)
+        scan = ModelScan.of(model)
+        protected, state_bytes = state_storages(scan, optimizer, inputs, device)
+        baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         if self._peaks is None:
             self._peaks = IndependentPeak(device, enabled=self.measure_peaks)
         peaks = self._peaks
@@ -258,7 +266,7 @@ class MemoryManager:
                 stack.enter_context(quiet_heap())  # NOTE [quiet heap]
             peaks.start()
             signature = params.plan_signature() if params is not None else ""
-            chosen = self._plans.for_iteration(model, inputs, device, store, signature)
+            chosen = self._plans.for_iteration(model, scan, inputs, device, store, signature)
             executor = chosen.executor
             if executor is not None:
                 policy.use_reserve(executor.plan.reserve_bytes)
@@ -273,9 +281,9 @@ class MemoryManager:
             iteration = Iteration(
                 store,
                 policy,
-                make_device_tracker(device),
+                self._tracker(device),
                 device,
-                storages_of(model, optimizer),
+                protected,
                 baseline,
                 self.min_tensor_bytes,
                 record_trace=chosen.record_trace,
@@ -292,7 +300,7 @@ class MemoryManager:
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
             plan = executor.plan if executor is not None else chosen
-            stack.enter_context(instrumented(model, iteration, plan, chosen.find_units))
+            stack.enter_context(instrumented(model, scan, iteration, plan, chosen.find_units))
             started = time.perf_counter()
             stats_before = StoreCounters.of(store)
             self._active = True

@@ -8,6 +8,7 @@ from torch import nn
 
 from vtensor.activations.hooks import install_module_hooks
 from vtensor.activations.iteration import Iteration
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.units import UnitRecorder
 
@@ -24,7 +25,7 @@ class Recomputation(Protocol):
 
 @contextlib.contextmanager
 def instrumented(
-    model: nn.Module, iteration: Iteration, plan: Recomputation, find_units: bool
+    model: nn.Module, scan: ModelScan, iteration: Iteration, plan: Recomputation, find_units: bool
 ) -> Iterator[None]:
     """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
 
@@ -33,7 +34,9 @@ def instrumented(
     """
     with contextlib.ExitStack() as stack:
         if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
-            for hook in install_module_hooks(model, iteration, sample_nodes=not iteration.lean):
+            for hook in install_module_hooks(
+                scan.names, iteration, sample_nodes=not iteration.lean
+            ):
                 stack.callback(hook.remove)
         if plan.recompute:
             iteration.recomputed, iteration.selective = plan.recompute, plan.selective

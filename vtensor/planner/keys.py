@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -111,7 +111,12 @@ def input_signature(*inputs: object) -> str:
 
 def parameter_dtype(model: nn.Module) -> str:
     """The dtype of a model's parameters (mixed: sorted and joined by ``+``; none: ``"none"``)."""
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return dtype_of(model.parameters())
+
+
+def dtype_of(parameters: Iterable[torch.Tensor]) -> str:
+    """:func:`parameter_dtype` of a model whose parameters are ``parameters``."""
+    dtypes = sorted({str(p.dtype) for p in parameters})
     return "+".join(dtypes) if dtypes else "none"
 
 
