@@ -47,3 +47,18 @@ def plan_again(make_plan: Planner, profile: Profile, plan: Plan, guard_bytes: in
         selective=plan.selective,
         predicted_step_s=predicted_step_s(trace, replanned),
     )
+
+
+def remake(
+    candidates: list[tuple[Plan, Profile]], plan: Plan, make_plan: Planner, guard_bytes: int
+) -> Plan | None:
+    """A racing candidate made again under the guard's margin, once (NOTE [guard margin]).
+
+    ``candidates`` pairs each candidate not yet made again with its profile; ``plan``'s pair is
+    used up here. None if ``plan`` has none (made again already) or no plan fits lower.
+    """
+    index = next((i for i, (p, _) in enumerate(candidates) if p is plan), None)
+    if index is None:
+        return None
+    _, profile = candidates.pop(index)
+    return plan_again(make_plan, profile, plan, guard_bytes)

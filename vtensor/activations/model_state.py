@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vtensor.errors import InfeasibleBudgetError
+from vtensor.planner.keys import architecture_fingerprint
 from vtensor.sizes import format_bytes
 
 
@@ -62,6 +63,27 @@ class ModelScan:
                     buffers[id(buffer)] = buffer
                     structure.append((id(buffer), buffer.shape, buffer.dtype))
         return cls(names, tuple(parameters.values()), tuple(buffers.values()), tuple(structure))
+
+
+class Fingerprint:
+    """A model's ``architecture_fingerprint``, computed again only when its structure changes.
+
+    NOTE [fingerprint once]: the fingerprint renders every module's record and hashes them; a
+    manager computes it for a model once, and again only when the structure its scan sees
+    changes (which modules, and which parameters and buffers, by identity, with their shapes,
+    dtypes and ``requires_grad``). A hyperparameter changed in place between steps (a
+    convolution's stride) is not seen there: the replay then diverges from its plan (the
+    executor checks every saved tensor's size and every step's name), which plans it again.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[object, ...], str] | None = None
+
+    def of(self, model: nn.Module, scan: ModelScan) -> str:
+        """The fingerprint of ``model``, whose scan is ``scan``."""
+        if self._last is None or self._last[0] != scan.structure:
+            self._last = (scan.structure, architecture_fingerprint(model))
+        return self._last[1]
 
 
 def state_tensors(scan: ModelScan, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

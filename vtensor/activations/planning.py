@@ -12,14 +12,15 @@ from torch import nn
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
 from vtensor.activations.iteration_plan import IterationPlan, Trials
-from vtensor.activations.margin import Profile, plan_again
-from vtensor.activations.model_state import ModelScan
+from vtensor.activations.margin import Profile, plan_again, remake
+from vtensor.activations.model_state import Fingerprint, ModelScan
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.store import ChunkStore
+from vtensor.activations.undecided import Undecided, park, take_up
 from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache
-from vtensor.planner.keys import PlanKey, architecture_fingerprint, dtype_of, input_signature
+from vtensor.planner.keys import PlanKey, dtype_of, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates
@@ -74,8 +75,9 @@ class PlanBook:
         # they are tried.
         self._profiles: dict[str, Profile] = {}
         self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
-        # The last model's structure and fingerprint (NOTE [fingerprint once]).
-        self._architecture: tuple[tuple[object, ...], str] | None = None
+        # Each profiled signature's key, to leave its decision under way (NOTE [undecided plans]).
+        self._keys: dict[str, PlanKey] = {}
+        self._fingerprint = Fingerprint()
 
     def _key(
         self,
@@ -85,17 +87,8 @@ class PlanBook:
         device: torch.device,
         params: str,
     ) -> PlanKey:
-        # NOTE [fingerprint once]: the fingerprint renders every module's record and hashes
-        # them; a manager computes it for a model once, and again only when the structure its
-        # scan sees changes (which modules and which parameters and buffers, by identity, with
-        # their shapes, dtypes and ``requires_grad``). A hyperparameter changed in place between
-        # steps (a convolution's stride) is not seen there: the replay then diverges from its
-        # plan (the executor checks every saved tensor's size and every step's name), which
-        # plans it again.
-        if self._architecture is None or self._architecture[0] != scan.structure:
-            self._architecture = (scan.structure, architecture_fingerprint(model))
         return PlanKey(
-            architecture=self._architecture[1],
+            architecture=self._fingerprint.of(model, scan),
             input_signature=input_signature(*inputs),
             dtype=dtype_of(scan.parameters),
             budget_bytes=self.budget_bytes,
@@ -164,6 +157,10 @@ class PlanBook:
                     key,
                     cache_load_s=self.cache.last_load_s,
                 )
+            undecided = take_up(self.cache, key)  # NOTE [undecided plans]
+            if undecided is not None:
+                self._take(signature, key, undecided)
+                return self.for_iteration(model, scan, inputs, device, store, params)
         # Recomputing is planned for activations alone, not with parameter offloading.
         find_units = self.recompute and not params
         return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=find_units)
@@ -191,6 +188,24 @@ class PlanBook:
         """The plan held in this process for these settings (None: none yet, or no plan)."""
         key = self._key(model, ModelScan.of(model), inputs, device, params)
         return self._plans.get(key.digest())
+
+    def _take(self, signature: str, key: PlanKey, undecided: Undecided) -> None:
+        if undecided.trials is not None:
+            self._trial[signature] = undecided.trials
+        if undecided.race is not None:
+            self._race[signature] = undecided.race
+        self._candidates[signature], self._keys[signature] = undecided.candidates, key
+
+    def close(self) -> None:
+        """Leave each decision under way beside the plan cache (NOTE [undecided plans])."""
+        if self.cache is None:
+            return
+        for signature in {*self._trial, *self._race} & self._keys.keys():
+            trials, race = self._trial.get(signature), self._race.get(signature)
+            undecided = Undecided(trials, race, self._candidates.get(signature, []))
+            park(self.cache, self._keys[signature], undecided)
+        self._trial.clear()  # left on disk: a manager used again takes them up from there
+        self._race.clear()
 
     def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
@@ -255,6 +270,7 @@ class PlanBook:
                 self.cache.put(chosen.key, plan)
             except VTensorError as err:
                 logger.warning("plan not cached: %s", err)
+            self.cache.drop_undecided(chosen.key)  # decided (NOTE [undecided plans])
 
     def forget(self, chosen: IterationPlan) -> None:
         """Drop the plan ``chosen`` replayed: the next iteration is profiled (not cached)."""
@@ -282,6 +298,8 @@ class PlanBook:
         ``guard_bytes`` what the guard evicted beyond the plan: a full replay that needed none
         lets the next replays go lean (NOTE [lean replay]).
         """
+        if chosen.key is not None:
+            self._keys[chosen.signature] = chosen.key
         if chosen.abandoned:
             return PlanSource.FALLBACK
         if chosen.racing:
@@ -318,7 +336,8 @@ class PlanBook:
             return PlanSource.FALLBACK
         remade = None
         if guard_bytes > 0 and not chosen.lean:  # race it as it would be kept (NOTE [plan race])
-            remade = self._remade(chosen.signature, race.current(), guard_bytes)
+            candidates = self._candidates.get(chosen.signature, [])
+            remade = remake(candidates, race.current(), self._plan, guard_bytes)
         winner = race.record(wall_s, guard_bytes, chosen.lean, remade)
         if winner is not None:
             del self._race[chosen.signature]
@@ -334,15 +353,6 @@ class PlanBook:
             if race.winner_clean():  # its replays go on lean (NOTE [plan race])
                 self._lean.add(chosen.signature)
         return PlanSource.RACED
-
-    def _remade(self, signature: str, plan: Plan, guard_bytes: int) -> Plan | None:
-        """A racing candidate made again under the guard's margin, once (NOTE [guard margin])."""
-        candidates = self._candidates.get(signature, [])
-        index = next((i for i, (p, _) in enumerate(candidates) if p is plan), None)
-        if index is None:
-            return None  # made again already, or no profile of its own
-        _, profile = candidates.pop(index)  # used up: kept, the plan is not made again
-        return plan_again(self._plan, profile, plan, guard_bytes)
 
     def _choose(
         self, signature: str, trace: Trace, reserve_bytes: int, min_budget_bytes: int

@@ -174,7 +174,12 @@ class MemoryManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for transfers, free every chunk and delete the swap file."""
+        """Wait for transfers, free every chunk and delete the swap file.
+
+        A decision between candidate plans still under way is left beside the plan cache for
+        the next manager (NOTE [undecided plans] in ``vtensor/activations/undecided.py``).
+        """
+        self._plans.close()
         if self._store is not None:
             self._store.close()
             self._store.engine.close()

@@ -1,0 +1,125 @@
+"""A decision between candidate plans outlives its manager (NOTE [undecided plans])."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from recompute_models import Block, batch, model_with, peak_bytes
+from torch import nn
+
+import vtensor
+from vtensor.activations.iteration_plan import Trials
+from vtensor.activations.race import ROUNDS as RACE_ROUNDS
+from vtensor.activations.race import PlanRace
+from vtensor.activations.undecided import Undecided
+from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Trace
+
+
+def _steps(mm: vtensor.MemoryManager, model: nn.Module, count: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batch(0)
+    for _ in range(count):
+        opt.zero_grad(set_to_none=True)
+        with mm.step(model, opt, inputs=(x, y)):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _manager(budget: int, tmp_path: Path) -> vtensor.MemoryManager:
+    return vtensor.MemoryManager(
+        budget, storage_dir=tmp_path, recompute=True, plan_cache_dir=tmp_path / "plans"
+    )
+
+
+def _files(tmp_path: Path) -> tuple[int, int]:
+    """(plans, decisions under way) in the plan cache."""
+    names = [p.name for p in (tmp_path / "plans").glob("*.json")]
+    undecided = sum(n.endswith(".undecided.json") for n in names)
+    return len(names) - undecided, undecided
+
+
+@pytest.fixture
+def budget(tmp_path: Path) -> int:
+    return int(peak_bytes(Block, tmp_path) * 0.5)
+
+
+def test_a_race_under_way_when_its_manager_closes_goes_on_in_the_next(
+    tmp_path: Path, budget: int
+) -> None:
+    model = model_with(Block)
+    # The profile, two trials of recomputation, then one replay of the race.
+    with _manager(budget, tmp_path) as first:
+        _steps(first, model, 4)
+        sources = [r.plan_source for r in first.reports]
+    assert sources == ["profiled"] * 3 + ["raced"]
+    assert _files(tmp_path) == (0, 1)
+    with _manager(budget, tmp_path) as second:
+        _steps(second, model, 3 * (RACE_ROUNDS + 1) + 1)
+        later = [r.plan_source for r in second.reports]
+        plan = second.plan_for(model, batch(0))
+    assert later[0] == "raced"  # the race goes on: no profile again
+    raced = 1 + later.count("raced")  # with the first manager's replay
+    assert 3 * RACE_ROUNDS <= raced <= 3 * (RACE_ROUNDS + 1), (sources, later)
+    assert later[-1] == "planned" and plan is not None
+    assert _files(tmp_path) == (1, 0)  # decided: the plan is cached, the progress gone
+    with _manager(budget, tmp_path) as third:
+        _steps(third, model, 1)
+        assert third.report().plan_source == "cached"
+        assert third.report().recomputed == plan.recompute
+
+
+def test_trials_under_way_go_on_with_the_next_candidate(tmp_path: Path, budget: int) -> None:
+    model = model_with(Block)
+    with _manager(budget, tmp_path) as first:
+        _steps(first, model, 2)  # the profile and the first trial
+        tried = first.reports[1].recomputed
+    with _manager(budget, tmp_path) as second:
+        _steps(second, model, 1)
+        report = second.report()
+    assert tried and report.plan_source == "profiled"
+    assert report.recomputed and report.recomputed != tried  # the second candidate's trial
+
+
+def test_unreadable_progress_is_ignored_and_the_model_profiled_again(
+    tmp_path: Path, budget: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = model_with(Block)
+    with _manager(budget, tmp_path) as first:
+        _steps(first, model, 4)
+    (progress,) = (tmp_path / "plans").glob("*.undecided.json")
+    entry = json.loads(progress.read_text())
+    entry["progress"] = entry["progress"].replace('"turn": ', '"turn": 1')  # sha256 no longer fits
+    progress.write_text(json.dumps(entry))
+    with caplog.at_level(logging.WARNING), _manager(budget, tmp_path) as second:
+        _steps(second, model, 1)
+        report = second.report()
+    assert report.plan_source == "profiled" and report.recomputed == ()
+    assert "checksum" in caplog.text and "profiling again" in caplog.text
+
+
+def _plan(budget: int) -> Plan:
+    return Plan(budget, 1 << 20, (), ("forward:0",), (4096,), budget, 0.0, "test")
+
+
+def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
+    hybrid, swap_only, pending = _plan(100), _plan(200), (("a", "b"), ("b",))
+    trace = Trace((), (), 0, 0, 1000, None, "cpu")
+    race = PlanRace([hybrid, swap_only])
+    race.record(0.5)
+    race.record(0.25, guard_bytes=0)
+    undecided = Undecided(Trials([pending], [hybrid], swap_only), race, [(hybrid, (trace, 7, 9))])
+    back = Undecided.from_dict(json.loads(json.dumps(undecided.to_dict())))
+    assert back.trials is not None and back.race is not None
+    assert back.trials.pending == [pending]
+    assert back.trials.plans[0] is back.race.plans[0] is back.candidates[0][0]
+    assert back.trials.swap_only is back.race.plans[1]
+    assert back.race.plans == [hybrid, swap_only]
+    assert (back.race.times, back.race.turn, back.race.clean) == (
+        race.times,
+        race.turn,
+        race.clean,
+    )
+    assert back.candidates[0][1][1:] == (7, 9) and back.candidates[0][1][0] == trace
