@@ -3,8 +3,8 @@
 What a client of the main job does each round, without the simulation engine between: client
 0's data, the model and the local round from the main job's configuration (``conf/config.yaml``;
 Hydra overrides after ``--``), trained in this one process unmanaged and under each device
-class's budget, swap-only (the main job's setting) and with recomputation
-(``vtensor.recompute=true``). The variants take turns round by round, each round from the same
+class's budget, swap-only (``vtensor.recompute=false``) and with recomputation (the main job's
+setting). The variants take turns round by round, each round from the same
 starting weights, so every managed round is set against an unmanaged one run under the same
 load. Round 1 of a variant profiles (with recomputation, also tries candidates and races them)
 and fills the plan cache its class shares, as in a simulation; it is reported apart. Every later

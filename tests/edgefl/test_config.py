@@ -1,3 +1,4 @@
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,17 +91,18 @@ def test_parameter_offloading_mode_is_checked() -> None:
 
 
 def test_recomputation_is_a_checked_flag_that_reaches_the_manager(tmp_path: Path) -> None:
-    assert load_run_settings([]).client.vtensor.recompute is False
-    settings = load_run_settings(["vtensor.recompute=true"]).client.vtensor
-    assert settings.recompute is True
+    assert load_run_settings([]).client.vtensor.recompute is True  # the main job's
+    settings = load_run_settings(["vtensor.recompute=false"]).client.vtensor
+    assert settings.recompute is False
     with pytest.raises(ConfigError, match=r"vtensor\.recompute='sometimes'"):
         load_run_settings(["vtensor.recompute=sometimes"])
-    manager = open_manager(settings, 1 << 30, tmp_path / "plans")
-    assert manager is not None
-    try:
-        assert manager.recompute is True
-    finally:
-        manager.close()
+    for on in (True, False):
+        manager = open_manager(replace(settings, recompute=on), 1 << 30, tmp_path / "plans")
+        assert manager is not None
+        try:
+            assert manager.recompute is on
+        finally:
+            manager.close()
 
 
 def test_swap_granularity_is_vtensors() -> None:

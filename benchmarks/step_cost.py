@@ -1,0 +1,154 @@
+"""Where a managed step of the main job's model spends its time, phase by phase, against unmanaged.
+
+The main job's model, client 0's data and batch size (``conf/config.yaml``; Hydra overrides after
+``--``), trained in this one process unmanaged and under each device class's budget, swap-only
+and with recomputation, the variants taking turns round by round from the same weights. Every
+round opens a fresh manager on the class's plan cache, as a round of the main job does; round 1
+profiles (and with recomputation tries and races candidates) and is left out. Each step is timed
+in five phases with ``time.perf_counter``: entering ``mm.step`` (the plan key, the model's state,
+the hooks), forward with the loss, backward, leaving ``mm.step`` (the report, the hooks off),
+and the optimizer's update. Per variant: the median of each phase over every step of rounds
+2 to N, in milliseconds, the median round, and the median MiB a step moves out. Run from the
+repository root::
+
+    python -m benchmarks.step_cost --rounds 7 --out step_cost.jsonl
+    python -m benchmarks.step_cost --quick    # CI-sized; its rows are not results
+"""
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import vtensor
+from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
+from edgefl.client_data import client_split
+from edgefl.config import load_run_settings
+from edgefl.models import build_model
+from edgefl.peak import measure_unmanaged_peak
+from edgefl.settings import RunSettings
+from edgefl.train import _batches, seed_everything
+
+PHASES = ("enter", "forward", "backward", "exit", "update")
+
+
+def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]:
+    """Every variant's rounds, interleaved; one row per variant."""
+    c = settings.client
+    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
+    seed_everything(c.seed, c.train.torch_threads)
+    start = build_model(c.model.name, info, c.model.options)
+    peak = measure_unmanaged_peak(copy.deepcopy(start), data, c.train.batch_size)
+    variants: list[tuple[str, int | None, bool]] = [("unmanaged", None, False)]
+    for device in c.fleet.classes:
+        budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
+        variants += [(device.name, budget, False), (f"{device.name}+recompute", budget, True)]
+    root = Path(tempfile.mkdtemp(prefix="step-cost-"))
+    times: dict[str, dict[str, list[float]]] = {v[0]: {p: [] for p in PHASES} for v in variants}
+    rounds: dict[str, list[float]] = {v[0]: [] for v in variants}
+    moved: dict[str, list[int]] = {v[0]: [] for v in variants}
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for r in range(args.rounds):
+        for name, budget, recompute in variants:
+            model = copy.deepcopy(start)
+            seed_everything(c.seed, c.train.torch_threads)
+            opt = torch.optim.SGD(model.parameters(), lr=c.train.lr, momentum=c.train.momentum)
+            mm = None
+            if budget is not None:
+                mm = vtensor.MemoryManager(
+                    budget,
+                    chunk_bytes=c.vtensor.chunk_bytes,
+                    plan_cache_dir=root / name,
+                    recompute=recompute,
+                )
+            rng = np.random.default_rng(c.seed + r)
+            begun = time.perf_counter()
+            for x, y in _batches(data, c.train.batch_size, 1, rng, args.max_examples):
+                opt.zero_grad(set_to_none=True)
+                marks = [time.perf_counter()]
+                block = mm.step(model, opt, (x, y)) if mm else contextlib.nullcontext()
+                block.__enter__()
+                marks.append(time.perf_counter())
+                loss = loss_fn(model(x), y)
+                marks.append(time.perf_counter())
+                loss.backward()  # type: ignore[no-untyped-call]
+                marks.append(time.perf_counter())
+                block.__exit__(None, None, None)
+                marks.append(time.perf_counter())
+                opt.step()
+                marks.append(time.perf_counter())
+                if r > 0:
+                    for phase, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
+                        times[name][phase].append((b - a) * 1e3)
+                    moved[name].append(mm.report().bytes_out if mm else 0)
+            if r > 0:
+                rounds[name].append(time.perf_counter() - begun)
+            if mm is not None:
+                mm.close()
+        print(f"#   round {r + 1} done", flush=True)
+    return [
+        {
+            "variant": name,
+            "budget_bytes": budget,
+            **{f"{p}_ms": statistics.median(times[name][p]) for p in PHASES},
+            "round_s_median": statistics.median(rounds[name]),
+            "mib_out_per_step": statistics.median(moved[name]) / (1 << 20),
+            "steps": len(times[name]["enter"]),
+        }
+        for name, budget, _ in variants
+    ]
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | "
+        + " | ".join(f"{p} ms" for p in PHASES)
+        + " | round s | vs unmanaged | MiB out/step |",
+        "|---|" + "---|" * (len(PHASES) + 3),
+    ]
+    base = rows[0]["round_s_median"]
+    for r in rows:
+        cells = " | ".join(f"{r[f'{p}_ms']:.2f}" for p in PHASES)
+        lines.append(
+            f"| {r['variant']} | {cells} | {r['round_s_median']:.2f} | "
+            f"{r['round_s_median'] / base:.2f}x | {r['mib_out_per_step']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse arguments, run, print the table, write the JSON lines."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
+    parser.add_argument(
+        "--max-examples", type=int, default=0, help="cap a round's examples (0: the client's all)"
+    )
+    add_quick(parser, "two rounds of 64 examples")
+    add_out(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.max_examples = 2, 64
+    settings = load_run_settings(overrides)
+    torch.set_num_threads(settings.client.train.torch_threads)  # as the clients train
+    env = environment(script="step_cost", overrides=overrides, rounds=args.rounds)
+    print(describe(env), flush=True)
+    rows = run(args, settings)
+    print(_table(rows))
+    if args.out:
+        write_json_lines(args.out, env, tagged("step_cost", rows))
+
+
+if __name__ == "__main__":
+    main()
