@@ -149,25 +149,51 @@ def test_clients_of_one_class_share_a_plan_cache(
     smoke_settings: RunSettings, with_budget: Callable[..., RunSettings], tmp_path: Path
 ) -> None:
     """The first client of a class profiles the model; the next starts from its cached plan."""
-    settings = with_budget(smoke_settings, 0, width=8, hidden=32, convs_per_stage=3)
-    classes = (DeviceClass("tight", Budget(peak_fraction=0.9), 1.0),)
-    fleet = dataclasses.replace(
-        settings.client.fleet, classes=classes, plan_cache_root=str(tmp_path)
-    )
-    client = dataclasses.replace(settings.client, fleet=fleet)
-    app = build_client_app(client)
-    msg = _message(dataclasses.replace(settings, client=client), MessageType.TRAIN)
-    sources = [
-        app(msg, _context({"partition-id": pid, "num-partitions": 2})).content["metrics"][
-            "plan-source"
-        ]
-        for pid in (0, 1)
-    ]
+    sources = _class_rounds(smoke_settings, with_budget, tmp_path, 2, recompute=False)
     assert [plan_source_of(s) for s in sources] == [
         vtensor.PlanSource.PROFILED,
         vtensor.PlanSource.CACHED,
     ]
     assert any((tmp_path / "tight").iterdir())
+
+
+def test_a_plan_decision_a_round_leaves_under_way_goes_on_in_the_class_next_round(
+    smoke_settings: RunSettings, with_budget: Callable[..., RunSettings], tmp_path: Path
+) -> None:
+    """With recomputation (the main job's setting) a plan is decided over about twelve steps,
+    more than a smoke round has: each round goes on where the class's last one stopped."""
+    assert smoke_settings.client.vtensor.recompute
+    sources = [plan_source_of(s) for s in _class_rounds(smoke_settings, with_budget, tmp_path, 8)]
+    assert sources[0] is vtensor.PlanSource.PROFILED
+    cached = sources.index(vtensor.PlanSource.CACHED)  # decided, and then cached for the class
+    assert cached >= 2 and all(s is vtensor.PlanSource.CACHED for s in sources[cached:])
+    assert vtensor.PlanSource.RACED in sources[1:cached], sources  # a race that spans rounds
+    assert not list((tmp_path / "tight").glob("*.undecided.json"))
+
+
+def _class_rounds(
+    smoke_settings: RunSettings,
+    with_budget: Callable[..., RunSettings],
+    tmp_path: Path,
+    rounds: int,
+    **vtensor_settings: object,
+) -> list[float]:
+    """The plan sources of ``rounds`` training rounds of clients of one class, in turn."""
+    settings = with_budget(smoke_settings, 0, width=8, hidden=32, convs_per_stage=3)
+    classes = (DeviceClass("tight", Budget(peak_fraction=0.9), 1.0),)
+    fleet = dataclasses.replace(
+        settings.client.fleet, classes=classes, plan_cache_root=str(tmp_path)
+    )
+    vt = dataclasses.replace(settings.client.vtensor, **vtensor_settings)
+    client = dataclasses.replace(settings.client, fleet=fleet, vtensor=vt)
+    app = build_client_app(client)
+    msg = _message(dataclasses.replace(settings, client=client), MessageType.TRAIN)
+    return [
+        app(msg, _context({"partition-id": r % 2, "num-partitions": 2})).content["metrics"][
+            "plan-source"
+        ]
+        for r in range(rounds)
+    ]
 
 
 def test_a_model_that_crowds_the_budget_is_evaluated_layer_by_layer_with_equal_results(
