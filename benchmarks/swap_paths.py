@@ -8,10 +8,12 @@ over ``--repeats`` rounds; per variant the median write and read bandwidth and t
 file still in the page cache after the write (``mincore`` on a mapping of the file, with
 ``/proc/meminfo``'s Dirty for the writeback still pending):
 
-- ``pwrite+fdatasync+fadvise``: the swap tier's path (``vtensor/io/tiers.py``): write, flush,
-  then drop the pages from the cache (``POSIX_FADV_DONTNEED``);
+- ``pwrite+fdatasync+fadvise``: the swap tier's first path: write, flush, then drop the pages
+  from the cache (``POSIX_FADV_DONTNEED``);
 - ``pwrite+sync_file_range(wait)+fadvise``: per chunk, write back exactly its range and wait
   (``sync_file_range``), without the device cache flush ``fdatasync`` adds, then drop;
+- ``pwrite+sync_file_range(start; wait for the one before)+fadvise``: per chunk, start its
+  write-back, then wait for the one before and drop it: at most two chunks in the cache;
 - ``pwrite+fadvise``: the same without the flush: dirty pages cannot be dropped until written back;
 - ``pwrite+sync_file_range+fadvise``: start writeback per chunk (``SYNC_FILE_RANGE_WRITE``),
   wait for it once at the end, then drop;
@@ -81,11 +83,28 @@ def _write_range_wait_fadvise(fd: int, chunks: list[mmap.mmap]) -> None:
         os.posix_fadvise(fd, i * len(chunk), len(chunk), os.POSIX_FADV_DONTNEED)
 
 
+def _write_behind(fd: int, chunks: list[mmap.mmap]) -> None:
+    # Each piece's write-back starts at once; the one before is waited for and dropped then.
+    size = len(chunks[0])
+    behind = -1
+    for i, chunk in enumerate(chunks):
+        os.pwrite(fd, chunk, i * size)
+        _sync_file_range(fd, i * size, size, _SYNC_FILE_RANGE_WRITE)
+        if behind >= 0:
+            _sync_file_range(fd, behind, size, _SYNC_FILE_RANGE_WAIT_ALL)
+            os.posix_fadvise(fd, behind, size, os.POSIX_FADV_DONTNEED)
+        behind = i * size
+    if behind >= 0:
+        _sync_file_range(fd, behind, size, _SYNC_FILE_RANGE_WAIT_ALL)
+        os.posix_fadvise(fd, behind, size, os.POSIX_FADV_DONTNEED)
+
+
 WRITES: dict[str, tuple[int, Callable[[int, list[mmap.mmap]], None]]] = {
     "pwrite+fdatasync+fadvise": (0, _write_sync_fadvise),
     "pwrite+sync_file_range(wait)+fadvise": (0, _write_range_wait_fadvise),
     "pwrite+fadvise": (0, _write_fadvise),
     "pwrite+sync_file_range+fadvise": (0, _write_sync_file_range),
+    "pwrite+sync_file_range(start; wait for the one before)+fadvise": (0, _write_behind),
     "O_DIRECT": (os.O_DIRECT, _write_fadvise),
 }
 

@@ -97,9 +97,22 @@ class ExtentAllocator:
 # Dirty pages cannot be dropped from the page cache; they must be written back first. The swap
 # file needs no durability (it dies with the process), so only the written range is written
 # back and waited for (``sync_file_range``), without the journal commit and device cache flush
-# of ``fdatasync``: 939 against 372 MiB/s on this project's VM, with the page cache as empty
-# afterwards (``python -m benchmarks.swap_paths``; benchmarks/README.md). Where the call is
-# missing (not Linux), ``fdatasync`` does it.
+# of ``fdatasync``: 939 against 372 MiB/s on this project's first VM, with the page cache as
+# empty afterwards (``python -m benchmarks.swap_paths``; benchmarks/README.md). Where the call
+# is missing (not Linux), ``fdatasync`` does it.
+#
+# NOTE [write behind]
+# Waiting for each range's write-back before the next is sealed and written leaves the device
+# idle while the I/O thread seals, and the thread idle while the device writes. So a transfer
+# that writes several ranges (an eviction larger than one staging buffer) starts each range's
+# write-back without waiting (``SYNC_FILE_RANGE_WRITE``) and waits for, and drops, the range
+# before it; the last is waited for and dropped before the transfer ends (``WriteBehind``).
+# The page cache holds at most two ranges of the file at a time instead of one, and a
+# transfer still ends only once all its bytes are on the device and out of the cache, so a
+# failed write-back fails the transfer that wrote the range, before the store releases the
+# chunk's memory. It writes as fast as one wait at the end, and leaves nothing in the cache
+# (``python -m benchmarks.swap_paths``; benchmarks/README.md).
+_SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
@@ -206,6 +219,21 @@ class StorageTier:
         if self.drop_page_cache:
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
 
+    def start_write_back(self, offset: int, nbytes: int) -> bool:
+        """Start writing the range back without waiting (NOTE [write behind]).
+
+        Returns False where it cannot start one (no page-cache drop, or no ``sync_file_range``):
+        ``release_cache`` then does all of it.
+        """
+        if not self.drop_page_cache or _sync_file_range is None:
+            return False
+        if _sync_file_range(self.fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
+            code = ctypes.get_errno()
+            if code in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE):
+                return False
+            raise OSError(code, f"sync_file_range: {os.strerror(code)}")
+        return True
+
     def release_cache(self, offset: int, nbytes: int, *, dirty: bool) -> None:
         """Drop a range from the page cache so the RAM it used is really free."""
         if not self.drop_page_cache:
@@ -219,6 +247,33 @@ class StorageTier:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class WriteBehind:
+    """The ranges one transfer writes, each written back behind the next (NOTE [write behind]).
+
+    Used by one thread at a time (the engine's I/O thread).
+    """
+
+    def __init__(self, tier: StorageTier) -> None:
+        self.tier = tier
+        self._behind: tuple[int, int] | None = None
+
+    def written(self, offset: int, nbytes: int) -> None:
+        """The range was just written: start its write-back, then finish the one before."""
+        started = self.tier.start_write_back(offset, nbytes)
+        self.settle()
+        if started:
+            self._behind = (offset, nbytes)
+        else:
+            self.tier.release_cache(offset, nbytes, dirty=True)
+
+    def settle(self) -> None:
+        """Wait for the range still being written back and drop it from the page cache."""
+        if self._behind is not None:
+            offset, nbytes = self._behind
+            self._behind = None
+            self.tier.release_cache(offset, nbytes, dirty=True)
 
 
 class HostTier:

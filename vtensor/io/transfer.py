@@ -2,6 +2,7 @@
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -13,7 +14,7 @@ import torch
 
 from vtensor.io.chunk import Chunk
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
-from vtensor.io.tiers import HostTier, StorageTier, buffer_at
+from vtensor.io.tiers import HostTier, StorageTier, WriteBehind, buffer_at
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class FileTransferEngine:
         self.sealer = Sealer(cipher) if encrypt else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
         self.read_ahead = ReadAhead(tier)
+        self._behind = WriteBehind(tier)  # NOTE [write behind] in io/tiers.py
 
     def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
         def timed() -> float:
@@ -196,13 +198,14 @@ class FileTransferEngine:
         return ThreadTransfer(self._pool.submit(timed), nbytes)
 
     # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
-    # vectored call and drop its pages from the page cache right after it, so the swap file
-    # holds at most about one staging buffer of page cache on the I/O thread's account, instead
+    # vectored call and drop its pages from the page cache right after it (a write, once the
+    # next one's write-back has started: NOTE [write behind] in io/tiers.py), so the swap file
+    # holds at most about two staging buffers of page cache on the I/O thread's account, instead
     # of a whole eviction run or restore (tens of MiB for a large activation).
     # Between staging buffers the window of NOTE [read-ahead] slides on.
     def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
         self.tier.writev(offset, views)
-        self.tier.release_cache(offset, sum(len(v) for v in views), dirty=True)
+        self._behind.written(offset, sum(len(v) for v in views))
         self.read_ahead.top_up()
 
     def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
@@ -227,11 +230,17 @@ class FileTransferEngine:
         pieces = _pieces(storage, chunks) if sealer is not None else []
 
         def job() -> None:
-            if sealer is None:
-                self.tier.write(start, address, total)
-                self.tier.release_cache(start, total, dirty=True)
-            else:
-                sealer.seal(pieces, self._write_dropped)
+            try:
+                if sealer is None:
+                    self.tier.write(start, address, total)
+                    self.tier.release_cache(start, total, dirty=True)
+                else:
+                    sealer.seal(pieces, self._write_dropped)
+            except BaseException:
+                with contextlib.suppress(OSError):  # the first error is the one to report
+                    self._behind.settle()
+                raise
+            self._behind.settle()  # the transfer ends with its bytes out of the cache
 
         return self._submit(job, total)
 

@@ -114,3 +114,69 @@ def test_read_ahead_claim_drops_ranges_not_asked_for_yet() -> None:
     window.claim(0, 8)  # the job read everything (or failed) before the window reached it
     window.top_up()
     assert log == [("ask", 0, 2)] and window.ahead_bytes == 0
+
+
+def test_an_eviction_writes_each_range_back_behind_the_next_and_ends_with_none_cached(
+    tmp_storage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [write behind]: each staging buffer's write-back starts at once; the one before is
+    # waited for and dropped after it, the last before the eviction ends.
+    engine = FileTransferEngine(StorageTier(tmp_storage_dir))
+    events: list[tuple[str, int]] = []
+    cached: list[int] = []
+    start, release = engine.tier.start_write_back, engine.tier.release_cache
+
+    def started(offset: int, nbytes: int) -> bool:
+        events.append(("start", offset))
+        return start(offset, nbytes)
+
+    def released(offset: int, nbytes: int, *, dirty: bool) -> None:
+        release(offset, nbytes, dirty=dirty)
+        events.append(("done", offset))
+        cached.append(_cached_pages(engine.tier.fd, engine.tier.extents.end_bytes))
+
+    monkeypatch.setattr(engine.tier, "start_write_back", started)
+    monkeypatch.setattr(engine.tier, "release_cache", released)
+    data = torch.randint(0, 256, (TENSOR_BYTES,), dtype=torch.uint8)
+    expected = data.clone()
+    chunks = split_into_chunks(TENSOR_BYTES, CHUNK_BYTES)
+    try:
+        engine.evict(data.untyped_storage(), chunks).wait()
+        first, second = sorted({offset for _, offset in events})[:2]
+        assert events[:3] == [("start", first), ("start", second), ("done", first)]
+        assert [kind for kind, _ in events].count("start") >= 2  # more than one staging buffer
+        assert all(kind == "done" for kind, _ in events[-2:])  # the last range, after its start
+        staging = 4 * (CHUNK_BYTES + 16)
+        assert max(cached) * PAGE_BYTES <= 2 * staging  # two ranges at most, while it ran
+        assert cached[-1] == 0 and _cached_pages(engine.tier.fd, TENSOR_BYTES) == 0
+        data.zero_()
+        engine.restore(data.untyped_storage(), chunks).wait()
+        assert torch.equal(data, expected)
+    finally:
+        engine.close()
+
+
+def test_a_write_back_that_fails_fails_the_eviction_that_wrote_it(
+    tmp_storage_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = FileTransferEngine(StorageTier(tmp_storage_dir))
+    release = engine.tier.release_cache
+    failing: list[int] = []
+
+    def released(offset: int, nbytes: int, *, dirty: bool) -> None:
+        if dirty and failing and offset >= failing[0]:
+            raise OSError(5, "Input/output error")
+        release(offset, nbytes, dirty=dirty)
+
+    monkeypatch.setattr(engine.tier, "release_cache", released)
+    chunks = split_into_chunks(TENSOR_BYTES, CHUNK_BYTES)
+    try:
+        good = torch.zeros(TENSOR_BYTES, dtype=torch.uint8)
+        engine.evict(good.untyped_storage(), chunks).wait()
+        failing.append(engine.tier.extents.end_bytes)  # every range of the next eviction
+        bad = torch.zeros(TENSOR_BYTES, dtype=torch.uint8)
+        transfer = engine.evict(bad.untyped_storage(), split_into_chunks(TENSOR_BYTES, CHUNK_BYTES))
+        with pytest.raises(OSError, match="Input/output"):
+            transfer.wait()
+    finally:
+        engine.close()
