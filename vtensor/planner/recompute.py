@@ -19,9 +19,12 @@ between the two: on a CPU the swap engine's work (sealing, system calls, page fa
 takes cores from compute even where the planner hides the transfer, which a model of the disk alone
 does not see. So the choice is tested, not trusted, and is not the only one tried: every outermost
 safe unit recomputed, selectively where it may be (what checkpointing every block does), is a second
-candidate. Each is profiled in an iteration of its own, its trace planned by ``plan_lgm``, and the
-hybrid plans and the swap-only one are then replayed in turn and the fastest replay kept (NOTE [plan
-race] in ``activations/race.py``).
+candidate, and the fewest outermost units recomputed whole that cover the deficit, cheapest per byte
+first, a third: selective recomputation runs every op of its unit through a Python dispatch mode,
+which a unit recomputed whole does not pay, and in a process with glibc's default allocator that
+third candidate was the fastest on MobileNetV2 at half its peak. Each is profiled in an iteration
+of its own, its trace planned by ``plan_lgm``, and the hybrid plans and the swap-only one are then
+replayed in turn and the fastest replay kept (NOTE [plan race] in ``activations/race.py``).
 """
 
 import dataclasses
@@ -99,9 +102,13 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     )
 
 
-def choose_recompute(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def choose_recompute(
+    trace: Trace, budget_bytes: int, *, whole_outermost: bool = False
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The units of ``trace`` to recompute at ``budget_bytes``, and those of them selectively.
 
+    With ``whole_outermost``, only outermost safe units are options, whole only: the blocks
+    checkpointing would recompute, as few as cover the deficit, cheapest per byte first.
     Both sorted, maybe empty. Deterministic: ties are broken by name, whole before selective.
     """
     # What the iteration would hold if nothing moved (the profiled one already swapped).
@@ -109,12 +116,13 @@ def choose_recompute(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], 
     deficit = max(demand, default=0) - budget_bytes
     if deficit <= 0:
         return (), ()
-    options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in trace.units if u.safe]
-    options += [
-        (u, True, u.selective_s, selective_bytes(trace, u))
-        for u in trace.units
-        if u.safe and u.selective_safe
-    ]
+    safe = [u for u in trace.units if u.safe]
+    options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in _outermost(safe)]
+    if not whole_outermost:
+        options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in safe]
+        options += [
+            (u, True, u.selective_s, selective_bytes(trace, u)) for u in safe if u.selective_safe
+        ]
     ranked = sorted((o for o in options if o[3] > 0), key=lambda o: (o[2] / o[3], o[0].name, o[1]))
     chosen: list[str] = []
     selective: list[str] = []
@@ -183,8 +191,14 @@ def recompute_candidates(
     cheapest = choose_recompute(trace, budget_bytes)
     if not cheapest[0]:
         return ()
-    outermost = recompute_outermost(trace, budget_bytes)
-    return (cheapest,) if outermost in (cheapest, ((), ())) else (cheapest, outermost)
+    found = [cheapest]
+    for option in (
+        recompute_outermost(trace, budget_bytes),
+        choose_recompute(trace, budget_bytes, whole_outermost=True),
+    ):
+        if option[0] and option not in found:
+            found.append(option)
+    return tuple(found)
 
 
 def _upgrade(trace: Trace, unit: TraceUnit) -> tuple[float, int]:

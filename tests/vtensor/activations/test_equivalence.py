@@ -23,10 +23,10 @@ from vtensor.activations.race import ROUNDS as RACE_ROUNDS
 
 CHUNK_BYTES = 64 * 1024  # small next to the zoo's activations, so tensors span many chunks
 STEPS = 3
-# A hybrid run profiles, tries up to two candidate recomputations, races them with the swap-only
-# plan (NOTE [plan race]: each made again once where the guard had to help), then replays the
-# winner: its plans are replayed within these steps.
-HYBRID_STEPS = 1 + 2 + 3 * (RACE_ROUNDS + 1) + 1
+# A hybrid run profiles, tries up to three candidate recomputations, races them with the
+# swap-only plan (NOTE [plan race]: each made again once where the guard had to help), then
+# replays the winner: its plans are replayed within these steps.
+HYBRID_STEPS = 1 + 3 + 4 * (RACE_ROUNDS + 1) + 1
 LR = 0.01
 MOMENTUM = 0.9
 UNLIMITED_BUDGET = "1TiB"

@@ -137,8 +137,32 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
     # Unsafe "b" gives way to its safe child; "a" is recomputed selectively, "c" whole.
     assert recompute_outermost(trace, budget) == (("a", "b.y", "c"), ("a",))
     cheapest = choose_recompute(trace, budget)
-    assert recompute_candidates(trace, budget) == (cheapest, recompute_outermost(trace, budget))
+    assert recompute_candidates(trace, budget) == (
+        cheapest,
+        recompute_outermost(trace, budget),
+        choose_recompute(trace, budget, whole_outermost=True),
+    )
     assert recompute_candidates(trace, _demand(trace)) == ()  # nothing needs to leave
+
+
+def test_the_third_candidate_recomputes_as_few_outermost_units_whole_as_cover_the_deficit() -> None:
+    # What checkpointing the cheapest blocks does: no selective unit (no dispatch mode), no
+    # unit inside another, and no more than the deficit needs.
+    trace = _trace(
+        [
+            ("a", 0.01, 100 * KB, True, 0.001, 50 * KB),
+            ("a.x", 0.0001, 100 * KB, True),
+            ("b", 0.05, 100 * KB, False),
+            ("b.y", 0.001, 100 * KB, True),
+            ("c", 0.2, 100 * KB, True),
+        ]
+    )
+    budget = _demand(trace) - 150 * KB
+    assert choose_recompute(trace, budget) == (("a.x", "b.y"), ())  # cheaper, inside others
+    # Outermost: "a" (its inner 150 KB, whole) and "b.y" (its unsafe parent's child); not "c".
+    assert choose_recompute(trace, budget, whole_outermost=True) == (("a", "b.y"), ())
+    # A smaller deficit: the cheapest per byte alone.
+    assert choose_recompute(trace, budget + 100 * KB, whole_outermost=True) == (("b.y",), ())
 
 
 def test_an_outermost_unit_whose_selective_option_does_not_fit_is_tried_whole() -> None:
