@@ -108,6 +108,8 @@ class Undecided:
         if raw["trials"] is not None:
             t = raw["trials"]
             pending = [(tuple(n), tuple(s)) for n, s in t["pending"]]
+            if not pending:
+                raise ValueError("trials with no candidate left to try")
             trials = Trials(pending, [some(i) for i in t["plans"]], plan(t["swap_only"]))
         race = None
         if raw["race"] is not None:

@@ -126,3 +126,12 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
         race.clean,
     )
     assert back.candidates[0][1][1:] == (7, 9) and back.candidates[0][1][0] == trace
+
+
+def test_progress_that_is_not_a_decision_under_way_is_refused() -> None:
+    trace = Trace((), (), 0, 0, 1000, None, "cpu")
+    done = Undecided(Trials([], [_plan(100)], _plan(200)), None, [(_plan(100), (trace, 0, 0))])
+    with pytest.raises(ValueError, match="no candidate left"):
+        Undecided.from_dict(json.loads(json.dumps(done.to_dict())))
+    with pytest.raises(ValueError, match="neither"):
+        Undecided.from_dict(Undecided().to_dict())
