@@ -158,7 +158,7 @@ class MemoryManager:
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
         self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
-        self._trackers: dict[torch.device, DeviceTracker] = {}
+        self._tracker: DeviceTracker  # made with the store, once: it holds no state of a step
         self._active = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -174,12 +174,8 @@ class MemoryManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for transfers, free every chunk and delete the swap file.
-
-        A decision between candidate plans still under way is left beside the plan cache for
-        the next manager (NOTE [undecided plans] in ``vtensor/activations/undecided.py``).
-        """
-        self._plans.close()
+        """Wait for transfers, free every chunk and delete the swap file."""
+        self._plans.close()  # NOTE [undecided plans] in vtensor/activations/undecided.py
         if self._store is not None:
             self._store.close()
             self._store.engine.close()
@@ -197,9 +193,11 @@ class MemoryManager:
         """Bytes per chunk, or None at tensor granularity."""
         return None if self.granularity is Granularity.TENSOR else self.chunk_bytes
 
-    def _ensure_started(self, device: torch.device) -> tuple[ChunkStore, ReactivePolicy]:
+    def _ensure_started(
+        self, device: torch.device
+    ) -> tuple[ChunkStore, ReactivePolicy, DeviceTracker]:
         if self._store is not None and self._policy is not None:
-            return self._store, self._policy
+            return self._store, self._policy, self._tracker
         engine = engine_for(
             device,
             host_capacity_bytes=self.host_capacity_bytes,
@@ -209,12 +207,8 @@ class MemoryManager:
         )
         self._store = ChunkStore(engine, self.chunk_size)
         self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
-        return self._store, self._policy
-
-    def _tracker(self, device: torch.device) -> DeviceTracker:
-        if device not in self._trackers:  # it holds no state of a step: made once
-            self._trackers[device] = make_device_tracker(device)
-        return self._trackers[device]
+        self._tracker = make_device_tracker(device)
+        return self._store, self._policy, self._tracker
 
     # -- one iteration ------------------------------------------------------------------------
     @contextmanager
@@ -255,7 +249,7 @@ class MemoryManager:
                 f"granularity {self.granularity.value}",
                 chunked=self.granularity is Granularity.CHUNK,
             )
-        store, policy = self._ensure_started(device)
+        store, policy, tracker = self._ensure_started(device)
         # The state the optimizer's first step creates: every later iteration holds it, so a
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
@@ -286,7 +280,7 @@ class MemoryManager:
             iteration = Iteration(
                 store,
                 policy,
-                self._tracker(device),
+                tracker,
                 device,
                 protected,
                 baseline,
@@ -309,7 +303,7 @@ class MemoryManager:
             started = time.perf_counter()
             stats_before = StoreCounters.of(store)
             self._active = True
-            stack.callback(self._deactivate)
+            stack.callback(setattr, self, "_active", False)
             with torch.autograd.graph.saved_tensors_hooks(*make_saved_tensor_hooks(iteration)):
                 yield
         books = iteration.books
@@ -325,9 +319,6 @@ class MemoryManager:
             return 0
         out = self._store.stats.bytes_out - before.bytes_out
         return max(0, out - chosen.executor.issued_bytes)
-
-    def _deactivate(self) -> None:
-        self._active = False
 
     def _record(
         self,
