@@ -127,15 +127,7 @@ class PlanCache:
             VTensorError: the directory cannot be created or written.
         """
         data = _encode_entry(key, plan)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._write_atomic(self.path_for(key), data)
-            self._evict()
-        except OSError as exc:
-            raise VTensorError(
-                f"cannot write the plan cache at {self.directory} ({exc}); make the directory "
-                "writable, or point the plan cache at a writable directory"
-            ) from exc
+        self._store(self.path_for(key), data)
         logger.debug("plan cache: stored %s (%d bytes)", self.path_for(key).name, len(data))
 
     def undecided_path(self, key: PlanKey) -> Path:
@@ -150,9 +142,13 @@ class PlanCache:
         """
         text = json.dumps(progress, sort_keys=True)
         entry = {"key": dataclasses.asdict(key), "progress": text, "sha256": _sha256(text)}
+        self._store(self.undecided_path(key), json.dumps(entry).encode())
+
+    def _store(self, path: Path, data: bytes) -> None:
+        """Write ``data`` to ``path`` atomically, then evict beyond ``max_entries``."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._write_atomic(self.undecided_path(key), json.dumps(entry).encode())
+            self._write_atomic(path, data)
             self._evict()
         except OSError as exc:
             raise VTensorError(
