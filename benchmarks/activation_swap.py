@@ -16,6 +16,8 @@ fractions of each model's unmanaged tracked peak, with these variants:
 - ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
   (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
+- ``lgm-chunk+masks``, ``lgm-hybrid+masks``: those with ``encode_masks=True`` (clamps save one
+  bit per element of their input; NOTE [mask encoding]);
 - ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost;
 - ``micro-2``, ``micro-4``: the batch in 2 or 4 micro-batches with gradient accumulation (the
   same mean loss; not bit-identical: BatchNorm sees smaller batches and the gradient sums in
@@ -95,11 +97,13 @@ BASELINES: dict[str, tuple[bool | str, int]] = {  # variant -> (checkpoint_block
     "micro-2": (False, 2),
     "micro-4": (False, 4),
 }
-MANAGED = {  # variant -> (policy, granularity, recompute)
-    "lgm-chunk": ("planned", "chunk", False),
-    "lgm-tensor": ("planned", "tensor", False),
-    "lgm-hybrid": ("planned", "chunk", True),
-    "reactive-chunk": ("reactive", "chunk", False),
+MANAGED = {  # variant -> (policy, granularity, recompute, encode_masks)
+    "lgm-chunk": ("planned", "chunk", False, False),
+    "lgm-tensor": ("planned", "tensor", False, False),
+    "lgm-hybrid": ("planned", "chunk", True, False),
+    "reactive-chunk": ("reactive", "chunk", False, False),
+    "lgm-chunk+masks": ("planned", "chunk", False, True),
+    "lgm-hybrid+masks": ("planned", "chunk", True, True),
 }
 VARIANTS = [*(n for n in BASELINES if n != "unmanaged"), "unbound", *MANAGED, "compile"]
 
@@ -290,8 +294,12 @@ def _reference(
     _run_step(probe, w, x, y)  # warm-up: one-time allocations (oneDNN caches, optimizer state)
     probe.optimizer.step()
     dispatch = _dispatch_peak(probe, w, x, y)
-    probe.manager = vtensor.MemoryManager(
-        HUGE_BUDGET, storage_dir=storage_dir, policy="reactive", measure_peaks=True
+    probe.manager = vtensor.MemoryManager(  # what torch saves: no encodings
+        HUGE_BUDGET,
+        storage_dir=storage_dir,
+        policy="reactive",
+        measure_peaks=True,
+        encode_masks=False,
     )
     tracked = rss = 0
     try:
@@ -325,7 +333,7 @@ def _make_variants(
         unbound = vtensor.MemoryManager(HUGE_BUDGET, storage_dir=storage_dir, measure_peaks=True)
         variants.append(Variant("unbound", None, model, _make_opt(model), manager=unbound))
     for frac in args.budgets:
-        for name, (policy, granularity, recompute) in MANAGED.items():
+        for name, (policy, granularity, recompute, masks) in MANAGED.items():
             if name not in args.variants:
                 continue
             model = copy.deepcopy(base)
@@ -339,6 +347,7 @@ def _make_variants(
                 granularity=granularity,
                 policy=policy,
                 recompute=recompute,
+                encode_masks=masks,
                 plan_cache_dir=v.cache_dir,
                 measure_peaks=True,  # the RSS column (resets VmHWM: a benchmark may)
             )

@@ -110,9 +110,10 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     for device in c.fleet.classes:
         budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
         for recompute in (False, True):
-            name = f"{device.name}{'+recompute' if recompute else ''}"
-            vt = replace(c.vtensor, enabled=True, recompute=recompute)
-            variants.append(Variant(name, budget, vt, root / name))
+            for masks in (False, True) if args.masks else (False,):
+                name = device.name + "+recompute" * recompute + "+masks" * masks
+                vt = replace(c.vtensor, enabled=True, recompute=recompute, encode_masks=masks)
+                variants.append(Variant(name, budget, vt, root / name))
     print(
         f"# {c.model.name} on {c.data.name}, batch {c.train.batch_size}: unmanaged peak "
         f"{peak.unmanaged_peak_bytes / MIB:.1f} MiB, smallest workable budget "
@@ -189,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
+    parser.add_argument(
+        "--masks",
+        action="store_true",
+        help="also each variant with clamps saving bits (vtensor.encode_masks=true)",
+    )
     parser.add_argument(
         "--max-examples", type=int, default=0, help="cap a round's examples (0: the client's all)"
     )

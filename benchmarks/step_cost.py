@@ -52,6 +52,13 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     for device in c.fleet.classes:
         budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
         variants += [(device.name, budget, False), (f"{device.name}+recompute", budget, True)]
+    if args.variants:
+        unknown = set(args.variants) - {v[0] for v in variants}
+        if unknown:
+            raise SystemExit(
+                f"unknown variants {sorted(unknown)}; choose from {[v[0] for v in variants]}"
+            )
+        variants = [v for v in variants if v[0] == "unmanaged" or v[0] in args.variants]
     root = Path(tempfile.mkdtemp(prefix="step-cost-"))
     times: dict[str, dict[str, list[float]]] = {v[0]: {p: [] for p in PHASES} for v in variants}
     rounds: dict[str, list[float]] = {v[0]: [] for v in variants}
@@ -134,6 +141,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
     parser.add_argument(
         "--max-examples", type=int, default=0, help="cap a round's examples (0: the client's all)"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        help="managed variants to run beside unmanaged, e.g. medium+recompute (default: all)",
     )
     add_quick(parser, "two rounds of 64 examples")
     add_out(parser)

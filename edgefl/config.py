@@ -220,6 +220,7 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
                 "vtensor.offload_params",
             ),
             recompute=_flag(raw["vtensor"].get("recompute", False), "vtensor.recompute"),
+            encode_masks=_flag(raw["vtensor"].get("encode_masks", False), "vtensor.encode_masks"),
         ),
         fleet=fleet,
         privacy=privacy,

@@ -67,6 +67,7 @@ class VTensorSettings:
     granularity: vtensor.Granularity = vtensor.Granularity.CHUNK
     offload_params: OffloadParams = OffloadParams.AUTO
     recompute: bool = False  # plans may recompute modules as well as swap (hybrid plans)
+    encode_masks: bool = False  # clamps (ReLU6, Hardtanh) save bits, not their input
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,7 @@ def open_manager(
         granularity=settings.granularity,
         plan_cache_dir=plan_cache_dir,
         recompute=settings.recompute,
+        encode_masks=settings.encode_masks,
     )
 
 

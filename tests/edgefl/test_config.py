@@ -105,6 +105,21 @@ def test_recomputation_is_a_checked_flag_that_reaches_the_manager(tmp_path: Path
             manager.close()
 
 
+def test_mask_encoding_is_a_checked_flag_that_reaches_the_manager(tmp_path: Path) -> None:
+    assert load_run_settings([]).client.vtensor.encode_masks is True  # the main job's
+    settings = load_run_settings(["vtensor.encode_masks=false"]).client.vtensor
+    assert settings.encode_masks is False
+    with pytest.raises(ConfigError, match=r"vtensor\.encode_masks='bits'"):
+        load_run_settings(["vtensor.encode_masks=bits"])
+    for on in (True, False):
+        manager = open_manager(replace(settings, encode_masks=on), 1 << 30, tmp_path / "plans")
+        assert manager is not None
+        try:
+            assert manager.encode_masks is on
+        finally:
+            manager.close()
+
+
 def test_swap_granularity_is_vtensors() -> None:
     assert load_run_settings([]).client.vtensor.granularity is vtensor.Granularity.CHUNK
     tensor = load_run_settings(["vtensor.granularity=tensor"]).client.vtensor.granularity

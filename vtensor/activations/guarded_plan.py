@@ -6,7 +6,7 @@ import logging
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.belady import plan_lgm
-from vtensor.planner.memory_model import peak_event, step_headroom, watched_steps
+from vtensor.planner.memory_model import step_headroom, watched_events, watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 
@@ -49,11 +49,12 @@ def plan_within_guard(
     # where the plan predicts a chunk more than it last confirmed (NOTE [confirmed readings]).
     margin = max(2 * reserve_bytes, budget_bytes // 10)
     slack = chunk_bytes or MIN_BUDGET_MARGIN_BYTES
+    watched = watched_steps(plan, trace, margin, slack)
     return dataclasses.replace(
         plan,
         reserve_bytes=reserve_bytes,
         min_budget_bytes=min_budget_bytes,
-        watched_steps=watched_steps(plan, trace, margin, slack),
+        watched_steps=watched,
         step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
-        peak_event=peak_event(plan, trace),  # NOTE [hookless replay]
+        watched_events=watched_events(plan, trace, watched),  # NOTE [hookless replay]
     )

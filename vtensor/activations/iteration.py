@@ -88,8 +88,8 @@ class Iteration:
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
-            read_peak = functools.partial(self._check_boundary, "after the predicted peak")
-            self.passing = Passing(store, executor, read_peak if self.hookless else None)
+            read = functools.partial(self._check_boundary, "at a watched step's saved tensor")
+            self.passing = Passing(store, executor, read if self.hookless else None)
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")

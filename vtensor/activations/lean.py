@@ -39,14 +39,17 @@ up: where the replay stops following the plan (a divergence, a reading over the 
 guard that takes over can evict only the storages saved as vTensors.
 
 NOTE [hookless replay]
-A lean replay of a plan that moves nothing and watches one step, its predicted peak's (a budget
-that never binds), has nothing to do at module boundaries: it installs no module hooks at all,
-so the model's modules run on torch's path without hooks. Saved tensors are still matched with
-the plan by position and size (NOTE [passed]), and the tracked bytes are read at the
-saved-tensor event first after the predicted peak's step (``Plan.peak_event``), instead of at
-that step's boundary: the reading that states the iteration's peak and would find bytes no trace
-explains. A reading over the budget turns the checks back on, at the saved-tensor hooks only,
-and the plan is profiled again next time.
+A lean replay of a plan that moves no activation (a budget that never binds, or one that
+recomputation or encoding alone meets) has nothing to do at module boundaries but read the
+tracked bytes at the steps it watches: it installs no module hooks at all, so the model's
+modules run on torch's path without hooks. Saved tensors are still matched with the plan by
+position and size (NOTE [passed]), and the tracked bytes are read at the first saved-tensor
+event at or after each watched step (``Plan.watched_events``) instead of at that step's
+boundary: the same readings, among them the one that states the iteration's peak, each a little
+later in its step. A plan with a watched step that no event follows keeps its module hooks. A
+reading over the budget turns the checks back on, at the saved-tensor hooks only, and the plan
+is profiled again next time. Module hooks at every boundary cost the main job's CNN, whose
+step is short, more than a tenth of its step (benchmarks/README.md, ``main_round``).
 """
 
 from collections.abc import Callable
@@ -62,20 +65,23 @@ class Passing:
     """The saved storages a lean replay leaves to autograd (NOTE [passed])."""
 
     def __init__(
-        self, store: ChunkStore, executor: PlanExecutor, read_peak: Callable[[], None] | None
+        self, store: ChunkStore, executor: PlanExecutor, read: Callable[[], None] | None
     ) -> None:
         self.store = store
         self.executor = executor
         self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
-        # NOTE [hookless replay]: without module hooks, the peak is read at this event.
-        self._read_peak = read_peak
-        self._peak_event = executor.plan.peak_event if read_peak is not None else ()
+        # NOTE [hookless replay]: without module hooks, the bytes are read at these events.
+        self._read = read
+        self._events = set(executor.plan.watched_events) if read is not None else set()
+
+    def _at(self, event: tuple[int, int]) -> None:
+        if event in self._events and self._read is not None:
+            self._events.discard(event)  # a storage's first save or unpack only
+            self._read()
 
     def unpacked(self, position: int) -> None:
         """Backward has the tensor at ``position``, left to autograd."""
-        if self._peak_event == (position, 1) and self._read_peak is not None:
-            self._peak_event = ()  # its first unpack only
-            self._read_peak()
+        self._at((position, 1))
 
     def passes(self, tensor: torch.Tensor) -> int | None:
         """The plan position of ``tensor``'s storage if it is left to autograd, else None.
@@ -95,19 +101,19 @@ class Passing:
         if self.executor.moves_next() or not self.executor.on_pass(storage.nbytes()):
             return None  # a vTensor; past a divergence the iteration leaves the lean replay
         self._seen[storage._cdata] = (StorageWeakRef(storage), position)  # type: ignore[no-untyped-call]
-        if self._peak_event == (position, 0) and self._read_peak is not None:
-            self._read_peak()
+        self._at((position, 0))
         return position
 
 
 def replays_hookless(executor: PlanExecutor) -> bool:
     """Whether a lean replay of ``executor``'s plan needs no module hooks.
 
-    NOTE [hookless replay]: a plan that moves no activation and watches one step at most.
+    NOTE [hookless replay]: a plan that moves no activation and can read at every step it
+    watches.
     """
     plan = executor.plan
     nothing_moves = not any(m.vid < plan.activation_count for m in plan.moves)
-    return nothing_moves and len(plan.watched_steps) <= 1 and len(plan.peak_event) == 2
+    return nothing_moves and bool(plan.watched_events)
 
 
 def replays_lean(

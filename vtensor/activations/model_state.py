@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vtensor.activations.encodings import MASKABLE
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.keys import architecture_fingerprint
 from vtensor.sizes import format_bytes
@@ -35,12 +36,15 @@ class ModelScan:
         buffers: each buffer once.
         structure: what the model's architecture fingerprint depends on that can be checked
             without computing it (NOTE [fingerprint once]).
+        maskable: the modules whose saved input may be encoded as bits (NOTE [mask
+            encoding] in ``activations/encodings.py``).
     """
 
     names: dict[int, str]
     parameters: tuple[torch.Tensor, ...]
     buffers: tuple[torch.Tensor, ...]
     structure: tuple[object, ...]
+    maskable: tuple[nn.Module, ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelScan":
@@ -49,11 +53,14 @@ class ModelScan:
         parameters: dict[int, torch.Tensor] = {}
         buffers: dict[int, torch.Tensor] = {}
         structure: list[object] = []
+        maskable: list[nn.Module] = []
         # Direct members of each module (``_parameters``, ``_buffers``): the public iterators
         # walk the module tree again for every module they are called on.
         for qualname, module in model.named_modules():
             names[id(module)] = qualname or "model"
             structure += (id(module), type(module))
+            if type(module) in MASKABLE:
+                maskable.append(module)
             for param in module._parameters.values():
                 if param is not None:
                     parameters[id(param)] = param
@@ -62,7 +69,13 @@ class ModelScan:
                 if buffer is not None:
                     buffers[id(buffer)] = buffer
                     structure.append((id(buffer), buffer.shape, buffer.dtype))
-        return cls(names, tuple(parameters.values()), tuple(buffers.values()), tuple(structure))
+        return cls(
+            names,
+            tuple(parameters.values()),
+            tuple(buffers.values()),
+            tuple(structure),
+            tuple(maskable),
+        )
 
 
 class Fingerprint:

@@ -39,6 +39,7 @@ class PlanBook:
         planned: False to run the reactive policy only.
         count_workspaces: plans budget op workspaces.
         recompute: plans may recompute modules as well as swap (NOTE [hybrid plan]).
+        encode_masks: iterations save clamps' inputs as bits (NOTE [mask encoding]).
     """
 
     def __init__(
@@ -49,18 +50,19 @@ class PlanBook:
         planned: bool = True,
         count_workspaces: bool = False,
         recompute: bool = False,
+        encode_masks: bool = False,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
         self.cache = PlanCache(cache_dir) if cache_dir is not None else None
         self.planned = planned
-        # Plans that budget op workspaces differ from plans that do not: keep them apart.
-        self.planner_version = PLANNER_VERSION + ("+workspaces" if count_workspaces else "")
+        # Plans that budget op workspaces, recompute, or see clamps' bits (NOTE [mask encoding])
+        # differ from plans that do not: keep them apart.
+        kinds = {"+workspaces": count_workspaces, "+recompute": recompute, "+masks": encode_masks}
+        self.planner_version = PLANNER_VERSION + "".join(k for k, on in kinds.items() if on)
         self.count_workspaces = count_workspaces
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
         self.recompute = recompute
-        if recompute:
-            self.planner_version += "+recompute"
         # Signatures whose next iterations are profiled with modules recomputed, one candidate
         # each (NOTE [hybrid plan]).
         self._trial: dict[str, Trials] = {}

@@ -19,11 +19,7 @@ from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import ModelScan, check_start, device_of, state_storages
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.report import (
-    Granularity,
-    IterationReport,
-    Policy,
-)
+from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.wiring import instrumented
@@ -97,6 +93,8 @@ class MemoryManager:
             the cache reads them at module boundaries only, and does per-tensor work only where
             the plan acts (NOTE [lean replay] in ``vtensor/activations/lean.py``); its
             report then has no per-step statistics and states the profiled iteration's minimum.
+        encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save a bit per element of their input, not
+            the input; gradients stay bit-identical (NOTE [mask encoding] in ``encodings.py``).
     """
 
     def __init__(
@@ -118,6 +116,7 @@ class MemoryManager:
         measure_peaks: bool = False,
         recompute: bool = False,
         check_every_hook: bool = False,
+        encode_masks: bool = False,
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -149,8 +148,10 @@ class MemoryManager:
             planned=self.policy is Policy.PLANNED,
             count_workspaces=count_workspaces,
             recompute=recompute,
+            encode_masks=encode_masks,
         )
         self.recompute = recompute
+        self.encode_masks = encode_masks
         self.check_every_hook = check_every_hook
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
@@ -299,7 +300,9 @@ class MemoryManager:
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
             plan = executor.plan if executor is not None else chosen
-            stack.enter_context(instrumented(model, scan, iteration, plan, chosen.find_units))
+            stack.enter_context(
+                instrumented(model, scan, iteration, plan, chosen.find_units, self.encode_masks)
+            )
             started = time.perf_counter()
             stats_before = StoreCounters.of(store)
             self._active = True
@@ -312,13 +315,6 @@ class MemoryManager:
                 self.budget_bytes, books.min_budget_bytes + pending, books.min_budget_step
             )
         self._record(iteration, chosen, device, started, stats_before, joint, pending)
-
-    def _guard_bytes(self, chosen: IterationPlan, before: StoreCounters) -> int:
-        """Bytes evicted in this iteration beyond what its plan's executor issued."""
-        if chosen.executor is None or self._store is None:
-            return 0
-        out = self._store.stats.bytes_out - before.bytes_out
-        return max(0, out - chosen.executor.issued_bytes)
 
     def _record(
         self,
@@ -358,14 +354,18 @@ class MemoryManager:
             pending_state_bytes,
         )
         self._reports.append(report)
+        sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)
         logger.debug(
             "iteration %d: peak %s of %s, out %s, in %s",
             report.iteration,
-            format_bytes(report.peak_device_bytes),
-            format_bytes(self.budget_bytes),
-            format_bytes(report.bytes_out),
-            format_bytes(report.bytes_in),
+            *map(format_bytes, sizes),
         )
+
+    def _guard_bytes(self, chosen: IterationPlan, before: StoreCounters) -> int:
+        """Bytes evicted in this iteration beyond what its plan's executor issued."""
+        if chosen.executor is None or self._store is None:
+            return 0
+        return max(0, self._store.stats.bytes_out - before.bytes_out - chosen.executor.issued_bytes)
 
     # -- results ------------------------------------------------------------------------------
     def report(self) -> IterationReport:

@@ -9,7 +9,8 @@ recomputed, when it:
 - modifies an input in place (its inputs' version counters moved): a second forward would
   start from other values;
 - calls a custom autograd ``Function`` (a ``BackwardCFunction`` node in the graph it built):
-  its ``forward`` may have side effects that a second run repeats;
+  its ``forward`` may have side effects that a second run repeats (the manager's own mask
+  encoding has none: NOTE [mask encoding] in ``activations/encodings.py``);
 - changes a plain attribute of itself or a submodule (a call counter, a cached flag): a second
   run would see or change other state;
 - does not reproduce its outputs bit for bit when run again at once from the same inputs, the
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from vtensor.activations.encodings import side_effect_free
 from vtensor.activations.hooks import Removable
 from vtensor.activations.recompute import RecomputeTarget
 from vtensor.activations.selective_profile import (
@@ -257,7 +259,9 @@ def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> b
         if node is None or id(node) in visited or id(node) in stop:
             continue
         visited.add(id(node))
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not side_effect_free(
+            node
+        ):
             return True
         stack.extend(next_node for next_node, _ in node.next_functions)
     return False

@@ -6,6 +6,7 @@ from typing import Protocol
 
 from torch import nn
 
+from vtensor.activations.encodings import masks_encoded
 from vtensor.activations.hooks import install_module_hooks
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.model_state import ModelScan
@@ -25,12 +26,18 @@ class Recomputation(Protocol):
 
 @contextlib.contextmanager
 def instrumented(
-    model: nn.Module, scan: ModelScan, iteration: Iteration, plan: Recomputation, find_units: bool
+    model: nn.Module,
+    scan: ModelScan,
+    iteration: Iteration,
+    plan: Recomputation,
+    find_units: bool,
+    encode_masks: bool,
 ) -> Iterator[None]:
     """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
 
     The modules ``plan`` names are recomputed (NOTE [recompute] in ``activations/recompute.py``);
-    otherwise, with ``find_units``, the profile records which modules could be.
+    otherwise, with ``find_units``, the profile records which modules could be. With
+    ``encode_masks``, clamps save bits (NOTE [mask encoding] in ``activations/encodings.py``).
     """
     with contextlib.ExitStack() as stack:
         if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
@@ -45,4 +52,7 @@ def instrumented(
             iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
             for hook in iteration.units.install():
                 stack.callback(hook.remove)
+        if encode_masks and scan.maskable:
+            # After the recomputation's wrappers: a recomputed clamp keeps its own forward.
+            stack.enter_context(masks_encoded(scan.maskable))
         yield

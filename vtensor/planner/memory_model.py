@@ -4,6 +4,7 @@ NOTE [memory model] below; docs/lgm.md states the model in full.
 """
 
 import bisect
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -122,25 +123,27 @@ def confirming_readings(
     return tuple(chosen)
 
 
-def peak_event(plan: Plan, trace: Trace) -> tuple[int, ...]:
-    """The first saved-tensor event at or after the predicted peak's step (NOTE [hookless replay]).
+def watched_events(plan: Plan, trace: Trace, steps: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The first saved-tensor event at or after each of ``steps`` (NOTE [hookless replay]).
 
-    ``(vid, 0)``: the save of activation ``vid``; ``(vid, 1)``: its first unpack. Empty when no
-    activation is saved or first used from that step on. At one step a save comes first.
+    ``(vid, 0)``: the save of activation ``vid``; ``(vid, 1)``: its first unpack. At one step a
+    save comes first. Each event once, in order; empty when a step has none after it (a replay
+    could not read there without module hooks).
     """
-    resident = simulate(plan, trace)
-    if not resident:
-        return ()
-    top = _peak_step(resident)
     events = [(t.saved_step, 0, t.vid) for t in trace.tensors[: plan.activation_count]]
     events += [
         (t.use_steps[0], 1, t.vid) for t in trace.tensors[: plan.activation_count] if t.use_steps
     ]
-    after = [e for e in events if e[0] >= top]
-    if not after:
-        return ()
-    _, kind, vid = min(after)
-    return (vid, kind)
+    events.sort()
+    chosen: list[tuple[int, int]] = []
+    for step in steps:
+        i = bisect.bisect_left(events, (step, -1, -1))
+        if i == len(events):
+            return ()
+        _, kind, vid = events[i]
+        if (vid, kind) not in chosen:
+            chosen.append((vid, kind))
+    return tuple(chosen)
 
 
 def _peak_step(resident: list[int]) -> int:

@@ -67,9 +67,10 @@ class Plan:
         step_headroom_bytes: per step, the plan's budget less the bytes it predicts resident
             there: the writes a lean replay may leave in flight as the step begins (NOTE [lean
             waits]); empty: none.
-        peak_event: the saved-tensor event a replay without module hooks reads the tracked
-            bytes at, first after the predicted peak's step: ``(vid, 0)`` its save, ``(vid,
-            1)`` its first unpack (NOTE [hookless replay]); empty: none.
+        watched_events: the saved-tensor events a replay without module hooks reads the
+            tracked bytes at, the first at or after each watched step: ``(vid, 0)`` its save,
+            ``(vid, 1)`` its first unpack (NOTE [hookless replay]); empty: a watched step has
+            none after it.
     """
 
     budget_bytes: int
@@ -89,7 +90,7 @@ class Plan:
     watched_steps: tuple[int, ...] = ()
     selective: tuple[str, ...] = ()
     step_headroom_bytes: tuple[int, ...] = ()
-    peak_event: tuple[int, ...] = ()
+    watched_events: tuple[tuple[int, int], ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -127,7 +128,7 @@ class Plan:
             watched_steps=tuple(raw.pop("watched_steps", ())),
             selective=tuple(raw.pop("selective", ())),
             step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
-            peak_event=tuple(raw.pop("peak_event", ())),
+            watched_events=tuple((v, k) for v, k in raw.pop("watched_events", ())),
             **raw,
         )
 

@@ -243,9 +243,29 @@ def test_a_replay_that_never_binds_runs_without_module_hooks(
             installs.clear()
             assert all(map(torch.equal, ref, _step(model, x, mm)))
         report, plan = mm.report(), mm.plan_for(model, (x,))
-    assert report.lean and plan is not None and len(plan.peak_event) == 2
+    assert report.lean and plan is not None and len(plan.watched_events) == 1
     assert installs == [] and len(reads) <= 3
     assert report.peak_device_bytes > 0  # read at the saved-tensor event after the peak
+
+
+def test_a_replay_that_moves_nothing_near_its_budget_reads_every_watched_step_without_hooks(
+    tmp_path: Path, reads: list[int], installs: list[int]
+):
+    # NOTE [hookless replay]: steps predicted near the budget are watched, each at an event.
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(2048, 64)
+    budget = int(1.1 * _peak(model, x))  # never binds, but its last steps are near it
+    ref = _step(model, x, None)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path) as mm:
+        for _ in range(3):
+            reads.clear()
+            installs.clear()
+            assert all(map(torch.equal, ref, _step(model, x, mm)))
+        report, plan = mm.report(), mm.plan_for(model, (x,))
+    assert plan is not None and not plan.moves and len(plan.watched_steps) > 1
+    assert len(plan.watched_events) > 1
+    assert report.lean and installs == []
+    assert len(reads) >= len(plan.watched_events)  # each watched step read, at its event
 
 
 def test_a_hookless_replay_over_its_budget_checks_again_and_profiles_next_time(

@@ -1,0 +1,205 @@
+"""Clamps that save bits instead of their input: what the encoding costs and what it frees.
+
+NOTE [mask encoding] in ``vtensor/activations/encodings.py``. Two parts, in this one process:
+
+- ``ops``: per tensor of a clamp's input size, the forward and backward kernels of
+  ``aten.hardtanh`` against the encoding's work (packing the bits in forward, the stand-in input
+  in backward) and against the ways not taken (torch's boolean ops; unpacking and scaling the
+  bits), in microseconds, medians of ``--repeats``;
+- ``models``: the main job's CNN (``conf/config.yaml``) and the benchmarks' MobileNetV2 (its
+  ReLU6 saves its input), trained unmanaged and under a manager whose budget never binds, with
+  and without the encoding, the variants taking turns step by step from the same weights: the
+  step time's median and its ratio to unmanaged, the bytes the profiled iteration saved for
+  backward (the trace's), and whether every variant's weights stayed bit-identical.
+
+Run from the repository root::
+
+    python -m benchmarks.mask_encoding --out mask_encoding.jsonl
+    python -m benchmarks.mask_encoding --quick    # CI-sized; its rows are not results
+"""
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import vtensor
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    add_repeats,
+    describe,
+    environment,
+    repeats,
+    tagged,
+    write_json_lines,
+)
+from benchmarks.zoo import workloads
+from vtensor.activations.encodings import decode, encode, inside_step
+
+MIB = 1 << 20
+SHAPES = {"main job, first block": (32, 96, 14, 14), "MobileNetV2, stem": (12, 32, 64, 64)}
+
+
+def _median_us(fn: Callable[[], object], n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def ops(n: int, quick: bool) -> list[dict[str, Any]]:
+    """The kernels against the encoding's work, per shape."""
+    return [_op_row(name, (2, *dims[1:]) if quick else dims, n) for name, dims in SHAPES.items()]
+
+
+def _op_row(name: str, shape: tuple[int, ...], n: int) -> dict[str, Any]:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 4
+    grad = torch.randn(shape)
+    step = inside_step(0.0, 6.0, x.dtype)
+    assert step is not None
+    bits = encode(x, 0.0, 6.0)
+    flat = bits.numpy()
+
+    def unpack_and_scale() -> object:
+        values = np.unpackbits(flat, count=x.numel()).astype(np.float32)
+        values *= np.float32(step)
+        return values
+
+    stand_in = decode(bits, x.shape, x.dtype, 0.0, step)
+    same = torch.equal(
+        torch.ops.aten.hardtanh_backward(grad, stand_in, 0.0, 6.0),
+        torch.ops.aten.hardtanh_backward(grad, x, 0.0, 6.0),
+    )
+    timed = {
+        "forward kernel": lambda: torch.ops.aten.hardtanh(x, 0.0, 6.0),
+        "encode (numpy)": lambda: encode(x, 0.0, 6.0),
+        "encode (torch bool ops)": lambda: torch.logical_and(x > 0.0, x < 6.0),
+        "backward kernel": lambda: torch.ops.aten.hardtanh_backward(grad, x, 0.0, 6.0),
+        "decode (table)": lambda: decode(bits, x.shape, x.dtype, 0.0, step),
+        "decode (unpack, scale)": unpack_and_scale,
+    }
+    row: dict[str, Any] = {"shape": name, "dims": list(shape), "mib": x.nbytes / MIB}
+    row |= {k: _median_us(fn, n) for k, fn in timed.items()}
+    row |= {"bits_bytes": bits.numel(), "gradient_identical": same}
+    return row
+
+
+def _main_job_model() -> tuple[str, nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
+    """The main job's model and client 0's batches, from the main job's configuration."""
+    from edgefl.client_data import client_split
+    from edgefl.config import load_run_settings
+    from edgefl.models import build_model
+
+    settings = load_run_settings([])
+    c = settings.client
+    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
+    model = build_model(c.model.name, info, c.model.options)
+    size = c.train.batch_size
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.random.default_rng(i).choice(len(data), size, replace=False)
+        return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+
+    return f"main job's CNN ({c.model.name}), batch {size}", model, batch
+
+
+def models(steps: int, quick: bool) -> list[dict[str, Any]]:
+    """Unmanaged against a budget that never binds, encoded and not, step by step."""
+    w = workloads(quick, 0.5)["mobilenet"]
+    cases = [_main_job_model(), (w.describe, w.build(), w.batch)]
+    rows = []
+    storage = tempfile.mkdtemp(prefix="mask-encoding-")
+    for describe_model, start, batch in cases:
+        names = ("unmanaged", "unbound, plain", "unbound, encoded")
+        nets = {n: copy.deepcopy(start) for n in names}
+        opts = {n: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for n, m in nets.items()}
+        managers = {
+            n: vtensor.MemoryManager(
+                1 << 40, storage_dir=storage, encode_masks=n.endswith("encoded")
+            )
+            for n in names[1:]
+        }
+        times: dict[str, list[float]] = {n: [] for n in names}
+        saved: dict[str, int] = {}
+        for i in range(steps + 2):
+            x, y = batch(i)
+            for n in names:
+                opts[n].zero_grad(set_to_none=True)
+                began = time.perf_counter()
+                if n in managers:
+                    with managers[n].step(nets[n], opts[n], (x, y)):
+                        nn.functional.cross_entropy(nets[n](x), y).backward()  # type: ignore[no-untyped-call]
+                else:
+                    nn.functional.cross_entropy(nets[n](x), y).backward()  # type: ignore[no-untyped-call]
+                opts[n].step()
+                if i >= 2:  # the profiled iteration and the first replay are left out
+                    times[n].append(time.perf_counter() - began)
+                trace = managers[n].trace if n in managers else None
+                if trace is not None and n not in saved:
+                    saved[n] = sum(t.nbytes for t in trace.tensors) + trace.unmanaged_saved_bytes
+        for m in managers.values():
+            m.close()
+        base = statistics.median(times["unmanaged"])
+        params = {n: list(nets[n].parameters()) for n in names}
+        for n in names:
+            identical = all(
+                torch.equal(a, b) for a, b in zip(params[n], params["unmanaged"], strict=True)
+            )
+            median = statistics.median(times[n])
+            rows.append(
+                {
+                    "model": describe_model,
+                    "variant": n,
+                    "step_s_median": median,
+                    "vs_unmanaged": median / base,
+                    "saved_mib": saved[n] / MIB if n in saved else None,
+                    "weights_identical": identical,
+                    "steps": len(times[n]),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    """Parse arguments, run both parts, print the tables, write the JSON lines."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    add_repeats(parser, "timings per op", full=50, quick=3)
+    add_quick(parser, "CI-sized tensors and models, two steps")
+    add_out(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    env = environment(script="mask_encoding", steps=args.steps)
+    print(describe(env), flush=True)
+    op_rows = ops(repeats(args, 50, 3), args.quick)
+    keys = [k for k in op_rows[0] if k not in ("shape", "dims", "mib", "bits_bytes")]
+    print("| shape | MiB | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for r in op_rows:
+        cells = " | ".join(f"{r[k]:.0f}" if isinstance(r[k], float) else str(r[k]) for k in keys)
+        print(f"| {r['shape']} {tuple(r['dims'])} | {r['mib']:.2f} | {cells} |")
+    model_rows = models(2 if args.quick else args.steps, args.quick)
+    print("\n| model | variant | step s | vs unmanaged | saved MiB | weights identical |")
+    print("|---|---|---|---|---|---|")
+    for r in model_rows:
+        saved = "-" if r["saved_mib"] is None else f"{r['saved_mib']:.1f}"
+        print(
+            f"| {r['model']} | {r['variant']} | {r['step_s_median']:.4f} | "
+            f"{r['vs_unmanaged']:.2f}x | {saved} | {'yes' if r['weights_identical'] else 'NO'} |"
+        )
+    write_json_lines(args.out, env, [*tagged("op", op_rows), *tagged("model", model_rows)])
+
+
+if __name__ == "__main__":
+    main()

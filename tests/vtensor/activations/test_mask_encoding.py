@@ -1,0 +1,194 @@
+"""Clamps save bits, not their input (NOTE [mask encoding]); gradients stay bit-identical."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vtensor
+from vtensor.activations.encodings import MaskedHardtanh, inside_step, masks_encoded
+
+BOUNDS = [(0.0, 6.0), (-1.0, 1.0), (-0.3, 0.7), (-2.0, 1e-3)]
+
+
+def _edge_values(low: float, high: float, dtype: torch.dtype, nan: bool) -> torch.Tensor:
+    """The bounds, their neighbours in ``dtype``, infinities, signed zeros, noise (a NaN)."""
+    lo, hi = torch.tensor(low, dtype=dtype), torch.tensor(high, dtype=dtype)
+    inf = torch.tensor(math.inf, dtype=dtype)
+    edges = [
+        lo,
+        hi,
+        torch.nextafter(lo, -inf),
+        torch.nextafter(lo, inf),
+        torch.nextafter(hi, -inf),
+        torch.nextafter(hi, inf),
+    ]
+    special = torch.tensor([math.nan if nan else 1.0, math.inf, -math.inf, 0.0, -0.0], dtype=dtype)
+    noise = torch.randn(4093, generator=torch.Generator().manual_seed(0), dtype=dtype) * 4
+    return torch.cat([torch.stack(edges), special, noise]).reshape(-1, 8)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "a NaN"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("low", "high"), BOUNDS)
+def test_the_gradient_is_bit_identical_at_and_around_the_bounds(
+    low: float, high: float, dtype: torch.dtype, nan: bool
+) -> None:
+    step = inside_step(low, high, dtype)
+    assert step is not None
+    values = _edge_values(low, high, dtype, nan)
+    grad = torch.randn(values.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    grad[0, 0] = -0.0
+    plain = values.clone().requires_grad_()
+    nn.functional.hardtanh(plain, low, high).backward(grad)
+    masked = values.clone().requires_grad_()
+    out = MaskedHardtanh.apply(masked, low, high, step)
+    assert torch.equal(_bits(out), _bits(nn.functional.hardtanh(values, low, high)))
+    out.backward(grad)
+    assert plain.grad is not None and masked.grad is not None
+    assert torch.equal(_bits(masked.grad), _bits(plain.grad))
+
+
+def test_bounds_with_nothing_strictly_inside_are_not_encoded() -> None:
+    assert inside_step(1.0, 1.0, torch.float32) is None
+    assert inside_step(0.0, math.inf, torch.float32) is None
+    one = torch.tensor(1.0)
+    assert inside_step(1.0, float(torch.nextafter(one, torch.tensor(2.0))), torch.float32) is None
+    assert inside_step(0.0, 6.0, torch.bfloat16) is None
+    assert inside_step(0.0, 6.0, torch.float32) is not None
+
+
+def test_a_clamp_saves_one_bit_per_element_and_an_input_with_a_nan_whole() -> None:
+    x = torch.randn(3, 5, 7, 11)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    for value in (x, x.clone().index_fill_(1, torch.tensor([2]), math.nan)):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            MaskedHardtanh.apply(value.requires_grad_(), 0.0, 6.0, 3.0)
+    assert [(t.dtype, t.numel()) for t in saved] == [
+        (torch.uint8, math.ceil(x.numel() / 8)),
+        (torch.float32, x.numel()),
+    ]
+
+
+class Patched(nn.ReLU6):
+    """A subclass: its forward may do anything; it keeps it."""
+
+
+def test_only_exact_clamps_out_of_place_are_wrapped_and_all_come_off() -> None:
+    plain, six, in_place, sub = nn.Hardtanh(-1, 1), nn.ReLU6(), nn.ReLU6(inplace=True), Patched()
+    own = nn.ReLU6()
+    own.forward = lambda x: x  # type: ignore[method-assign]
+    modules = [plain, six, in_place, sub, own]
+    with masks_encoded(modules) as wrapped:
+        assert wrapped == 2
+        assert {m for m in modules if "forward" in m.__dict__} == {plain, six, own}
+        x = torch.randn(4, 8, requires_grad=True)
+        assert isinstance(six(x).grad_fn, torch.autograd.function.BackwardCFunction)
+        # what cannot be encoded exactly runs the module's own forward
+        assert type(six(x.t()).grad_fn).__name__ == "HardtanhBackward0"  # not contiguous
+        assert type(six(x.bfloat16()).grad_fn).__name__ != "MaskedHardtanhBackward"
+        with torch.no_grad():
+            assert torch.equal(six(x), nn.functional.relu6(x))
+        assert "Masked" not in type(in_place(x.clone()).grad_fn).__name__
+    assert [m for m in modules if "forward" in m.__dict__] == [own]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+
+    def block(c: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c), nn.ReLU6())
+
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        *[block(16) for _ in range(5)],
+        nn.Flatten(),
+        nn.Linear(16 * 12 * 12, 10),
+    )
+
+
+def _train(model: nn.Module, mm: vtensor.MemoryManager | None, steps: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 3, 12, 12, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad(set_to_none=True)
+        if mm is None:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        else:
+            with mm.step(model, opt, (x, y)):
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _saved_bytes(encode: bool, tmp_path: Path) -> tuple[int, int]:
+    """Bytes saved for backward in a profiled iteration, and the baseline under them."""
+    model = _model()
+    with vtensor.MemoryManager(1 << 30, storage_dir=tmp_path, encode_masks=encode) as mm:
+        _train(model, mm, 3)
+        assert mm.trace is not None
+        saved = sum(t.nbytes for t in mm.trace.tensors) + mm.trace.unmanaged_saved_bytes
+        return saved, mm.trace.baseline_bytes
+
+
+def test_a_managed_model_with_clamps_saves_less_and_trains_bit_identically(
+    tmp_path: Path,
+) -> None:
+    unmanaged = _model()
+    _train(unmanaged, None, 6)
+    plain, _ = _saved_bytes(False, tmp_path)
+    encoded, baseline = _saved_bytes(True, tmp_path)
+    # five clamps' inputs (8 x 16 x 12 x 12 float32 each) become bits
+    clamp = 8 * 16 * 12 * 12 * 4
+    assert plain - encoded == pytest.approx(5 * clamp * 31 / 32, abs=5 * 64)
+    # a budget that never binds, and one that binds under the encoded bytes
+    for budget in (1 << 30, baseline + int(encoded * 0.6)):
+        model = _model()
+        with vtensor.MemoryManager(
+            budget, storage_dir=tmp_path, recompute=True, encode_masks=True
+        ) as mm:
+            _train(model, mm, 6)
+            assert mm.report().plan_source != "profiled"
+        for a, b in zip(model.parameters(), unmanaged.parameters(), strict=True):
+            assert torch.equal(_bits(a), _bits(b))
+
+
+def test_a_block_with_an_encoded_clamp_may_still_be_recomputed(tmp_path: Path) -> None:
+    model = _model()
+    with vtensor.MemoryManager(
+        1 << 30, storage_dir=tmp_path, recompute=True, encode_masks=True
+    ) as mm:
+        _train(model, mm, 2)
+        assert mm.trace is not None
+        units = {u.name: u for u in mm.trace.units}
+    assert units, "nothing was profiled as a unit"
+    blocks = [units[n] for n in ("1", "2", "3") if n in units]
+    assert blocks and all(u.safe for u in blocks), [(u.name, u.why_unsafe) for u in blocks]
+
+
+def test_the_plan_key_tells_encoded_plans_apart(tmp_path: Path) -> None:
+    digests = set()
+    for encode in (False, True):
+        model = _model()
+        with vtensor.MemoryManager(
+            1 << 30, storage_dir=tmp_path, plan_cache_dir=tmp_path / "plans", encode_masks=encode
+        ) as mm:
+            _train(model, mm, 2)
+        digests |= {p.name for p in (tmp_path / "plans").glob("*.json")}
+    assert len(digests) == 2, digests

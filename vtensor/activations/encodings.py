@@ -1,0 +1,170 @@
+"""Lossless encodings of saved tensors: a clamp's backward needs one bit per element.
+
+NOTE [mask encoding]
+``nn.Hardtanh`` and ``nn.ReLU6`` (not in place) save their whole input for backward, and
+backward uses it for one thing only: whether each element lay strictly inside the clamp's
+bounds (``aten.hardtanh_backward`` passes the gradient there and writes 0 elsewhere). In a
+network of convolution, normalization and ReLU6 the normalization's output is saved by the
+ReLU6 alone, so autograd holds a whole float tensor where one bit per element would do (Gist,
+ISCA'18, binarizes ReLU-pool pairs the same way). For the step, a managed iteration runs such
+modules through ``MaskedHardtanh``: the same forward kernel, and a saved tensor of packed bits
+(1/32 of a float32 input) in place of the input. Backward rebuilds a stand-in input from the
+bits: the lower bound where an element lay outside, a value strictly inside the bounds where it
+lay inside, and calls the same backward kernel with it, so every gradient is bit-identical to
+the unencoded module's. An input with a NaN is saved as it is: torch's kernel passes or zeroes
+a NaN's gradient depending on where it falls in its vectorized loop. The bits are saved
+through the manager's hooks like any saved tensor: the plan keeps, swaps or recomputes them.
+
+Encoded only where this is exact and cheap: CPU, float32 or float64, contiguous inputs of a
+module of exactly those types whose forward is not patched, with bounds for which an inside
+value exists in the dtype. Anything else runs the module's own forward. The bits are packed
+with numpy (torch's boolean ops run several times slower here; ``benchmarks.mask_encoding``).
+What is given up: an in-place change to the input after the forward, which autograd would
+report at backward, goes unseen; the gradient is still that of the forward that ran. A
+functional ``F.relu6`` call inside another module's forward is not encoded.
+"""
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+MASKABLE: tuple[type[nn.Module], ...] = (nn.Hardtanh, nn.ReLU6)
+_DTYPES: dict[torch.dtype, type[np.floating[Any]]] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def inside_step(low: float, high: float, dtype: torch.dtype) -> float | None:
+    """The stand-in's step above ``low`` for an inside element, or None if there is none.
+
+    In ``dtype`` (bounds cast to it, as torch's kernel compares them), ``0 * step + low`` is
+    ``low`` and ``1 * step + low`` lies strictly between ``low`` and ``high``.
+    """
+    kind = _DTYPES.get(dtype)
+    if kind is None:
+        return None
+    lo, hi = kind(low), kind(high)
+    if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
+        return None
+    step = kind(kind((float(lo) + float(hi)) / 2) - lo)
+    if not (step > 0 and lo < kind(step + lo) < hi):
+        return None
+    return float(step)
+
+
+def encode(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """One bit per element of ``x``: 1 where it lay strictly inside the bounds (no NaN in it)."""
+    values = x.detach().numpy()
+    kind = values.dtype.type
+    inside = np.greater(values, kind(low))
+    inside &= np.less(values, kind(high))
+    packed = np.packbits(inside, axis=None)
+    bits = torch.empty(packed.size, dtype=torch.uint8)  # torch's allocator, as the store expects
+    bits.numpy()[:] = packed
+    return bits
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_ins(dtype: torch.dtype, low: float, step: float) -> Any:
+    """Each byte's eight stand-in values (``low``, or ``low + step`` where its bit is 1)."""
+    kind = _DTYPES[dtype]
+    flags = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(kind)
+    flags *= kind(step)
+    flags += kind(low)
+    return flags
+
+
+def decode(
+    bits: torch.Tensor, shape: torch.Size, dtype: torch.dtype, low: float, step: float
+) -> torch.Tensor:
+    """A stand-in input: ``low`` where the bit is 0, ``low + step`` where it is 1 (contiguous).
+
+    One gather from a table of each byte's eight values (unpacking the bits and scaling them
+    took twice as long; ``benchmarks.mask_encoding``).
+    """
+    values = np.take(_stand_ins(dtype, low, step), bits.numpy(), axis=0)
+    return torch.from_numpy(values.reshape(-1)[: shape.numel()]).view(shape)
+
+
+class MaskedHardtanh(torch.autograd.Function):
+    """``aten.hardtanh`` that saves packed bits instead of its input (NOTE [mask encoding])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, low: float, high: float, step: float) -> torch.Tensor:
+        """The module's forward kernel; the bits saved for backward (the input, if any NaN)."""
+        # torch's backward kernel treats a NaN input by its position (its vectorized loop zeroes
+        # the gradient, its scalar tail passes it): no bit can say which, so keep the input. The
+        # output is bounded, so its sum is NaN exactly when an input was.
+        out: torch.Tensor = torch.ops.aten.hardtanh(x, low, high)
+        ctx.encoded = not math.isnan(out.sum().item())
+        ctx.save_for_backward(encode(x, low, high) if ctx.encoded else x)
+        ctx.meta = (x.shape, x.dtype, low, high, step)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """The module's backward kernel on the stand-in input."""
+        (saved,) = ctx.saved_tensors
+        shape, dtype, low, high, step = ctx.meta
+        stand_in = decode(saved, shape, dtype, low, step) if ctx.encoded else saved
+        grad_in: torch.Tensor = torch.ops.aten.hardtanh_backward(grad, stand_in, low, high)
+        return grad_in, None, None, None
+
+
+def _masked_forward(module: nn.Hardtanh, own: Any) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        step = None
+        if (
+            torch.is_grad_enabled()
+            and type(x) is torch.Tensor
+            and x.requires_grad
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+        ):
+            step = inside_step(module.min_val, module.max_val, x.dtype)
+        if step is None:
+            plain: torch.Tensor = own(x)
+            return plain
+        out: torch.Tensor = MaskedHardtanh.apply(  # type: ignore[no-untyped-call]
+            x, module.min_val, module.max_val, step
+        )
+        return out
+
+    return forward
+
+
+@contextlib.contextmanager
+def masks_encoded(modules: Sequence[nn.Module]) -> Iterator[int]:
+    """For one step, run each of ``modules`` that may be encoded through ``MaskedHardtanh``.
+
+    ``modules`` are a scan's candidates (``ModelScan.maskable``); one whose type is not
+    exactly a maskable one, that clamps in place, or whose forward is already patched (a
+    recomputed module) keeps its own. Yields how many were wrapped.
+    """
+    wrapped: list[nn.Module] = []
+    try:
+        for module in modules:
+            if (
+                type(module) in MASKABLE
+                and isinstance(module, nn.Hardtanh)
+                and not module.inplace
+                and "forward" not in module.__dict__
+            ):
+                module.forward = _masked_forward(module, module.forward)  # type: ignore[method-assign]
+                wrapped.append(module)
+        yield len(wrapped)
+    finally:
+        for module in wrapped:
+            del module.forward
+
+
+def side_effect_free(node: Any) -> bool:
+    """Whether a custom Function's backward node is one of these encodings (safe to recompute)."""
+    return getattr(node, "_forward_cls", None) is MaskedHardtanh
