@@ -13,7 +13,10 @@ iteration). A boundary reading over the budget also turns them back on, and the 
 profiled again next time: a lean iteration cannot state a minimum budget of its own (it has not
 judged every point), so it reports the profiled iteration's. A plan replays lean only once a
 full replay of it needed nothing from the guard (no eviction beyond the plan's): where the guard
-helps, it helps between boundaries too (``PlanBook``).
+helps, it helps between boundaries too (``PlanBook``). With a plan cache, that full replay is
+noted beside the cached plan (by the plan's digest, ``PlanCache.mark_lean``), and the next
+managers that load the plan, in this process or another, replay it lean from their first
+iteration: the main job opens a manager per round, whose first iteration was a full replay.
 
 NOTE [lean waits]
 No guard reads the bytes between a lean replay's boundaries, so the boundaries are what keeps

@@ -151,14 +151,12 @@ class PlanBook:
             cached = self.cache.get(key)
             if cached is not None:
                 self._plans[signature] = cached
-                return IterationPlan(
-                    signature,
-                    PlanSource.CACHED,
-                    self._executor(cached, store),
-                    False,
-                    key,
-                    cache_load_s=self.cache.last_load_s,
-                )
+                if self.cache.replays_lean(key, cached):  # proven in an earlier manager
+                    self._lean.add(signature)
+                executor = self._executor(cached, store)
+                chosen = IterationPlan(signature, PlanSource.CACHED, executor, False, key)
+                chosen.cache_load_s, chosen.lean = self.cache.last_load_s, signature in self._lean
+                return chosen
             undecided = take_up(self.cache, key)  # NOTE [undecided plans]
             if undecided is not None:
                 self._take(signature, key, undecided)
@@ -313,6 +311,9 @@ class PlanBook:
         if chosen.executor is not None and not chosen.lean:
             if guard_bytes == 0:
                 self._lean.add(chosen.signature)
+                replayed = chosen.executor.plan
+                if self.cache and chosen.key and self._plans.get(chosen.signature) is replayed:
+                    self.cache.mark_lean(chosen.key, replayed)  # the next managers start lean
             else:
                 self._lean.discard(chosen.signature)
                 self._plan_with_margin(chosen, chosen.executor.plan, guard_bytes)
@@ -343,14 +344,7 @@ class PlanBook:
         winner = race.record(wall_s, guard_bytes, chosen.lean, remade)
         if winner is not None:
             del self._race[chosen.signature]
-            logger.info(
-                "replayed (modules recomputed: best s per step): %s; keeping %d recomputed",
-                ", ".join(
-                    f"{len(p.recompute)}: {t:.3f}"
-                    for p, t in zip(race.plans, race.best_times(), strict=True)
-                ),
-                len(winner.recompute),
-            )
+            logger.info("%s", race.summary(winner))
             self._store(chosen, winner)
             if race.winner_clean():  # its replays go on lean (NOTE [plan race])
                 self._lean.add(chosen.signature)

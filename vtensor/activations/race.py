@@ -83,6 +83,15 @@ class PlanRace:
         """Whether a full replay of the winner needed nothing from the guard."""
         return self.clean[self._best()]
 
+    def summary(self, winner: Plan) -> str:
+        """Each candidate's best time and the modules the one kept recomputes, for the log."""
+        times = zip(self.plans, self.best_times(), strict=True)
+        best = ", ".join(f"{len(p.recompute)}: {t:.3f}" for p, t in times)
+        return (
+            f"replayed (modules recomputed: best s per step): {best}; "
+            f"keeping {len(winner.recompute)} recomputed"
+        )
+
     def best_times(self) -> list[float]:
         """The best wall time of each candidate so far (inf if it has not run)."""
         return [min(t) if t else float("inf") for t in self.times]

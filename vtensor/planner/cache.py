@@ -130,6 +130,28 @@ class PlanCache:
         self._store(self.path_for(key), data)
         logger.debug("plan cache: stored %s (%d bytes)", self.path_for(key).name, len(data))
 
+    def lean_path(self, key: PlanKey) -> Path:
+        """The file saying a full replay of ``key``'s plan needed no guard (NOTE [lean replay])."""
+        return self.directory / f"{key.digest()}.lean"
+
+    def mark_lean(self, key: PlanKey, plan: Plan) -> None:
+        """Note that a full replay of ``plan``, cached under ``key``, needed nothing from the guard.
+
+        The note holds the plan's digest, so a plan stored since (by any process) is not
+        covered by it. A failed write only costs the next manager a full replay.
+        """
+        try:
+            self._write_atomic(self.lean_path(key), plan.digest().encode())
+        except OSError as exc:
+            logger.warning("plan cache: cannot note %s as lean (%s)", self.lean_path(key), exc)
+
+    def replays_lean(self, key: PlanKey, plan: Plan) -> bool:
+        """Whether ``mark_lean`` noted ``plan`` under ``key``."""
+        try:
+            return self.lean_path(key).read_bytes() == plan.digest().encode()
+        except OSError:
+            return False
+
     def undecided_path(self, key: PlanKey) -> Path:
         """The file of ``key``'s decision under way (NOTE [undecided plans])."""
         return self.directory / f"{key.digest()}.undecided.json"
@@ -256,6 +278,8 @@ class PlanCache:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                     logger.debug("plan cache: evicted %s", path.name)
+                with contextlib.suppress(FileNotFoundError):
+                    path.with_suffix(".lean").unlink()
 
     def _scan(self) -> Iterator[tuple[int, Path]]:
         """(mtime_ns, path) of every entry; removes stale temp files on the way."""
