@@ -41,6 +41,7 @@ _DTYPES: dict[torch.dtype, type[np.floating[Any]]] = {
 }
 
 
+@functools.lru_cache(maxsize=64)  # asked at every clamp's forward
 def inside_step(low: float, high: float, dtype: torch.dtype) -> float | None:
     """The stand-in's step above ``low`` for an inside element, or None if there is none.
 

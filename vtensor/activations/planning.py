@@ -255,6 +255,11 @@ class PlanBook:
         if replanned is not None:
             self._store(chosen, replanned)
 
+    def _note_lean(self, chosen: IterationPlan, plan: Plan) -> None:
+        """Note beside the cached plan that a full replay of ``plan`` needed no guard."""
+        if self.cache and chosen.key and self._plans.get(chosen.signature) is plan:
+            self.cache.mark_lean(chosen.key, plan)  # the next managers start lean
+
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         candidates = self._candidates.pop(chosen.signature, None)
         if candidates is not None:  # a new decision: its profile allows one margin again
@@ -310,10 +315,9 @@ class PlanBook:
             return PlanSource.FALLBACK
         if chosen.executor is not None and not chosen.lean:
             if guard_bytes == 0:
+                if chosen.signature not in self._lean:  # noted once, not at every full replay
+                    self._note_lean(chosen, chosen.executor.plan)
                 self._lean.add(chosen.signature)
-                replayed = chosen.executor.plan
-                if self.cache and chosen.key and self._plans.get(chosen.signature) is replayed:
-                    self.cache.mark_lean(chosen.key, replayed)  # the next managers start lean
             else:
                 self._lean.discard(chosen.signature)
                 self._plan_with_margin(chosen, chosen.executor.plan, guard_bytes)
