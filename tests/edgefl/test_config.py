@@ -90,32 +90,18 @@ def test_parameter_offloading_mode_is_checked() -> None:
         load_run_settings(["vtensor.offload_params=always"])
 
 
-def test_recomputation_is_a_checked_flag_that_reaches_the_manager(tmp_path: Path) -> None:
-    assert load_run_settings([]).client.vtensor.recompute is True  # the main job's
-    settings = load_run_settings(["vtensor.recompute=false"]).client.vtensor
-    assert settings.recompute is False
-    with pytest.raises(ConfigError, match=r"vtensor\.recompute='sometimes'"):
-        load_run_settings(["vtensor.recompute=sometimes"])
+@pytest.mark.parametrize("flag", ["recompute", "encode_masks"])
+def test_a_vtensor_flag_is_checked_and_reaches_the_manager(flag: str, tmp_path: Path) -> None:
+    assert getattr(load_run_settings([]).client.vtensor, flag) is True  # the main job's
+    settings = load_run_settings([f"vtensor.{flag}=false"]).client.vtensor
+    assert getattr(settings, flag) is False
+    with pytest.raises(ConfigError, match=rf"vtensor\.{flag}='sometimes'"):
+        load_run_settings([f"vtensor.{flag}=sometimes"])
     for on in (True, False):
-        manager = open_manager(replace(settings, recompute=on), 1 << 30, tmp_path / "plans")
+        manager = open_manager(replace(settings, **{flag: on}), 1 << 30, tmp_path / "plans")
         assert manager is not None
         try:
-            assert manager.recompute is on
-        finally:
-            manager.close()
-
-
-def test_mask_encoding_is_a_checked_flag_that_reaches_the_manager(tmp_path: Path) -> None:
-    assert load_run_settings([]).client.vtensor.encode_masks is True  # the main job's
-    settings = load_run_settings(["vtensor.encode_masks=false"]).client.vtensor
-    assert settings.encode_masks is False
-    with pytest.raises(ConfigError, match=r"vtensor\.encode_masks='bits'"):
-        load_run_settings(["vtensor.encode_masks=bits"])
-    for on in (True, False):
-        manager = open_manager(replace(settings, encode_masks=on), 1 << 30, tmp_path / "plans")
-        assert manager is not None
-        try:
-            assert manager.encode_masks is on
+            assert getattr(manager, flag) is on
         finally:
             manager.close()
 
