@@ -120,10 +120,17 @@ class Iteration:
                 self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
 
     # -- recomputation --------------------------------------------------------------------------
-    def recompute_began(self) -> None:
-        """Note the tracked bytes a recomputation starts from (not in a lean replay)."""
-        if self.recomputing == 1 and not self.lean:
-            self._recompute_from = self.live_bytes()
+    def recompute_began(self, regrowth_bytes: int) -> None:
+        """Make room for what a recomputation brings back; note the bytes it starts from.
+
+        A plan placed its recomputations' growth; an iteration with none (a trial) makes room
+        for ``regrowth_bytes`` first (NOTE [recomputed growth]). Nothing in a lean replay.
+        """
+        if self.recomputing != 1 or self.lean:
+            return
+        if regrowth_bytes and not (self.executor is not None and self.executor.active):
+            self.enforce(incoming_bytes=regrowth_bytes)
+        self._recompute_from = self.live_bytes()
 
     def recompute_ended(self) -> None:
         """Its growth is the plan's to place, not headroom (NOTE [recomputed growth])."""

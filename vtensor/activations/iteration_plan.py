@@ -1,6 +1,6 @@
 """What one iteration runs with, and the candidate recomputations a signature still has to try."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
@@ -25,6 +25,8 @@ class IterationPlan:
     abandoned: bool = False  # a trial of recomputation that broke the budget
     racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
     lean: bool = False  # replayed lean (NOTE [lean replay]): an earlier full replay needed no guard
+    # A trial's recomputed modules: the bytes each brings back at once (NOTE [recomputed growth]).
+    regrowth: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -35,11 +37,29 @@ class Trials:
         pending: the candidates not yet profiled, the next first: (modules, those selective).
         plans: the hybrid plans of those profiled.
         swap_only: the profiled iteration's plan, without recomputation.
+        growth: per module the profile found safe to recompute, what recomputing it brings
+            back at once: (whole, selectively) bytes (``unit_regrowth``).
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
     plans: list[Plan]
     swap_only: Plan | None
+    growth: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def next_trial(self, signature: str, key: PlanKey | None) -> IterationPlan:
+        """The iteration that profiles the next candidate, with its modules recomputed."""
+        names, selective = self.pending[0]
+        regrowth = {n: self.growth.get(n, (0, 0))[n in selective] for n in names}
+        return IterationPlan(
+            signature,
+            PlanSource.PROFILED,
+            None,
+            True,
+            key,
+            recompute=names,
+            selective=selective,
+            regrowth=regrowth,
+        )
 
     def candidates(self) -> list[Plan]:
         """The plans to race: the hybrid ones, then the swap-only one."""

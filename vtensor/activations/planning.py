@@ -23,7 +23,7 @@ from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import PlanKey, dtype_of, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import predicted_step_s, recompute_candidates
+from vtensor.planner.recompute import predicted_step_s, recompute_candidates, unit_regrowth
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -137,16 +137,7 @@ class PlanBook:
                 lean=signature in self._lean,
             )
         if signature in self._trial:
-            names, selective = self._trial[signature].pending[0]
-            return IterationPlan(
-                signature,
-                PlanSource.PROFILED,
-                None,
-                True,
-                key,
-                recompute=names,
-                selective=selective,
-            )
+            return self._trial[signature].next_trial(signature, key)
         if self.cache is not None and signature not in self._reprofile:
             cached = self.cache.get(key)
             if cached is not None:
@@ -387,7 +378,7 @@ class PlanBook:
             judged = plan.budget_bytes if plan is not None else self.budget_bytes
             candidates = recompute_candidates(trace, judged)
             if candidates:
-                self._trial[signature] = Trials(list(candidates), [], plan)
+                self._trial[signature] = Trials(list(candidates), [], plan, unit_regrowth(trace))
         return plan
 
     def _race_or_only(self, signature: str, trials: Trials) -> Plan | None:

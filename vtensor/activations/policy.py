@@ -59,16 +59,18 @@ class ReactivePolicy:
         NOTE [recomputed growth]
         Recomputing a unit brings all it saved back at once, between two hook points, where no
         hook can make room: a growth as large as the unit's saved tensors, on MobileNetV2
-        several times the largest growth elsewhere. While reacting, that
-        growth is headroom like any other (a trial of recomputation must fit before anything
-        knows where its units grow). A plan knows: its trace sampled each recomputation's
-        bytes in the step that needed them, so the plan places them, and the headroom it leaves
-        the guard is only the growth outside recomputations (``recomputed_bytes`` of
-        ``nbytes``, ``plan_reserve_bytes``). Kept at the whole growth, the guard's watermark
-        sat below the plan's own peak: the hybrid plan could not be made under it, filled the
-        whole budget, and every replay's guard evicted what the plan did not, so no replay of
-        it went lean (MobileNetV2 at 50 %: 71 MiB moved a step by the 19-module plan, 34 MiB
-        after; benchmarks/README.md).
+        several times the largest growth elsewhere. While reacting, that growth is headroom
+        like any other, and a trial of recomputation makes room before each recomputation for
+        what its profile says the unit saved inside (``unit_regrowth``): without it, a unit
+        larger than any growth seen so far landed on top of what the trial was bringing back
+        and broke the budget, more often on a loaded machine. A plan knows: its trace sampled
+        each recomputation's bytes in the step that needed them, so the plan places them, and
+        the headroom it leaves the guard is only the growth outside recomputations
+        (``recomputed_bytes`` of ``nbytes``, ``plan_reserve_bytes``). Kept at the whole growth,
+        the guard's watermark sat below the plan's own peak: the hybrid plan could not be made
+        under it, filled the whole budget, and every replay's guard evicted what the plan did
+        not, so no replay of it went lean (MobileNetV2 at 50 %: 71 MiB moved a step by the
+        19-module plan, 34 MiB after; benchmarks/README.md).
         """
         self.plan_reserve_bytes = max(self.plan_reserve_bytes, nbytes - recomputed_bytes)
         if not self.early_eviction:

@@ -22,7 +22,7 @@ profiling (NOTE [safe to recompute] in ``activations/units.py``).
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,8 +42,11 @@ class RecomputeTarget(Protocol):
 class RecomputeHost(RecomputeTarget, Protocol):
     """The iteration a plan's recomputations run in: it measures what each one grows."""
 
-    def recompute_began(self) -> None:
-        """A recomputation starts (``recomputing`` is 1 now for the outermost)."""
+    def recompute_began(self, regrowth_bytes: int) -> None:
+        """A recomputation starts (``recomputing`` is 1 now for the outermost).
+
+        ``regrowth_bytes``: what it is expected to bring back (0: unknown, or placed by a plan).
+        """
         ...
 
     def recompute_ended(self) -> None:
@@ -52,11 +55,13 @@ class RecomputeHost(RecomputeTarget, Protocol):
 
 
 @contextlib.contextmanager
-def recomputing(target: RecomputeHost, module: nn.Module) -> Iterator[None]:
+def recomputing(
+    target: RecomputeHost, module: nn.Module, regrowth_bytes: int = 0
+) -> Iterator[None]:
     """Run again the forward of ``module``: hooks ignore it, its buffers come back unchanged."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     target.recomputing += 1
-    target.recompute_began()
+    target.recompute_began(regrowth_bytes)
     try:
         yield
     finally:
@@ -73,10 +78,13 @@ def recompute_modules(
     names: Sequence[str],
     target: RecomputeHost,
     selective: Sequence[str] = (),
+    regrowth: Mapping[str, int] | None = None,
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
     Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]).
+    ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
+    host with no plan to place them (NOTE [recomputed growth] in ``activations/policy.py``).
 
     Raises:
         VTensorError: a name is not a module of ``model``.
@@ -97,7 +105,10 @@ def recompute_modules(
                     f"module {name!r} has its own forward attribute (patched or already "
                     "wrapped): it cannot be recomputed"
                 )
-            module.forward = _checkpointed(module, module.forward, target, name in selective)
+            expected = (regrowth or {}).get(name, 0)
+            module.forward = _checkpointed(
+                module, module.forward, target, name in selective, expected
+            )
             wrapped.append(module)
         yield
     finally:
@@ -106,14 +117,18 @@ def recompute_modules(
 
 
 def _checkpointed(
-    module: nn.Module, forward: Callable[..., Any], target: RecomputeHost, selective: bool
+    module: nn.Module,
+    forward: Callable[..., Any],
+    target: RecomputeHost,
+    selective: bool,
+    regrowth_bytes: int,
 ) -> Callable[..., Any]:
     def contexts() -> tuple[contextlib.AbstractContextManager[Any], Any]:
         if not selective:
-            return contextlib.nullcontext(), recomputing(target, module)
+            return contextlib.nullcontext(), recomputing(target, module, regrowth_bytes)
         pair = create_selective_checkpoint_contexts(save_products)  # type: ignore[no-untyped-call]
         caching, cached = pair
-        return caching, _both(recomputing(target, module), cached)
+        return caching, _both(recomputing(target, module, regrowth_bytes), cached)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -299,10 +299,7 @@ class MemoryManager:
             stack.callback(iteration.finish)
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
-            plan = executor.plan if executor is not None else chosen
-            stack.enter_context(
-                instrumented(model, scan, iteration, plan, chosen.find_units, self.encode_masks)
-            )
+            stack.enter_context(instrumented(model, scan, iteration, chosen, self.encode_masks))
             started = time.perf_counter()
             stats_before = StoreCounters.of(store)
             self._active = True

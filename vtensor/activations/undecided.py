@@ -66,6 +66,7 @@ class Undecided:
                 "pending": [[list(n), list(s)] for n, s in self.trials.pending],
                 "plans": [ref(p) for p in self.trials.plans],
                 "swap_only": ref(self.trials.swap_only),
+                "growth": {n: list(g) for n, g in self.trials.growth.items()},
             }
         race = None
         if self.race is not None:
@@ -110,7 +111,8 @@ class Undecided:
             pending = [(tuple(n), tuple(s)) for n, s in t["pending"]]
             if not pending:
                 raise ValueError("trials with no candidate left to try")
-            trials = Trials(pending, [some(i) for i in t["plans"]], plan(t["swap_only"]))
+            growth = {str(n): (int(w), int(s)) for n, (w, s) in t.get("growth", {}).items()}
+            trials = Trials(pending, [some(i) for i in t["plans"]], plan(t["swap_only"]), growth)
         race = None
         if raw["race"] is not None:
             r = raw["race"]

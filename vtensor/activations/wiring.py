@@ -2,26 +2,16 @@
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
 
 from torch import nn
 
 from vtensor.activations.encodings import masks_encoded
 from vtensor.activations.hooks import install_module_hooks
 from vtensor.activations.iteration import Iteration
+from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import ModelScan
 from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.units import UnitRecorder
-
-
-class Recomputation(Protocol):
-    """The modules an iteration recomputes (a plan, or the trial of one)."""
-
-    @property
-    def recompute(self) -> tuple[str, ...]: ...  # noqa: D102
-
-    @property
-    def selective(self) -> tuple[str, ...]: ...  # noqa: D102
 
 
 @contextlib.contextmanager
@@ -29,16 +19,17 @@ def instrumented(
     model: nn.Module,
     scan: ModelScan,
     iteration: Iteration,
-    plan: Recomputation,
-    find_units: bool,
+    chosen: IterationPlan,
     encode_masks: bool,
 ) -> Iterator[None]:
     """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
 
-    The modules ``plan`` names are recomputed (NOTE [recompute] in ``activations/recompute.py``);
-    otherwise, with ``find_units``, the profile records which modules could be. With
-    ``encode_masks``, clamps save bits (NOTE [mask encoding] in ``activations/encodings.py``).
+    The modules ``chosen`` recomputes, or the plan it replays, are recomputed (NOTE [recompute]
+    in ``activations/recompute.py``); otherwise, if ``chosen`` finds units, the profile records
+    which modules could be. With ``encode_masks``, clamps save bits (NOTE [mask encoding] in
+    ``activations/encodings.py``).
     """
+    plan = chosen.executor.plan if chosen.executor is not None else chosen
     with contextlib.ExitStack() as stack:
         if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
             for hook in install_module_hooks(
@@ -47,8 +38,10 @@ def instrumented(
                 stack.callback(hook.remove)
         if plan.recompute:
             iteration.recomputed, iteration.selective = plan.recompute, plan.selective
-            stack.enter_context(recompute_modules(model, plan.recompute, iteration, plan.selective))
-        elif find_units:
+            stack.enter_context(
+                recompute_modules(model, plan.recompute, iteration, plan.selective, chosen.regrowth)
+            )
+        elif chosen.find_units:
             iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
             for hook in iteration.units.install():
                 stack.callback(hook.remove)

@@ -41,6 +41,18 @@ def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
     return sum(trace.tensors[v].nbytes for v in unit.inner_vids)
 
 
+def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
+    """Per safe unit, the bytes recomputing it brings back at once: (whole, selectively).
+
+    Selectively, SAC's cache has held the product outputs since the forward; the rest returns.
+    """
+    return {
+        u.name: (inner_bytes(trace, u), sum(trace.tensors[v].nbytes for v in u.selective_vids))
+        for u in trace.units
+        if u.safe
+    }
+
+
 def selective_bytes(trace: Trace, unit: TraceUnit) -> int:
     """Bytes recomputing ``unit`` selectively frees, less the product outputs it newly holds."""
     freed = sum(trace.tensors[v].nbytes for v in unit.selective_vids)

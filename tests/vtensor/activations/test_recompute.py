@@ -123,7 +123,7 @@ def test_sac_refuses_a_product_output_modified_in_place(tmp_path: Path) -> None:
     class Target:
         recomputing = 0
 
-        def recompute_began(self) -> None:
+        def recompute_began(self, regrowth_bytes: int) -> None:
             pass
 
         def recompute_ended(self) -> None:
