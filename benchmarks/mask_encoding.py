@@ -3,9 +3,10 @@
 NOTE [mask encoding] in ``vtensor/activations/encodings.py``. Two parts, in this one process:
 
 - ``ops``: per tensor of a clamp's input size, the forward and backward kernels of
-  ``aten.hardtanh`` against the encoding's work (packing the bits in forward, the stand-in input
-  in backward) and against the ways not taken (torch's boolean ops; unpacking and scaling the
-  bits), in microseconds, medians of ``--repeats``;
+  ``aten.hardtanh`` against the encoding's work (packing the bits in forward; in backward the
+  gradient ANDed with the bits' masks, which replaces the backward kernel, or the stand-in input
+  it falls back to, which the kernel then takes) and against the ways not taken (torch's
+  boolean ops; unpacking and scaling the bits), in microseconds, medians of ``--repeats``;
 - ``models``: the main job's CNN (``conf/config.yaml``) and the benchmarks' MobileNetV2 (its
   ReLU6 saves its input), trained unmanaged and under a manager whose budget never binds, with
   and without the encoding, the variants taking turns step by step from the same weights: the
@@ -42,7 +43,7 @@ from benchmarks.common import (
     write_json_lines,
 )
 from benchmarks.zoo import workloads
-from vtensor.activations.encodings import decode, encode, inside_step
+from vtensor.activations.encodings import decode, encode, inside_step, masked_gradient
 
 MIB = 1 << 20
 SHAPES = {"main job, first block": (32, 96, 14, 14), "MobileNetV2, stem": (12, 32, 64, 64)}
@@ -77,16 +78,16 @@ def _op_row(name: str, shape: tuple[int, ...], n: int) -> dict[str, Any]:
         return values
 
     stand_in = decode(bits, x.shape, x.dtype, 0.0, step)
-    same = torch.equal(
-        torch.ops.aten.hardtanh_backward(grad, stand_in, 0.0, 6.0),
-        torch.ops.aten.hardtanh_backward(grad, x, 0.0, 6.0),
-    )
+    kernel = torch.ops.aten.hardtanh_backward(grad, x, 0.0, 6.0)
+    same = torch.equal(torch.ops.aten.hardtanh_backward(grad, stand_in, 0.0, 6.0), kernel)
+    same = same and torch.equal(masked_gradient(bits, grad), kernel)
     timed = {
         "forward kernel": lambda: torch.ops.aten.hardtanh(x, 0.0, 6.0),
         "encode (numpy)": lambda: encode(x, 0.0, 6.0),
         "encode (torch bool ops)": lambda: torch.logical_and(x > 0.0, x < 6.0),
         "backward kernel": lambda: torch.ops.aten.hardtanh_backward(grad, x, 0.0, 6.0),
         "decode (table)": lambda: decode(bits, x.shape, x.dtype, 0.0, step),
+        "gradient (AND)": lambda: masked_gradient(bits, grad),
         "decode (unpack, scale)": unpack_and_scale,
     }
     row: dict[str, Any] = {"shape": name, "dims": list(shape), "mib": x.nbytes / MIB}

@@ -8,17 +8,24 @@ network of convolution, normalization and ReLU6 the normalization's output is sa
 ReLU6 alone, so autograd holds a whole float tensor where one bit per element would do (Gist,
 ISCA'18, binarizes ReLU-pool pairs the same way). For the step, a managed iteration runs such
 modules through ``MaskedHardtanh``: the same forward kernel, and a saved tensor of packed bits
-(1/32 of a float32 input) in place of the input. Backward rebuilds a stand-in input from the
-bits: the lower bound where an element lay outside, a value strictly inside the bounds where it
-lay inside, and calls the same backward kernel with it, so every gradient is bit-identical to
-the unencoded module's. An input with a NaN is saved as it is: torch's kernel passes or zeroes
-a NaN's gradient depending on where it falls in its vectorized loop. The bits are saved
-through the manager's hooks like any saved tensor: the plan keeps, swaps or recomputes them.
+(1/32 of a float32 input) in place of the input. Backward passes each element's gradient
+where its bit is 1 and writes +0 where it is 0, by ANDing the gradient's bits with all ones or
+all zeros, as the kernel's own vectorized loop does with its comparisons (its scalar loop gives
+the same for any input that is not NaN): every gradient is bit-identical to the unencoded
+module's. Where the gradient is not contiguous, or a graph of the backward is built (double
+backward), it rebuilds a stand-in input from the bits instead (the lower bound outside, a value
+strictly inside the bounds inside) and calls the same backward kernel with it. An input with a
+NaN is saved as it is: torch's kernel passes or zeroes a NaN's gradient depending on where it
+falls in its vectorized loop. The bits are saved through the manager's hooks like any saved
+tensor: the plan keeps, swaps or recomputes them.
 
 Encoded only where this is exact and cheap: CPU, float32 or float64, contiguous inputs of a
 module of exactly those types whose forward is not patched, with bounds for which an inside
 value exists in the dtype. Anything else runs the module's own forward. The bits are packed
-with numpy (torch's boolean ops run several times slower here; ``benchmarks.mask_encoding``).
+with numpy (torch's boolean ops run several times slower here; ``benchmarks.mask_encoding``),
+a block at a time: a pass over the whole tensor allocated temporaries of its size (a stand-in
+input as large as the input itself in backward), and where the allocator maps each large block
+afresh (the honest-RSS setting of the benchmarks) their page faults cost more than the passes.
 What is given up: an in-place change to the input after the forward, which autograd would
 report at backward, goes unseen; the gradient is still that of the forward that ran. A
 functional ``F.relu6`` call inside another module's forward is not encoded.
@@ -39,6 +46,11 @@ _DTYPES: dict[torch.dtype, type[np.floating[Any]]] = {
     torch.float32: np.float32,
     torch.float64: np.float64,
 }
+_WORDS: dict[torch.dtype, type[np.unsignedinteger[Any]]] = {
+    torch.float32: np.uint32,
+    torch.float64: np.uint64,
+}
+BLOCK = 1 << 18  # elements per pass (a multiple of 8: each block fills whole bytes)
 
 
 @functools.lru_cache(maxsize=64)  # asked at every clamp's forward
@@ -62,13 +74,19 @@ def inside_step(low: float, high: float, dtype: torch.dtype) -> float | None:
 
 def encode(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """One bit per element of ``x``: 1 where it lay strictly inside the bounds (no NaN in it)."""
-    values = x.detach().numpy()
+    values = x.detach().numpy().reshape(-1)
     kind = values.dtype.type
-    inside = np.greater(values, kind(low))
-    inside &= np.less(values, kind(high))
-    packed = np.packbits(inside, axis=None)
-    bits = torch.empty(packed.size, dtype=torch.uint8)  # torch's allocator, as the store expects
-    bits.numpy()[:] = packed
+    lo, hi = kind(low), kind(high)
+    bits = torch.empty((values.size + 7) // 8, dtype=torch.uint8)  # torch's, as the store expects
+    packed = bits.numpy()
+    inside, below = np.empty((2, min(BLOCK, values.size)), dtype=bool)
+    for start in range(0, values.size, BLOCK):
+        block = values[start : start + BLOCK]
+        a, b = inside[: block.size], below[: block.size]
+        np.greater(block, lo, out=a)
+        np.less(block, hi, out=b)
+        np.logical_and(a, b, out=a)
+        packed[start // 8 : (start + block.size + 7) // 8] = np.packbits(a)
     return bits
 
 
@@ -94,6 +112,37 @@ def decode(
     return torch.from_numpy(values.reshape(-1)[: shape.numel()]).view(shape)
 
 
+@functools.lru_cache(maxsize=4)
+def _word_masks(dtype: torch.dtype) -> Any:
+    """Each byte's eight element masks: all ones where its bit is 1, zeros elsewhere."""
+    kind = _WORDS[dtype]
+    flags = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(bool)
+    return np.where(flags, kind(np.iinfo(kind).max), kind(0))
+
+
+def masked_gradient(bits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` where the bit is 1, +0 elsewhere (``grad`` contiguous, float32 or float64).
+
+    The backward kernel's result for an input the bits describe, bit for bit: its vectorized
+    loop ANDs the gradient with its comparisons' masks, as here.
+    """
+    kind = _WORDS[grad.dtype]
+    result = torch.empty_like(grad)
+    incoming = grad.detach().numpy().reshape(-1).view(kind)
+    outgoing = result.numpy().reshape(-1).view(kind)
+    table, packed = _word_masks(grad.dtype), bits.numpy()
+    masks = np.empty(min(BLOCK, incoming.size), dtype=kind)
+    for start in range(0, incoming.size, BLOCK):
+        n = min(BLOCK, incoming.size - start)
+        whole, first = n // 8, start // 8
+        rows = masks[: whole * 8].reshape(whole, 8)
+        np.take(table, packed[first : first + whole], axis=0, out=rows, mode="clip")
+        if n % 8:  # the last byte's leading bits
+            masks[whole * 8 : n] = table[packed[first + whole]][: n % 8]
+        np.bitwise_and(masks[:n], incoming[start : start + n], out=outgoing[start : start + n])
+    return result
+
+
 class MaskedHardtanh(torch.autograd.Function):
     """``aten.hardtanh`` that saves packed bits instead of its input (NOTE [mask encoding])."""
 
@@ -114,6 +163,9 @@ class MaskedHardtanh(torch.autograd.Function):
         """The module's backward kernel on the stand-in input."""
         (saved,) = ctx.saved_tensors
         shape, dtype, low, high, step = ctx.meta
+        if ctx.encoded and grad.is_contiguous() and not torch.is_grad_enabled():
+            return masked_gradient(saved, grad), None, None, None
+        # A graph of this backward (double backward) needs torch's kernel.
         stand_in = decode(saved, shape, dtype, low, step) if ctx.encoded else saved
         grad_in: torch.Tensor = torch.ops.aten.hardtanh_backward(grad, stand_in, low, high)
         return grad_in, None, None, None

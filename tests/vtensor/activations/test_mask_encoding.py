@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.activations.encodings import MaskedHardtanh, inside_step, masks_encoded
+from vtensor.activations.encodings import BLOCK, MaskedHardtanh, inside_step, masks_encoded
 
 BOUNDS = [(0.0, 6.0), (-1.0, 1.0), (-0.3, 0.7), (-2.0, 1e-3)]
 
@@ -53,6 +53,42 @@ def test_the_gradient_is_bit_identical_at_and_around_the_bounds(
     out.backward(grad)
     assert plain.grad is not None and masked.grad is not None
     assert torch.equal(_bits(masked.grad), _bits(plain.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradients_stay_identical_across_blocks_and_a_partial_last_byte(dtype: torch.dtype) -> None:
+    # Two blocks and 13 elements more: the passes' block edges and a last byte of 5 bits.
+    n = 2 * BLOCK + 13
+    g = torch.Generator().manual_seed(2)
+    values = torch.randn(n, generator=g, dtype=dtype) * 4
+    values[BLOCK - 1 : BLOCK + 1] = torch.tensor([0.0, 6.0], dtype=dtype)  # bounds at the edge
+    grad = torch.randn(n, generator=g, dtype=dtype)
+    grad[:3] = torch.tensor([math.inf, -math.inf, math.nan], dtype=dtype)  # passed or zeroed
+    plain = values.clone().requires_grad_()
+    nn.functional.relu6(plain).backward(grad)
+    masked = values.clone().requires_grad_()
+    MaskedHardtanh.apply(masked, 0.0, 6.0, inside_step(0.0, 6.0, dtype)).backward(grad)
+    assert plain.grad is not None and masked.grad is not None
+    assert torch.equal(_bits(masked.grad), _bits(plain.grad))
+
+
+def test_a_gradient_not_contiguous_and_a_double_backward_match_the_module() -> None:
+    values = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)) * 4
+    step = inside_step(0.0, 6.0, torch.float32)
+    grads = []
+    for forward in (nn.functional.relu6, lambda x: MaskedHardtanh.apply(x, 0.0, 6.0, step)):
+        torch.manual_seed(4)  # the same gradients for both
+        x = values.clone().requires_grad_()
+        out = forward(x)
+        # a gradient that is not contiguous: the transpose of a contiguous one
+        (by_t,) = torch.autograd.grad(out, x, torch.randn(16, 6).t(), retain_graph=True)
+        # a graph of the backward: the gradient's own gradient, through the clamp's backward
+        weight = torch.randn(6, 16, requires_grad=True)
+        (first,) = torch.autograd.grad(out, x, weight, create_graph=True)
+        (second,) = torch.autograd.grad(first.pow(2).sum(), weight)
+        grads.append((by_t, first.detach(), second))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 def test_bounds_with_nothing_strictly_inside_are_not_encoded() -> None:
