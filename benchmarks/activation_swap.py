@@ -17,7 +17,8 @@ fractions of each model's unmanaged tracked peak, with these variants:
   (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
 - ``lgm-chunk+masks``, ``lgm-hybrid+masks``: those with ``encode_masks=True`` (clamps save one
-  bit per element of their input; NOTE [mask encoding]);
+  bit per element of their input; NOTE [mask encoding]); ``lgm-chunk+auto``,
+  ``lgm-hybrid+auto``: with ``encode_masks="auto"`` (the race decides; NOTE [encoding decided]);
 - ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost;
 - ``micro-2``, ``micro-4``: the batch in 2 or 4 micro-batches with gradient accumulation (the
   same mean loss; not bit-identical: BatchNorm sees smaller batches and the gradient sums in
@@ -97,13 +98,16 @@ BASELINES: dict[str, tuple[bool | str, int]] = {  # variant -> (checkpoint_block
     "micro-2": (False, 2),
     "micro-4": (False, 4),
 }
-MANAGED = {  # variant -> (policy, granularity, recompute, encode_masks)
+MANAGED: dict[str, tuple[str, str, bool, bool | str]] = {  # variant -> (policy, granularity,
+    # recompute, encode_masks)
     "lgm-chunk": ("planned", "chunk", False, False),
     "lgm-tensor": ("planned", "tensor", False, False),
     "lgm-hybrid": ("planned", "chunk", True, False),
     "reactive-chunk": ("reactive", "chunk", False, False),
     "lgm-chunk+masks": ("planned", "chunk", False, True),
     "lgm-hybrid+masks": ("planned", "chunk", True, True),
+    "lgm-chunk+auto": ("planned", "chunk", False, "auto"),
+    "lgm-hybrid+auto": ("planned", "chunk", True, "auto"),
 }
 VARIANTS = [*(n for n in BASELINES if n != "unmanaged"), "unbound", *MANAGED, "compile"]
 

@@ -110,8 +110,9 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     for device in c.fleet.classes:
         budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
         for recompute in (False, True):
-            for masks in (False, True) if args.masks else (False,):
-                name = device.name + "+recompute" * recompute + "+masks" * masks
+            for masks in _mask_settings(args.masks):
+                suffix = {True: "+masks", "auto": "+auto"}.get(masks, "")
+                name = device.name + "+recompute" * recompute + suffix
                 vt = replace(c.vtensor, enabled=True, recompute=recompute, encode_masks=masks)
                 variants.append(Variant(name, budget, vt, root / name))
     print(
@@ -183,6 +184,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _mask_settings(chosen: list[str] | None) -> list[bool | str]:
+    """The ``vtensor.encode_masks`` settings to run: false, then those ``--masks`` names."""
+    if chosen is None:
+        return [False]
+    return [False, *({"true": True, "auto": "auto"}[c] for c in chosen or ["true"])]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, run, print the table, write the JSON lines."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -192,8 +200,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
     parser.add_argument(
         "--masks",
-        action="store_true",
-        help="also each variant with clamps saving bits (vtensor.encode_masks=true)",
+        nargs="*",
+        choices=["true", "auto"],
+        help="also each variant with clamps saving bits (vtensor.encode_masks=true), or with "
+        "the plans deciding (auto); --masks alone: true",
     )
     parser.add_argument(
         "--max-examples", type=int, default=0, help="cap a round's examples (0: the client's all)"

@@ -220,7 +220,7 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
                 "vtensor.offload_params",
             ),
             recompute=_flag(raw["vtensor"].get("recompute", False), "vtensor.recompute"),
-            encode_masks=_flag(raw["vtensor"].get("encode_masks", False), "vtensor.encode_masks"),
+            encode_masks=_masks(raw["vtensor"].get("encode_masks", False)),
         ),
         fleet=fleet,
         privacy=privacy,
@@ -302,6 +302,18 @@ def _choice(value: Any, choices: type[_Choice], what: str) -> _Choice:
 def _flag(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{what}={value!r} is not true or false; set e.g. {what}=true")
+    return value
+
+
+def _masks(value: Any) -> bool | str:
+    """``vtensor.encode_masks``: true, false, or auto (NOTE [encoding decided] in vtensor)."""
+    if value == "auto":
+        return "auto"
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"vtensor.encode_masks={value!r} is not true, false or auto; set e.g. "
+            "vtensor.encode_masks=auto"
+        )
     return value
 
 

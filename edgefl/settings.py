@@ -67,7 +67,7 @@ class VTensorSettings:
     granularity: vtensor.Granularity = vtensor.Granularity.CHUNK
     offload_params: OffloadParams = OffloadParams.AUTO
     recompute: bool = False  # plans may recompute modules as well as swap (hybrid plans)
-    encode_masks: bool = False  # clamps (ReLU6, Hardtanh) save bits, not their input
+    encode_masks: bool | str = False  # clamps (ReLU6, Hardtanh) save bits; "auto": plans decide
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,17 @@ def test_a_vtensor_flag_is_checked_and_reaches_the_manager(flag: str, tmp_path: 
             manager.close()
 
 
+def test_mask_encoding_may_be_left_to_the_plans(tmp_path: Path) -> None:
+    settings = load_run_settings(["vtensor.encode_masks=auto"]).client.vtensor
+    assert settings.encode_masks == "auto"
+    manager = open_manager(settings, 1 << 30, tmp_path / "plans")
+    assert manager is not None
+    try:
+        assert manager.encode_masks == "auto"
+    finally:
+        manager.close()
+
+
 def test_swap_granularity_is_vtensors() -> None:
     assert load_run_settings([]).client.vtensor.granularity is vtensor.Granularity.CHUNK
     tensor = load_run_settings(["vtensor.granularity=tensor"]).client.vtensor.granularity

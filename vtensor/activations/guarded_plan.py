@@ -57,4 +57,5 @@ def plan_within_guard(
         watched_steps=watched,
         step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
         watched_events=watched_events(plan, trace, watched),  # NOTE [hookless replay]
+        encoded=trace.encoded,  # NOTE [encoding decided]
     )

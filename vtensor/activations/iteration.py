@@ -52,6 +52,7 @@ class Iteration:
         self.units: UnitRecorder | None = None
         self.recomputed: tuple[str, ...] = ()
         self.selective: tuple[str, ...] = ()  # of those, recomputed selectively
+        self.encoded = False  # clamps saved bits (NOTE [mask encoding])
         self.policy = policy
         self.tracker = tracker
         self.device = device
@@ -121,15 +122,11 @@ class Iteration:
 
     # -- recomputation --------------------------------------------------------------------------
     def recompute_began(self, regrowth_bytes: int) -> None:
-        """Make room for what a recomputation brings back; note the bytes it starts from.
-
-        A plan placed its recomputations' growth; an iteration with none (a trial) makes room
-        for ``regrowth_bytes`` first (NOTE [recomputed growth]). Nothing in a lean replay.
-        """
+        """Without a plan, make room for ``regrowth_bytes`` (NOTE [recomputed growth]); note."""
         if self.recomputing != 1 or self.lean:
             return
         if regrowth_bytes and not (self.executor is not None and self.executor.active):
-            self.enforce(incoming_bytes=regrowth_bytes)
+            self.enforce(incoming_bytes=regrowth_bytes)  # a plan placed them
         self._recompute_from = self.live_bytes()
 
     def recompute_ended(self) -> None:
@@ -395,9 +392,8 @@ class Iteration:
             position = {vid: i for i, vid in enumerate(sorted(self.books.tensors))}
             names = [s.name for s in trace.steps]
             units = self.units.units(position, trace.tensors, names)
-        return dataclasses.replace(
-            trace, units=units, recomputed=self.recomputed, selective=self.selective
-        )
+        ran = dataclasses.replace(trace, recomputed=self.recomputed, selective=self.selective)
+        return dataclasses.replace(ran, units=units, encoded=self.encoded)
 
 
 def _copy(stats: StoreStats) -> StoreStats:

@@ -1,11 +1,15 @@
 """What one iteration runs with, and the candidate recomputations a signature still has to try."""
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +31,8 @@ class IterationPlan:
     lean: bool = False  # replayed lean (NOTE [lean replay]): an earlier full replay needed no guard
     # A trial's recomputed modules: the bytes each brings back at once (NOTE [recomputed growth]).
     regrowth: dict[str, int] = field(default_factory=dict)
+    encode: bool = False  # clamps save bits (NOTE [mask encoding])
+    may_encode: bool = False  # profiled without encoding first (NOTE [encoding decided])
 
 
 @dataclass
@@ -39,12 +45,30 @@ class Trials:
         swap_only: the profiled iteration's plan, without recomputation.
         growth: per module the profile found safe to recompute, what recomputing it brings
             back at once: (whole, selectively) bytes (``unit_regrowth``).
+        encoded: the profile's clamps saved bits: so do the trials' (NOTE [mask encoding]).
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
     plans: list[Plan]
     swap_only: Plan | None
     growth: dict[str, tuple[int, int]] = field(default_factory=dict)
+    encoded: bool = False
+
+    def profiled(self, plan: Plan | None, predicted_s: float) -> Plan | None:
+        """The next candidate was profiled into ``plan``: its hybrid plan, kept to race."""
+        names, selective = self.pending.pop(0)
+        logger.info(
+            "recomputing %d modules, %d selectively, predicted %.3f s per step: %s",
+            len(names),
+            len(selective),
+            predicted_s,
+            ", ".join(f"{n} (selective)" if n in selective else n for n in names),
+        )
+        if plan is None:
+            return None
+        hybrid = dataclasses.replace(plan, recompute=names, selective=selective)
+        self.plans.append(hybrid)
+        return hybrid
 
     def next_trial(self, signature: str, key: PlanKey | None) -> IterationPlan:
         """The iteration that profiles the next candidate, with its modules recomputed."""
@@ -59,6 +83,7 @@ class Trials:
             recompute=names,
             selective=selective,
             regrowth=regrowth,
+            encode=self.encoded,
         )
 
     def candidates(self) -> list[Plan]:

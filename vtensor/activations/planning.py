@@ -9,6 +9,7 @@ from os import PathLike
 import torch
 from torch import nn
 
+from vtensor.activations.encoding_choice import EncodingChoice
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
 from vtensor.activations.iteration_plan import IterationPlan, Trials
@@ -39,7 +40,8 @@ class PlanBook:
         planned: False to run the reactive policy only.
         count_workspaces: plans budget op workspaces.
         recompute: plans may recompute modules as well as swap (NOTE [hybrid plan]).
-        encode_masks: iterations save clamps' inputs as bits (NOTE [mask encoding]).
+        encode_masks: iterations save clamps' inputs as bits (NOTE [mask encoding]); ``"auto"``:
+            as the plans decide (NOTE [encoding decided] in ``activations/encoding_choice.py``).
     """
 
     def __init__(
@@ -50,7 +52,7 @@ class PlanBook:
         planned: bool = True,
         count_workspaces: bool = False,
         recompute: bool = False,
-        encode_masks: bool = False,
+        encode_masks: bool | str = False,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
@@ -58,8 +60,10 @@ class PlanBook:
         self.planned = planned
         # Plans that budget op workspaces, recompute, or see clamps' bits (NOTE [mask encoding])
         # differ from plans that do not: keep them apart.
-        kinds = {"+workspaces": count_workspaces, "+recompute": recompute, "+masks": encode_masks}
+        masks = {True: "+masks", "auto": "+masks-auto"}.get(encode_masks, "")
+        kinds = {"+workspaces": count_workspaces, "+recompute": recompute, masks: bool(masks)}
         self.planner_version = PLANNER_VERSION + "".join(k for k, on in kinds.items() if on)
+        self.encoding = EncodingChoice(encode_masks)
         self.count_workspaces = count_workspaces
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
         self.recompute = recompute
@@ -73,8 +77,7 @@ class PlanBook:
         # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
         self._race: dict[str, PlanRace] = {}
         # The profile (trace, reserve, minimum budget) of each signature's kept plan until it is
-        # planned again with a margin (NOTE [guard margin]), and of each candidate plan while
-        # they are tried.
+        # planned again with a margin (NOTE [guard margin]), and of each candidate's in a race.
         self._profiles: dict[str, Profile] = {}
         self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
         # Each profiled signature's key, to leave its decision under way (NOTE [undecided plans]).
@@ -110,7 +113,7 @@ class PlanBook:
         store: ChunkStore,
         params: str = "",
     ) -> IterationPlan:
-        """Choose the plan (or profiling) for the coming iteration.
+        """Choose the plan (or profiling) for the coming iteration; then ``encoding.apply`` it.
 
         ``params`` is the parameter offloading's ``plan_signature()`` for a joint plan.
         """
@@ -202,10 +205,9 @@ class PlanBook:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
 
     def abandon_trial(self, chosen: IterationPlan) -> bool:
-        """Drop the candidate whose trial broke the budget: the next is tried, then the race.
+        """Drop the candidate whose trial broke the budget (False: ``chosen`` was no trial).
 
-        With no candidate left, the plans of those that fitted race the swap-only plan, or the
-        swap-only plan is kept. Returns False if ``chosen`` was no trial.
+        The next is tried; with none left, those that fitted race, or the only plan is kept.
         """
         trials = self._trial.get(chosen.signature)
         if trials is None or chosen.executor is not None:
@@ -222,9 +224,8 @@ class PlanBook:
     def excuse(self, chosen: IterationPlan, was_lean: bool) -> bool:
         """An iteration broke the budget: whether it is excused (else the step raises).
 
-        A lean replay's plan is profiled again (NOTE [lean replay]: its own minimum would not be
-        one that works); a trial of recomputation drops its candidate (its gradients are right,
-        only its working set did not fit).
+        A lean replay's plan is profiled again (NOTE [lean replay]: its minimum would not work);
+        a trial drops its candidate (its gradients are right, its working set did not fit).
         """
         if was_lean:
             self.forget(chosen)
@@ -254,11 +255,9 @@ class PlanBook:
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         candidates = self._candidates.pop(chosen.signature, None)
         if candidates is not None:  # a new decision: its profile allows one margin again
-            profile = next((pr for p, pr in candidates if p is plan), None)
-            if profile is not None:
+            self._profiles.pop(chosen.signature, None)
+            for profile in (pr for p, pr in candidates if p is plan):
                 self._profiles[chosen.signature] = profile
-            else:
-                self._profiles.pop(chosen.signature, None)
         self._plans[chosen.signature] = plan
         self._reprofile.discard(chosen.signature)
         if plan is not None and self.cache is not None and chosen.key is not None:
@@ -317,10 +316,10 @@ class PlanBook:
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
             begin = time.perf_counter()
-            plan = self._choose(chosen.signature, trace, reserve_bytes, min_budget_bytes)
+            plan = self._choose(chosen, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin
-            if chosen.signature in self._trial or chosen.signature in self._race:
-                return chosen.source  # the next iterations try the recomputation
+            if chosen.signature in {*self._trial, *self._race, *self.encoding.unencoded}:
+                return chosen.source  # the next iterations try the recomputation, or encoding
             self._store(chosen, plan)
         return chosen.source
 
@@ -346,45 +345,45 @@ class PlanBook:
         return PlanSource.RACED
 
     def _choose(
-        self, signature: str, trace: Trace, reserve_bytes: int, min_budget_bytes: int
+        self, chosen: IterationPlan, trace: Trace, reserve_bytes: int, min_budget_bytes: int
     ) -> Plan | None:
         """The plan of a profiled trace; with recomputation, first a trial (NOTE [hybrid plan])."""
+        signature = chosen.signature
         plan = self._plan(trace, reserve_bytes, min_budget_bytes)
         if plan is not None:
             plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
         profile = (trace, reserve_bytes, min_budget_bytes)
+        if self.encoding.defer(chosen, plan, profile):  # NOTE [encoding decided]
+            return None
+        unencoded = self.encoding.take(signature)
+        others = [p for p, _ in unencoded]
         trials = self._trial.get(signature)
         if trials is not None:
-            names, selective = trials.pending.pop(0)
-            if plan is not None:
-                hybrid = dataclasses.replace(plan, recompute=names, selective=selective)
-                trials.plans.append(hybrid)
+            hybrid = trials.profiled(plan, predicted_step_s(trace, plan))
+            if hybrid is not None:
                 self._candidates.setdefault(signature, []).append((hybrid, profile))
-            logger.info(
-                "recomputing %d modules, %d selectively, predicted %.3f s per step: %s",
-                len(names),
-                len(selective),
-                predicted_step_s(trace, plan),
-                ", ".join(f"{n} (selective)" if n in selective else n for n in names),
-            )
             if trials.pending:
                 return None  # the next iteration profiles the next candidate
             del self._trial[signature]
             return self._race_or_only(signature, trials)
         self._candidates[signature] = [] if plan is None else [(plan, profile)]
+        self._candidates[signature] += unencoded
         if trace.units:
             # Judged at the budget the plans are made at: the guard's watermark where the
             # swap-only plan fits under it, else the whole budget (NOTE [plan within the guard]).
             judged = plan.budget_bytes if plan is not None else self.budget_bytes
             candidates = recompute_candidates(trace, judged)
             if candidates:
-                self._trial[signature] = Trials(list(candidates), [], plan, unit_regrowth(trace))
-        return plan
+                growth = unit_regrowth(trace)
+                self._trial[signature] = Trials(
+                    list(candidates), others, plan, growth, trace.encoded
+                )
+                return plan
+        return self._race_or_only(signature, Trials([], others, plan)) if others else plan
 
     def _race_or_only(self, signature: str, trials: Trials) -> Plan | None:
         """Race the candidates of ``trials`` (NOTE [plan race]); the only one if one, or None."""
-        candidates = trials.candidates()
-        if len(candidates) < 2:
+        if len(candidates := trials.candidates()) < 2:
             return candidates[0] if candidates else None
         self._race[signature] = PlanRace(candidates)
         return None

@@ -95,6 +95,7 @@ class MemoryManager:
             report then has no per-step statistics and states the profiled iteration's minimum.
         encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save a bit per element of their input, not
             the input; gradients stay bit-identical (NOTE [mask encoding] in ``encodings.py``).
+            ``"auto"``: as the plans decide (NOTE [encoding decided] in ``encoding_choice.py``).
     """
 
     def __init__(
@@ -116,8 +117,10 @@ class MemoryManager:
         measure_peaks: bool = False,
         recompute: bool = False,
         check_every_hook: bool = False,
-        encode_masks: bool = False,
+        encode_masks: bool | str = False,
     ) -> None:
+        if encode_masks not in (True, False, "auto"):
+            raise VTensorError(f"encode_masks={encode_masks!r}: use True, False or 'auto'")
         self.budget_bytes = parse_bytes(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
         try:
@@ -150,8 +153,7 @@ class MemoryManager:
             recompute=recompute,
             encode_masks=encode_masks,
         )
-        self.recompute = recompute
-        self.encode_masks = encode_masks
+        self.recompute, self.encode_masks = recompute, encode_masks
         self.check_every_hook = check_every_hook
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
@@ -267,6 +269,7 @@ class MemoryManager:
             peaks.start()
             signature = params.plan_signature() if params is not None else ""
             chosen = self._plans.for_iteration(model, scan, inputs, device, store, signature)
+            self._plans.encoding.apply(chosen, bool(scan.maskable))  # NOTE [encoding decided]
             executor = chosen.executor
             if executor is not None:
                 policy.use_reserve(executor.plan.reserve_bytes)
@@ -299,7 +302,7 @@ class MemoryManager:
             stack.callback(iteration.finish)
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
-            stack.enter_context(instrumented(model, scan, iteration, chosen, self.encode_masks))
+            stack.enter_context(instrumented(model, scan, iteration, chosen))
             started = time.perf_counter()
             stats_before = StoreCounters.of(store)
             self._active = True

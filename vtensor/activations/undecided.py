@@ -67,6 +67,7 @@ class Undecided:
                 "plans": [ref(p) for p in self.trials.plans],
                 "swap_only": ref(self.trials.swap_only),
                 "growth": {n: list(g) for n, g in self.trials.growth.items()},
+                "encoded": self.trials.encoded,
             }
         race = None
         if self.race is not None:
@@ -112,7 +113,8 @@ class Undecided:
             if not pending:
                 raise ValueError("trials with no candidate left to try")
             growth = {str(n): (int(w), int(s)) for n, (w, s) in t.get("growth", {}).items()}
-            trials = Trials(pending, [some(i) for i in t["plans"]], plan(t["swap_only"]), growth)
+            plans_so_far, swap_only = [some(i) for i in t["plans"]], plan(t["swap_only"])
+            trials = Trials(pending, plans_so_far, swap_only, growth, bool(t.get("encoded")))
         race = None
         if raw["race"] is not None:
             r = raw["race"]

@@ -20,13 +20,12 @@ def instrumented(
     scan: ModelScan,
     iteration: Iteration,
     chosen: IterationPlan,
-    encode_masks: bool,
 ) -> Iterator[None]:
     """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
 
     The modules ``chosen`` recomputes, or the plan it replays, are recomputed (NOTE [recompute]
     in ``activations/recompute.py``); otherwise, if ``chosen`` finds units, the profile records
-    which modules could be. With ``encode_masks``, clamps save bits (NOTE [mask encoding] in
+    which modules could be. If ``chosen`` encodes, clamps save bits (NOTE [mask encoding] in
     ``activations/encodings.py``).
     """
     plan = chosen.executor.plan if chosen.executor is not None else chosen
@@ -45,7 +44,7 @@ def instrumented(
             iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
             for hook in iteration.units.install():
                 stack.callback(hook.remove)
-        if encode_masks and scan.maskable:
+        if chosen.encode and scan.maskable:
             # After the recomputation's wrappers: a recomputed clamp keeps its own forward.
-            stack.enter_context(masks_encoded(scan.maskable))
+            iteration.encoded = stack.enter_context(masks_encoded(scan.maskable)) > 0
         yield

@@ -71,6 +71,8 @@ class Plan:
             tracked bytes at, the first at or after each watched step: ``(vid, 0)`` its save,
             ``(vid, 1)`` its first unpack (NOTE [hookless replay]); empty: a watched step has
             none after it.
+        encoded: made from an iteration whose clamps saved bits (NOTE [mask encoding]): its
+            replays encode them too.
     """
 
     budget_bytes: int
@@ -91,6 +93,7 @@ class Plan:
     selective: tuple[str, ...] = ()
     step_headroom_bytes: tuple[int, ...] = ()
     watched_events: tuple[tuple[int, int], ...] = ()
+    encoded: bool = False
 
     @property
     def activation_count(self) -> int:

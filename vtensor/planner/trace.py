@@ -158,6 +158,7 @@ class Trace:
             ``recompute=True`` only; empty otherwise).
         recomputed: the modules recomputed while this iteration ran.
         selective: of those, the ones recomputed selectively (NOTE [selective recompute]).
+        encoded: its clamps saved bits, not their inputs (NOTE [mask encoding]).
     """
 
     steps: tuple[TraceStep, ...]
@@ -172,6 +173,7 @@ class Trace:
     units: tuple[TraceUnit, ...] = ()
     recomputed: tuple[str, ...] = ()
     selective: tuple[str, ...] = ()
+    encoded: bool = False
 
     def live_curve(self) -> list[tuple[int, int]]:
         """(step index, peak tracked device bytes) per step."""

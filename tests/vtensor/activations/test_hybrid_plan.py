@@ -386,7 +386,9 @@ def test_recomputation_is_judged_at_the_budget_the_plan_is_made_at() -> None:
     # plan is made at the whole budget (NOTE [plan within the guard]); recomputing a unit fits
     # there, and is tried. Judged under the watermark, no candidate fitted: the char GPT at
     # 50 and 40 % of its peak never tried one.
+    from vtensor.activations.iteration_plan import IterationPlan
     from vtensor.activations.planning import PlanBook
+    from vtensor.activations.report import PlanSource
     from vtensor.planner.lgm import build_lgm, min_budget
 
     trace, reserve = _two_units(reserve_kb=80)
@@ -394,6 +396,7 @@ def test_recomputation_is_judged_at_the_budget_the_plan_is_made_at() -> None:
     floor = min_budget(build_lgm(trace, trace.chunk_bytes))[0]
     assert budget - reserve < floor <= budget
     book = PlanBook(budget, 64 * 1024, None, recompute=True)
-    plan = book._choose("sig", trace, reserve, floor)
+    profiled = IterationPlan("sig", PlanSource.PROFILED, None, True, None)
+    plan = book._choose(profiled, trace, reserve, floor)
     assert plan is not None and plan.budget_bytes == budget  # the whole budget
     assert book._trial["sig"].pending  # a recomputation to try

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clamp_models import bits_of, clamp_model, train_clamps
 from torch import nn
 
 import vtensor
@@ -30,10 +31,6 @@ def _edge_values(low: float, high: float, dtype: torch.dtype, nan: bool) -> torc
     return torch.cat([torch.stack(edges), special, noise]).reshape(-1, 8)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "a NaN"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("low", "high"), BOUNDS)
@@ -49,10 +46,10 @@ def test_the_gradient_is_bit_identical_at_and_around_the_bounds(
     nn.functional.hardtanh(plain, low, high).backward(grad)
     masked = values.clone().requires_grad_()
     out = MaskedHardtanh.apply(masked, low, high, step)
-    assert torch.equal(_bits(out), _bits(nn.functional.hardtanh(values, low, high)))
+    assert torch.equal(bits_of(out), bits_of(nn.functional.hardtanh(values, low, high)))
     out.backward(grad)
     assert plain.grad is not None and masked.grad is not None
-    assert torch.equal(_bits(masked.grad), _bits(plain.grad))
+    assert torch.equal(bits_of(masked.grad), bits_of(plain.grad))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -69,7 +66,7 @@ def test_gradients_stay_identical_across_blocks_and_a_partial_last_byte(dtype: t
     masked = values.clone().requires_grad_()
     MaskedHardtanh.apply(masked, 0.0, 6.0, inside_step(0.0, 6.0, dtype)).backward(grad)
     assert plain.grad is not None and masked.grad is not None
-    assert torch.equal(_bits(masked.grad), _bits(plain.grad))
+    assert torch.equal(bits_of(masked.grad), bits_of(plain.grad))
 
 
 def test_a_gradient_not_contiguous_and_a_double_backward_match_the_module() -> None:
@@ -88,7 +85,7 @@ def test_a_gradient_not_contiguous_and_a_double_backward_match_the_module() -> N
         (second,) = torch.autograd.grad(first.pow(2).sum(), weight)
         grads.append((by_t, first.detach(), second))
     for a, b in zip(*grads, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits_of(a), bits_of(b))
 
 
 def test_bounds_with_nothing_strictly_inside_are_not_encoded() -> None:
@@ -140,44 +137,11 @@ def test_only_exact_clamps_out_of_place_are_wrapped_and_all_come_off() -> None:
     assert [m for m in modules if "forward" in m.__dict__] == [own]
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-
-    def block(c: int) -> nn.Sequential:
-        return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c), nn.ReLU6())
-
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        *[block(16) for _ in range(5)],
-        nn.Flatten(),
-        nn.Linear(16 * 12 * 12, 10),
-    )
-
-
-def _train(model: nn.Module, mm: vtensor.MemoryManager | None, steps: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for i in range(steps):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(8, 3, 12, 12, generator=g), torch.randint(0, 10, (8,), generator=g)
-        opt.zero_grad(set_to_none=True)
-        if mm is None:
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-        else:
-            with mm.step(model, opt, (x, y)):
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _saved_bytes(encode: bool, tmp_path: Path) -> tuple[int, int]:
     """Bytes saved for backward in a profiled iteration, and the baseline under them."""
-    model = _model()
+    model = clamp_model()
     with vtensor.MemoryManager(1 << 30, storage_dir=tmp_path, encode_masks=encode) as mm:
-        _train(model, mm, 3)
+        train_clamps(model, mm, 3)
         assert mm.trace is not None
         saved = sum(t.nbytes for t in mm.trace.tensors) + mm.trace.unmanaged_saved_bytes
         return saved, mm.trace.baseline_bytes
@@ -186,31 +150,33 @@ def _saved_bytes(encode: bool, tmp_path: Path) -> tuple[int, int]:
 def test_a_managed_model_with_clamps_saves_less_and_trains_bit_identically(
     tmp_path: Path,
 ) -> None:
-    unmanaged = _model()
-    _train(unmanaged, None, 6)
+    unmanaged = clamp_model()
+    train_clamps(unmanaged, None, 6)
     plain, _ = _saved_bytes(False, tmp_path)
     encoded, baseline = _saved_bytes(True, tmp_path)
     # five clamps' inputs (8 x 16 x 12 x 12 float32 each) become bits
     clamp = 8 * 16 * 12 * 12 * 4
     assert plain - encoded == pytest.approx(5 * clamp * 31 / 32, abs=5 * 64)
     # a budget that never binds, and one that binds under the encoded bytes
-    for budget in (1 << 30, baseline + int(encoded * 0.6)):
-        model = _model()
+    for budget in (1 << 30, baseline + int(encoded * 0.75)):
+        model = clamp_model()
         with vtensor.MemoryManager(
             budget, storage_dir=tmp_path, recompute=True, encode_masks=True
         ) as mm:
-            _train(model, mm, 6)
+            train_clamps(model, mm, 6)
             assert mm.report().plan_source != "profiled"
+            acted = any(r.bytes_out or r.recomputed for r in mm.reports)
+            assert acted == (budget < 1 << 30), mm.reports
         for a, b in zip(model.parameters(), unmanaged.parameters(), strict=True):
-            assert torch.equal(_bits(a), _bits(b))
+            assert torch.equal(bits_of(a), bits_of(b))
 
 
 def test_a_block_with_an_encoded_clamp_may_still_be_recomputed(tmp_path: Path) -> None:
-    model = _model()
+    model = clamp_model()
     with vtensor.MemoryManager(
         1 << 30, storage_dir=tmp_path, recompute=True, encode_masks=True
     ) as mm:
-        _train(model, mm, 2)
+        train_clamps(model, mm, 2)
         assert mm.trace is not None
         units = {u.name: u for u in mm.trace.units}
     assert units, "nothing was profiled as a unit"
@@ -221,10 +187,10 @@ def test_a_block_with_an_encoded_clamp_may_still_be_recomputed(tmp_path: Path) -
 def test_the_plan_key_tells_encoded_plans_apart(tmp_path: Path) -> None:
     digests = set()
     for encode in (False, True):
-        model = _model()
+        model = clamp_model()
         with vtensor.MemoryManager(
             1 << 30, storage_dir=tmp_path, plan_cache_dir=tmp_path / "plans", encode_masks=encode
         ) as mm:
-            _train(model, mm, 2)
+            train_clamps(model, mm, 2)
         digests |= {p.name for p in (tmp_path / "plans").glob("*.json")}
     assert len(digests) == 2, digests
