@@ -1,4 +1,4 @@
-"""A trial of recomputation keeps the budget (NOTE [recomputed growth])."""
+"""Trials of recomputation: judged at the budget the plan is made at, and keeping it."""
 
 import logging
 from pathlib import Path
@@ -63,3 +63,46 @@ def test_a_trial_makes_room_for_what_each_recomputation_brings_back(
     assert trial.plan_source == "profiled" and trial.recomputed == (DEEP, SMALL), trial
     assert trial.peak_device_bytes <= budget + CHUNK, (trial.peak_device_bytes, budget)
     assert "broke the budget" not in caplog.text
+
+
+def _two_units(reserve_kb: int) -> tuple[Trace, int]:
+    """Units a then b, each saving a 1 KB input and 100 KB inside, used in its backward."""
+    from vtensor.planner.trace import Phase, TraceStep, TraceTensor, TraceUnit
+
+    kb = 1024
+    names = ["forward:a", "forward:b", "backward:b", "backward:a"]
+    steps = tuple(
+        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
+    )
+    tensors = []
+    units = []
+    for i, name in enumerate("ab"):
+        back = 3 - i
+        tensors += [
+            TraceTensor(2 * i, kb, ("float32",), i, i + 1, (back,)),
+            TraceTensor(2 * i + 1, 100 * kb, ("float32",), i, i + 1, (back,)),
+        ]
+        units.append(TraceUnit(name, i, i, 0.001, (2 * i + 1,), (2 * i,), True))
+    trace = Trace(steps, tuple(tensors), 0, 0, 0, 64 * kb, "cpu", units=tuple(units))
+    return trace, reserve_kb * kb
+
+
+def test_recomputation_is_judged_at_the_budget_the_plan_is_made_at() -> None:
+    # The guard's reserve leaves less than the swap-only floor under its watermark, so the
+    # plan is made at the whole budget (NOTE [plan within the guard]); recomputing a unit fits
+    # there, and is tried. Judged under the watermark, no candidate fitted: the char GPT at
+    # 50 and 40 % of its peak never tried one.
+    from vtensor.activations.iteration_plan import IterationPlan
+    from vtensor.activations.planning import PlanBook
+    from vtensor.activations.report import PlanSource
+    from vtensor.planner.lgm import build_lgm, min_budget
+
+    trace, reserve = _two_units(reserve_kb=80)
+    budget = 160 * 1024
+    floor = min_budget(build_lgm(trace, trace.chunk_bytes))[0]
+    assert budget - reserve < floor <= budget
+    book = PlanBook(budget, 64 * 1024, None, recompute=True)
+    profiled = IterationPlan("sig", PlanSource.PROFILED, None, True, None)
+    plan = book._choose(profiled, trace, reserve, floor)
+    assert plan is not None and plan.budget_bytes == budget  # the whole budget
+    assert book._trial["sig"].pending  # a recomputation to try
