@@ -2,17 +2,18 @@
 
 NOTE [encoding decided]
 Encoding the clamps' inputs (NOTE [mask encoding] in ``activations/encodings.py``) costs passes
-over each input on the compute thread: where nothing has to leave memory it is pure cost
-(MobileNetV2 1.12x unmanaged against 1.01x where the budget never binds), and where swapping
-the bytes overlaps on another core it can cost more than it saves (benchmarks/README.md). With
+over each input on the compute thread: where nothing has to leave memory it is pure cost, and
+where swapping the bytes overlaps on another core it can cost more than it saves
+(benchmarks/README.md, ``mask_encoding`` and ``activation_swap``). With
 ``encode_masks="auto"`` a signature is profiled without the encoding first. If that plan moves
 nothing, it is kept and nothing is ever encoded. Otherwise (it moves bytes, or no plan fits)
 the next iteration is profiled again with the clamps encoded, its candidates are made as
 usual (its trials of recomputation encode too), and the plan without encoding joins them in
 the race (NOTE [plan race]): the faster replay is kept. Each plan records whether it was made
 encoded (``Plan.encoded``), and its replays, cached or not, encode exactly then. A model without
-clamps is profiled once. The step between the two profiles is not left beside the cache: a
-manager closed in between profiles without the encoding again.
+clamps is profiled once; without planning (the reactive policy) ``"auto"`` encodes. The step
+between the two profiles is not left beside the cache: a manager closed in between profiles
+without the encoding again.
 """
 
 from vtensor.activations.iteration_plan import IterationPlan
