@@ -126,7 +126,7 @@ class Iteration:
         if self.recomputing != 1 or self.lean:
             return
         if regrowth_bytes and not (self.executor is not None and self.executor.active):
-            self.enforce(incoming_bytes=regrowth_bytes)  # a plan placed them
+            self.enforce(incoming_bytes=regrowth_bytes)  # a replayed plan has placed them
         self._recompute_from = self.live_bytes()
 
     def recompute_ended(self) -> None:
