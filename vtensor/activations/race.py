@@ -86,10 +86,10 @@ class PlanRace:
     def summary(self, winner: Plan) -> str:
         """Each candidate's best time and the modules the one kept recomputes, for the log."""
         times = zip(self.plans, self.best_times(), strict=True)
-        best = ", ".join(f"{len(p.recompute)}: {t:.3f}" for p, t in times)
+        best = ", ".join(f"{_kind(p)}: {t:.3f}" for p, t in times)
         return (
-            f"replayed (modules recomputed: best s per step): {best}; "
-            f"keeping {len(winner.recompute)} recomputed"
+            f"replayed (modules recomputed, clamps encoded: best s per step): {best}; "
+            f"keeping {_kind(winner)}"
         )
 
     def best_times(self) -> list[float]:
@@ -108,3 +108,8 @@ class PlanRace:
     def _best(self) -> int:
         best = self.best_times()
         return min(range(len(best)), key=best.__getitem__)
+
+
+def _kind(plan: Plan) -> str:
+    """How many modules ``plan`` recomputes, and whether its clamps save bits, for the log."""
+    return f"{len(plan.recompute)}{' encoded' if plan.encoded else ''}"
