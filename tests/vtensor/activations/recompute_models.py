@@ -138,6 +138,17 @@ def train(model: nn.Module, manager: vtensor.MemoryManager | None) -> list[list[
     return grads
 
 
+def managed_steps(mm: vtensor.MemoryManager, model: nn.Module, count: int) -> None:
+    """``count`` plain SGD steps of ``model`` under ``mm``, on ``batch(step)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(count):
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        with mm.step(model, opt, inputs=(x, y)):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def peak_bytes(kind: type[Block], tmp_path: Path) -> int:
     with vtensor.MemoryManager("1TiB", storage_dir=tmp_path) as probe:
         train(model_with(kind), probe)

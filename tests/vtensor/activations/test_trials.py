@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recompute_models import Block, batch, only
+from recompute_models import Block, managed_steps, only
 from torch import nn
 
 import vtensor
@@ -25,16 +25,6 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, WIDTH), *blocks, deep, Block(WIDTH), nn.Linear(WIDTH, 10))
 
 
-def _steps(model: nn.Module, mm: vtensor.MemoryManager, count: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(count):
-        x, y = batch(step)
-        opt.zero_grad(set_to_none=True)
-        with mm.step(model, opt, inputs=(x, y)):
-            nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
 def _deep_and_small(trace: Trace, _budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (DEEP, SMALL), ()
 
@@ -49,7 +39,7 @@ def test_a_trial_makes_room_for_what_each_recomputation_brings_back(
     # is dropped.
     monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(_deep_and_small))
     with vtensor.MemoryManager("1TiB", storage_dir=tmp_path / "free") as probe:
-        _steps(_model(), probe, 1)
+        managed_steps(probe, _model(), 1)
         budget = int(probe.report().peak_device_bytes * 0.7)
     model = _model()
     with (
@@ -58,7 +48,7 @@ def test_a_trial_makes_room_for_what_each_recomputation_brings_back(
             budget, storage_dir=tmp_path, recompute=True, chunk_bytes=CHUNK
         ) as mm,
     ):
-        _steps(model, mm, 2)  # the profile, then the trial
+        managed_steps(mm, model, 2)  # the profile, then the trial
         trial = mm.report()
     assert trial.plan_source == "profiled" and trial.recomputed == (DEEP, SMALL), trial
     assert trial.peak_device_bytes <= budget + CHUNK, (trial.peak_device_bytes, budget)

@@ -5,9 +5,7 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
-from recompute_models import Block, batch, model_with, peak_bytes
-from torch import nn
+from recompute_models import Block, batch, managed_steps, model_with, peak_bytes
 
 import vtensor
 from vtensor.activations.iteration_plan import Trials
@@ -16,16 +14,6 @@ from vtensor.activations.race import PlanRace
 from vtensor.activations.undecided import Undecided
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
-
-
-def _steps(mm: vtensor.MemoryManager, model: nn.Module, count: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = batch(0)
-    for _ in range(count):
-        opt.zero_grad(set_to_none=True)
-        with mm.step(model, opt, inputs=(x, y)):
-            nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def _manager(budget: int, tmp_path: Path) -> vtensor.MemoryManager:
@@ -54,13 +42,13 @@ def test_a_race_under_way_when_its_manager_closes_goes_on_in_the_next(
     with _manager(budget, tmp_path) as first:
         while not first.reports or first.report().plan_source != "raced":
             assert len(first.reports) < 6
-            _steps(first, model, 1)
+            managed_steps(first, model, 1)
         sources = [r.plan_source for r in first.reports]
     candidates = sources.count("profiled")  # the trials, and the swap-only plan
     assert candidates >= 2 and sources == ["profiled"] * candidates + ["raced"]
     assert _files(tmp_path) == (0, 1)
     with _manager(budget, tmp_path) as second:
-        _steps(second, model, candidates * (RACE_ROUNDS + 1) + 1)
+        managed_steps(second, model, candidates * (RACE_ROUNDS + 1) + 1)
         later = [r.plan_source for r in second.reports]
         plan = second.plan_for(model, batch(0))
     assert later[0] == "raced"  # the race goes on: no profile again
@@ -69,7 +57,7 @@ def test_a_race_under_way_when_its_manager_closes_goes_on_in_the_next(
     assert later[-1] == "planned" and plan is not None
     assert _files(tmp_path) == (1, 0)  # decided: the plan is cached, the progress gone
     with _manager(budget, tmp_path) as third:
-        _steps(third, model, 1)
+        managed_steps(third, model, 1)
         assert third.report().plan_source == "cached"
         assert third.report().recomputed == plan.recompute
 
@@ -77,10 +65,10 @@ def test_a_race_under_way_when_its_manager_closes_goes_on_in_the_next(
 def test_trials_under_way_go_on_with_the_next_candidate(tmp_path: Path, budget: int) -> None:
     model = model_with(Block)
     with _manager(budget, tmp_path) as first:
-        _steps(first, model, 2)  # the profile and the first trial
+        managed_steps(first, model, 2)  # the profile and the first trial
         tried = (first.reports[1].recomputed, first.reports[1].selective)
     with _manager(budget, tmp_path) as second:
-        _steps(second, model, 1)
+        managed_steps(second, model, 1)
         report = second.report()
     assert tried[0] and report.plan_source == "profiled"
     # The second candidate's trial: candidates differ in their units or in those selective.
@@ -92,13 +80,13 @@ def test_unreadable_progress_is_ignored_and_the_model_profiled_again(
 ) -> None:
     model = model_with(Block)
     with _manager(budget, tmp_path) as first:
-        _steps(first, model, 5)  # the profile, the trials, and the race begun
+        managed_steps(first, model, 5)  # the profile, the trials, and the race begun
     (progress,) = (tmp_path / "plans").glob("*.undecided.json")
     entry = json.loads(progress.read_text())
     entry["progress"] = entry["progress"].replace('"turn": ', '"turn": 1')  # sha256 no longer fits
     progress.write_text(json.dumps(entry))
     with caplog.at_level(logging.WARNING), _manager(budget, tmp_path) as second:
-        _steps(second, model, 1)
+        managed_steps(second, model, 1)
         report = second.report()
     assert report.plan_source == "profiled" and report.recomputed == ()
     assert "checksum" in caplog.text and "profiling again" in caplog.text
