@@ -1,9 +1,19 @@
 """The manager's own byte counters: glibc's heap counter on CPU, the CUDA allocator's on GPU.
 
 They are cheap enough to read on every chunk move (``mallinfo2()``: in-use heap chunks plus
-mmapped blocks, ~0.3-0.4 us per call) and count every malloc user, not only tensors. The
-independent checks are ``measure/dispatch.py`` (live storages, for tests and profiling) and
-``measure/rss.py`` (what the operating system charges the process).
+mmapped blocks, a few to tens of microseconds, as it walks every free chunk) and count every
+malloc user, not only tensors. The independent checks are ``measure/dispatch.py`` (live
+storages, for tests and profiling) and ``measure/rss.py`` (what the operating system charges
+the process).
+
+NOTE [readings hold the GIL]
+The counters are read through ``ctypes.PyDLL``, which keeps the GIL during the call, not
+``ctypes.CDLL``, which gives it up. A call that gives up the GIL must take it back afterwards,
+and while another thread runs Python (the swap engine's I/O thread between its system calls)
+that waits for the interpreter's switch interval (5 ms by default): a reading of ten
+microseconds took half a millisecond on average in a process swapping, and five with a thread
+busy in Python throughout (``tests/vtensor/measure/test_trackers.py``). The calls are short
+and never block, so holding the GIL costs the other threads nothing worth the wait.
 """
 
 import ctypes
@@ -69,7 +79,7 @@ def _mkl_pool_reader() -> Callable[[], int] | None:
         libraries.append(str(torch_cpu))
     for library in libraries:
         try:
-            handle = ctypes.CDLL(library)
+            handle = ctypes.PyDLL(library)  # NOTE [readings hold the GIL]
         except OSError:
             continue
         for name in ("mkl_serv_mem_stat", "MKL_Mem_Stat", "mkl_mem_stat"):
@@ -98,7 +108,7 @@ class MallocTracker:
 
     def __init__(self) -> None:
         try:
-            mallinfo2 = ctypes.CDLL(None).mallinfo2
+            mallinfo2 = ctypes.PyDLL(None).mallinfo2  # NOTE [readings hold the GIL]
         except (AttributeError, OSError) as exc:
             raise VTensorError(
                 "MallocTracker needs glibc's mallinfo2() (glibc >= 2.33), which this process does "
