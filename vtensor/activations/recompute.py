@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from vtensor.activations.selective import save_products
@@ -134,16 +135,83 @@ def _checkpointed(
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # nothing is saved: nothing to recompute
+        call = CallSnapshot(args, kwargs)
+        # The closure holds no tensor once the forward has run: checkpointing keeps the inputs
+        # under the manager's saved-tensor hooks (which may swap them), not a reference here.
+        tensors = call.hand_over()
+        pending = [(args, kwargs)]
+
+        def again(*inputs: torch.Tensor) -> Any:
+            if pending:  # the forward itself: the caller's own arguments, as without recompute
+                own_args, own_kwargs = pending.pop()
+                return forward(*own_args, **own_kwargs)
+            rebuilt_args, rebuilt_kwargs = call.rebuild(inputs)
+            return forward(*rebuilt_args, **rebuilt_kwargs)
+
         return checkpoint(
-            forward,
-            *args,
+            again,
+            *tensors,
             use_reentrant=False,
             preserve_rng_state=True,
             context_fn=contexts,
-            **kwargs,
         )
 
     return run
+
+
+class CallSnapshot:
+    """A forward's arguments as they were at the call, to run it again from (NOTE [call snapshot]).
+
+    NOTE [call snapshot]
+    torch's checkpointing keeps the tensors a forward was given and, at recomputation, hands
+    them back one by one: a tensor passed twice comes back as two tensor objects, and a list
+    or dict the caller changed after the call is seen as it is then. Both change what a
+    recomputation computes: ``nn.MultiheadAttention`` projects ``query is key`` (self-attention)
+    with one packed matrix product and distinct tensors with three, and a DenseNet layer given
+    the list of features that its caller extends after the call would concatenate more of them.
+    Where shapes agree the saved tensors would differ silently. So the arguments are flattened
+    at the call (torch's pytree: lists, tuples, dicts, named tuples), each distinct tensor is
+    handed to checkpointing once, and a recomputation rebuilds the arguments from that
+    snapshot: the same tensor object wherever the call had one, containers as they were at the
+    call (new ones: what a recomputation appends to them stays there). The forward itself runs
+    on the caller's own arguments.
+    """
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        leaves, self._spec = tree_flatten((args, kwargs))
+        self.tensors: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+        self._slots: list[int | None] = []  # per leaf: its tensor's place in ``tensors``
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                slot = index.setdefault(id(leaf), len(self.tensors))
+                if slot == len(self.tensors):
+                    self.tensors.append(leaf)
+                self._slots.append(slot)
+            else:
+                self._slots.append(None)
+        self._others = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments again, ``tensors`` in place of the call's (``self.tensors``' order).
+
+        In new containers, with the same object wherever the call repeated one.
+        """
+        leaves = [
+            other if slot is None else tensors[slot]
+            for slot, other in zip(self._slots, self._others, strict=True)
+        ]
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        return args, kwargs
+
+    def copy(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments in new containers holding the call's own objects."""
+        return self.rebuild(self.tensors)
+
+    def hand_over(self) -> list[torch.Tensor]:
+        """The call's distinct tensors, which the snapshot then no longer holds."""
+        tensors, self.tensors = self.tensors, []
+        return tensors
 
 
 @contextlib.contextmanager

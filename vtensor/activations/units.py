@@ -41,7 +41,7 @@ from torch import nn
 
 from vtensor.activations.encodings import side_effect_free
 from vtensor.activations.hooks import Removable
-from vtensor.activations.recompute import RecomputeTarget
+from vtensor.activations.recompute import CallSnapshot, RecomputeTarget
 from vtensor.activations.selective_profile import (
     ProfileTarget,
     SelectiveProfile,
@@ -81,6 +81,7 @@ class _Open:
     cuda_rng: torch.Tensor | None
     buffers: list[torch.Tensor]
     attributes: dict[tuple[int, str], object]
+    call: CallSnapshot  # what a recomputation would run from (NOTE [call snapshot])
 
 
 @dataclass
@@ -116,8 +117,8 @@ class UnitRecorder:
             def pre(m: nn.Module, args: Any, kwargs: Any) -> None:
                 self._pre(m, args, kwargs)
 
-            def post(m: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
-                self._post(name, m, args, kwargs, output)
+            def post(m: nn.Module, _args: Any, _kwargs: Any, output: Any, name: str = name) -> None:
+                self._post(name, m, output)
 
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True))
@@ -139,10 +140,11 @@ class UnitRecorder:
                 cuda_rng=_cuda_rng(),
                 buffers=[b.detach().clone() for b in module.buffers()],
                 attributes=_attributes(module),
+                call=CallSnapshot(args, kwargs),
             )
         )
 
-    def _post(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _post(self, name: str, module: nn.Module, output: Any) -> None:
         if self.target.recomputing:
             return
         opened = self._open[id(module)].pop()
@@ -160,11 +162,11 @@ class UnitRecorder:
             self.seen[name].why_unsafe = "it runs more than once per iteration"
             return
         began = time.perf_counter()
-        why = _why_unsafe(module, opened, args, kwargs, output, self.target)
+        why = _why_unsafe(module, opened, output, self.target)
         selective = None
         if not why:
             start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
-            call = (args, kwargs)
+            call = opened.call.copy()
             selective = profile_selective(module, start, call, vids, self.records, self.target)
         self.target.exclude_time(time.perf_counter() - began)
         self.seen[name] = _Seen(
@@ -230,14 +232,7 @@ def _attributes(module: nn.Module) -> dict[tuple[int, str], object]:
     return found
 
 
-def _why_unsafe(
-    module: nn.Module,
-    opened: _Open,
-    args: Any,
-    kwargs: Any,
-    output: Any,
-    target: RecomputeTarget,
-) -> str:
+def _why_unsafe(module: nn.Module, opened: _Open, output: Any, target: RecomputeTarget) -> str:
     """Why recomputing ``module`` might not reproduce its forward; "" if it would."""
     if any(t._version != version for t, version in opened.versions):
         return "it modifies an input in place"
@@ -246,7 +241,7 @@ def _why_unsafe(
         return "it calls a custom autograd Function"
     if _attributes(module) != opened.attributes:
         return "it changes a module attribute in its forward"
-    if not _reproduces(module, opened, args, kwargs, outputs, target):
+    if not _reproduces(module, opened, outputs, target):
         return "a second forward from the same inputs gave other outputs"
     return ""
 
@@ -268,15 +263,15 @@ def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> b
 
 
 def _reproduces(
-    module: nn.Module,
-    opened: _Open,
-    args: Any,
-    kwargs: Any,
-    outputs: Sequence[torch.Tensor],
-    target: RecomputeTarget,
+    module: nn.Module, opened: _Open, outputs: Sequence[torch.Tensor], target: RecomputeTarget
 ) -> bool:
-    """Run the forward again from the state it began with; True if the outputs are the same."""
+    """Run the forward again from the state it began with; True if the outputs are the same.
+
+    It runs from the call's snapshot, as a recomputation would (NOTE [call snapshot]), so
+    what it appends to a list it was given stays out of the caller's.
+    """
     start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
+    args, kwargs = opened.call.copy()
     with replaying(module, start, target), torch.no_grad():
         again = tensors_in(module.forward(*args, **kwargs))
     return len(again) == len(outputs) and all(
