@@ -75,10 +75,18 @@ def main(argv: list[str] | None = None) -> None:
             for variant, series in variants.items():
                 data[model].setdefault(variant, series)
     fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.5), squeeze=False)
+    # More variants than a default colour cycle has colours: each gets its own colour and marker.
+    names = sorted({variant for variants in data.values() for variant in variants})
+    colours = plt.get_cmap("tab20").colors
+    style = {
+        name: (colours[i % len(colours)], "osD^v<>ph*X"[i % 11]) for i, name in enumerate(names)
+    }
     for ax, (model, variants) in zip(axes[0], sorted(data.items()), strict=True):
         for variant, series in sorted(variants.items()):
             xs, ys = zip(*series, strict=True)
-            ax.plot(xs, ys, marker="o", linestyle="-" if len(xs) > 1 else "", label=variant)
+            colour, marker = style[variant]
+            line = "-" if len(xs) > 1 else ""
+            ax.plot(xs, ys, marker=marker, color=colour, linestyle=line, label=variant)
         ax.set_title(model)
         ax.set_xlabel("peak / unmanaged peak (tracked; compile: RSS)")
         ax.set_ylabel("step time / unmanaged step")
