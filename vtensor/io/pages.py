@@ -34,7 +34,8 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 # NOTE [readings hold the GIL] in measure/trackers.py: the compute thread releases pages between
-# two ops; giving up the GIL for a call this short would make it wait for the I/O thread.
+# two ops; giving up the GIL for a call this short would make it wait for any thread running
+# Python.
 _libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _madvise = _libc.madvise
 _madvise.restype = ctypes.c_int

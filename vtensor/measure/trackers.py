@@ -1,19 +1,21 @@
 """The manager's own byte counters: glibc's heap counter on CPU, the CUDA allocator's on GPU.
 
-They are cheap enough to read on every chunk move (``mallinfo2()``: in-use heap chunks plus
-mmapped blocks, a few to tens of microseconds, as it walks every free chunk) and count every
-malloc user, not only tensors. The independent checks are ``measure/dispatch.py`` (live
-storages, for tests and profiling) and ``measure/rss.py`` (what the operating system charges
-the process).
+They count every malloc user, not only tensors, and are read at hook points and chunk moves
+(``mallinfo2()``: in-use heap chunks plus mmapped blocks). A reading walks every free chunk of
+the whole process's heap, so its cost grows with the process: tens of microseconds beside one
+model, milliseconds in a process of many (docs/vtensor.md, "Accounting"). The independent
+checks are ``measure/dispatch.py`` (live storages, for tests and profiling) and
+``measure/rss.py`` (what the operating system charges the process).
 
 NOTE [readings hold the GIL]
 The counters are read through ``ctypes.PyDLL``, which keeps the GIL during the call, not
 ``ctypes.CDLL``, which gives it up. A call that gives up the GIL must take it back afterwards,
-and while another thread runs Python (the swap engine's I/O thread between its system calls)
-that waits for the interpreter's switch interval (5 ms by default): a reading of ten
-microseconds took half a millisecond on average in a process swapping, and five with a thread
-busy in Python throughout (``tests/vtensor/measure/test_trackers.py``). The calls are short
-and never block, so holding the GIL costs the other threads nothing worth the wait.
+and while another thread runs Python (a data-loading thread, a framework's own threads, the
+I/O thread between its system calls) that can take up to the interpreter's switch interval,
+5 ms by default: with a thread busy in Python throughout, each reading waited about that long
+(``tests/vtensor/measure/test_trackers.py`` shows it with a longer interval). The calls never
+block on anything but the allocator's own locks, so holding the GIL for them costs the other
+threads no more than the reading itself.
 """
 
 import ctypes
