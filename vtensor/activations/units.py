@@ -283,8 +283,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        # NaNs equal as bits; compare the bytes.
-        return torch.equal(
-            a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8)
-        )
+        # NaNs equal as bits; compare the bytes (flattened: a 0-dim tensor has no byte view).
+        return torch.equal(_bytes(a), _bytes(b))
     return torch.equal(a, b)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)

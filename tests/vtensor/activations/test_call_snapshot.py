@@ -3,8 +3,9 @@
 Each block below hands its inner unit arguments that torch's checkpointing alone would give back
 changed at recomputation: a list its caller changes after the call, the same tensor twice to a
 forward that branches on identity (as ``nn.MultiheadAttention`` does), a list the unit appends
-to. The plan is made to recompute that unit; training must stay bit-identical, and the
-caller's list must grow once per call.
+to; and one whose unit returns a 0-dim tensor beside its output, which the check that a
+second forward reproduces the first compares byte by byte. The plan is made to recompute that
+unit; training must stay bit-identical, and the caller's list must grow once per call.
 """
 
 from pathlib import Path
@@ -53,6 +54,24 @@ class SameTensorTwice(Block):
         return self.inner(h, h)
 
 
+class _WithScalar(Block):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        y = super().forward(x)
+        return y, y.square().mean()  # a 0-dim tensor beside the output (an auxiliary loss)
+
+
+class ScalarBeside(Block):
+    """Its inner unit returns a 0-dim tensor too, which the reproduction check compares."""
+
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
+        super().__init__(width, dropout)
+        self.inner = _WithScalar(width, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, aux = self.inner(x)
+        return y + aux
+
+
 class _Appending(Block):
     def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         y = super().forward(xs[-1])
@@ -74,7 +93,9 @@ class AppendsToItsList(Block):
 
 
 @pytest.mark.parametrize(
-    "kind", [ListChangedAfter, SameTensorTwice, AppendsToItsList], ids=lambda k: k.__name__
+    "kind",
+    [ListChangedAfter, SameTensorTwice, AppendsToItsList, ScalarBeside],
+    ids=lambda k: k.__name__,
 )
 def test_a_recomputed_unit_runs_from_its_call_as_it_was(
     kind: type[Block], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
