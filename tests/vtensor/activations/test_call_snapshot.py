@@ -18,17 +18,25 @@ import vtensor.activations.planning
 from vtensor.planner.trace import Trace, TraceUnit
 
 
+class _Outer(Block):
+    """A block around an inner unit of type ``INNER`` (the unit the plan recomputes)."""
+
+    INNER: type[Block] = Block
+
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
+        super().__init__(width, dropout)
+        self.inner = self.INNER(width, dropout)
+
+
 class _Listed(Block):
     def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         return super().forward(xs[-1])
 
 
-class ListChangedAfter(Block):
+class ListChangedAfter(_Outer):
     """Its caller puts another tensor of the same shape in the list after the call."""
 
-    def __init__(self, width: int, dropout: float = 0.0) -> None:
-        super().__init__(width, dropout)
-        self.inner = _Listed(width, dropout)
+    INNER = _Listed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = [x]
@@ -44,10 +52,8 @@ class _Twice(Block):
         return super().forward(a + b)
 
 
-class SameTensorTwice(Block):
-    def __init__(self, width: int, dropout: float = 0.0) -> None:
-        super().__init__(width, dropout)
-        self.inner = _Twice(width, dropout)
+class SameTensorTwice(_Outer):
+    INNER = _Twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(x)
@@ -60,12 +66,10 @@ class _WithScalar(Block):
         return y, y.square().mean()  # a 0-dim tensor beside the output (an auxiliary loss)
 
 
-class ScalarBeside(Block):
+class ScalarBeside(_Outer):
     """Its inner unit returns a 0-dim tensor too, which the reproduction check compares."""
 
-    def __init__(self, width: int, dropout: float = 0.0) -> None:
-        super().__init__(width, dropout)
-        self.inner = _WithScalar(width, dropout)
+    INNER = _WithScalar
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, aux = self.inner(x)
@@ -79,10 +83,8 @@ class _Appending(Block):
         return y
 
 
-class AppendsToItsList(Block):
-    def __init__(self, width: int, dropout: float = 0.0) -> None:
-        super().__init__(width, dropout)
-        self.inner = _Appending(width, dropout)
+class AppendsToItsList(_Outer):
+    INNER = _Appending
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xs = [x]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from recompute_models import batch, only
+from recompute_models import only, train
 from torch import nn
 
 import vtensor
@@ -108,25 +108,6 @@ class Calls(nn.Module):
         return self.last(self.attention(seq, padding).reshape(-1, WIDTH))
 
 
-def _train(
-    model: nn.Module, mm: vtensor.MemoryManager | None, steps: int
-) -> list[list[torch.Tensor]]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    grads = []
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + step)  # dropout
-        if mm is None:
-            F.cross_entropy(model(x), y).backward()
-        else:
-            with mm.step(model, opt, inputs=(x, y)):
-                F.cross_entropy(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        opt.step()
-    return grads
-
-
 def test_units_called_every_way_recompute_bit_identically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,12 +121,12 @@ def test_units_called_every_way_recompute_bit_identically(
     torch.manual_seed(0)
     reference = Calls()
     model = copy.deepcopy(reference)
-    want = _train(reference, None, 6)
+    want = train(reference, None)
     with vtensor.MemoryManager("1TiB", storage_dir=tmp_path) as probe:
-        _train(copy.deepcopy(model), probe, 2)
+        train(copy.deepcopy(model), probe)
         peak = max(r.peak_device_bytes for r in probe.reports)
     with vtensor.MemoryManager(int(peak * 0.6), storage_dir=tmp_path, recompute=True) as mm:
-        got = _train(model, mm, 6)
+        got = train(model, mm)
         recomputed = {name for r in mm.reports for name in r.recomputed}
     assert {n: profiled.get(n, "not profiled") for n in UNITS} == dict.fromkeys(UNITS, "")
     assert recomputed == set(UNITS)
