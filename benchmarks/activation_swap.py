@@ -521,6 +521,8 @@ def _row(
         "heap_reads_median": median_or_none([float(n) for n in v.heap_reads]),
         "heap_read_s_median": median_or_none(v.heap_read_s),
         "steps_timed": len(v.step_s),
+        # The decision's rounds: the profile, the trials of recomputation and the race.
+        "decision_steps": sum(rep.plan_source in ("profiled", "raced") for rep in v.reports),
         "vs_unmanaged": None if not v.step_s else statistics.median(v.step_s) / unmanaged_s,
         "grads_identical": True
         if v.name == "unmanaged"

@@ -9,45 +9,63 @@ engine's work (sealing, system calls, page faults on return) takes cores from co
 where the planner hides the transfer, and recomputation under torch's selective checkpointing
 runs every op of the unit through a Python dispatch mode, which neither the trace's durations
 nor the model see. So the next iterations replay the candidates in turn, ``ROUNDS`` times
-each, and the one with the smallest best wall time is kept (the best of a few, because on a
-shared machine a slow iteration says more about the machine than about the plan). A candidate
-is timed as it will run: once a full replay of it needed nothing from the guard, its next
-replays are lean (NOTE [lean replay]), as the kept plan's are from then on: timed in full
-replays only, the candidates paid for a heap reading at every hook point, whose number (and
-cost, which grows with the process's heap) differs from plan to plan, and the race kept plans
-whose lean replays were slower (benchmarks/README.md). For the same reason a candidate whose
-full replay needed the guard is made again under the guard's margin (NOTE [guard margin] in
-``activations/margin.py``), as a kept plan would be, and races from then on in that form, its
-times so far dropped: raced as first planned, a swap-only plan whose first replay needed the
-guard was timed only in full replays and lost to hybrid plans whose replays, as kept, were
-slower than its own (MobileNetV2, benchmarks/README.md). Every replay is a real training iteration
-under the budget: the race costs nothing but the slower candidates' extra time, a few
-iterations once per model, input signature and budget.
+each, and the one with the least median time in the form it will run is kept. A candidate is
+timed as it will run: once a full replay of it needed nothing from the guard, its next
+replays are lean (NOTE [lean replay]), as the kept plan's are from then on, and its full
+replays' times no longer count: timed in full replays only, the candidates paid for a heap
+reading at every hook point, whose number (and cost, which grows with the process's heap)
+differs from plan to plan, and the race kept plans whose lean replays were slower
+(benchmarks/README.md). For the same reason a candidate whose full replay needed the guard is
+made again under the guard's margin (NOTE [guard margin] in ``activations/margin.py``), as a
+kept plan would be, and races from then on in that form, its times so far dropped: raced as
+first planned, a swap-only plan whose first replay needed the guard was timed only in full
+replays and lost to hybrid plans whose replays, as kept, were slower than its own
+(MobileNetV2, benchmarks/README.md). Every replay is a real training iteration under the
+budget: the race costs nothing but the slower candidates' extra time, a few iterations once
+per model, input signature and budget.
+
+NOTE [close race]
+``ROUNDS`` replays leave a candidate that goes lean one replay in its final form, and one
+replay of a plan on a shared 2-vCPU machine varies by several percent: decided on one lean
+replay each, the race kept a plan 11 % slower than the swap-only one it raced (MobileNetV2
+at 50 %, benchmarks/README.md). So once every candidate has its ``ROUNDS``, those whose
+median lies within ``CLOSE`` of the leader's (the leader among them) are replayed again, in
+turn, up to ``MAX_ROUNDS`` replays each, and the least median then wins. The extra replays
+cost little: the candidates that get them are the ones no slower than the leader by more
+than ``CLOSE``; a candidate clearly slower gets no more. The median, not the best, because
+one fast replay is as much an accident of the machine as one slow one.
 """
 
+import statistics
 from dataclasses import dataclass, field
 
 from vtensor.planner.plan import Plan
 
-ROUNDS = 2
+ROUNDS = 2  # replays of every candidate
+MAX_ROUNDS = 4  # replays of a candidate close to the leader, at most (NOTE [close race])
+CLOSE = 0.10  # within this fraction of the leader's median, a candidate is close
 
 
 @dataclass
 class PlanRace:
-    """Candidate plans replayed in turn; the one with the least best wall time wins.
+    """Candidate plans replayed in turn; the one with the least median time as it runs wins.
 
-    Each candidate is timed ``ROUNDS`` times in the form it races in; one made again under the
-    guard's margin starts over.
+    Each candidate is replayed ``ROUNDS`` times in the form it races in, and those close to the
+    leader up to ``max_rounds`` (NOTE [close race]); one made again under the guard's margin
+    starts over.
     """
 
     plans: list[Plan]
     times: list[list[float]] = field(default_factory=list)
     turn: int = 0  # the index of the candidate the next iteration replays
     clean: list[bool] = field(default_factory=list)  # a full replay of it needed no guard
+    leans: list[list[bool]] = field(default_factory=list)  # whether each time was a lean replay
+    max_rounds: int = MAX_ROUNDS
 
     def __post_init__(self) -> None:
         self.times = [[] for _ in self.plans]
         self.clean = [False for _ in self.plans]
+        self.leans = [[] for _ in self.plans]
 
     def current(self) -> Plan:
         """The plan the next iteration replays."""
@@ -60,7 +78,7 @@ class PlanRace:
     def record(
         self, wall_s: float, guard_bytes: int = 0, lean: bool = False, remade: Plan | None = None
     ) -> Plan | None:
-        """The current plan's replay took ``wall_s``; returns the winner once all have run.
+        """The current plan's replay took ``wall_s``; returns the winner once the race is over.
 
         ``guard_bytes``: what the guard evicted beyond the plan in that replay, if it was full.
         ``remade``: the plan made again under the guard's margin, which races in the current
@@ -69,14 +87,17 @@ class PlanRace:
         if remade is not None:
             self.plans[self.turn] = remade
             self.times[self.turn] = []
+            self.leans[self.turn] = []
             self.clean[self.turn] = False
         else:
             if not lean:
                 self.clean[self.turn] = guard_bytes == 0
             self.times[self.turn].append(wall_s)
-        if all(len(t) >= ROUNDS for t in self.times):
+            self.leans[self.turn].append(lean)
+        waiting = self._waiting()
+        if not waiting:
             return self.plans[self._best()]
-        self.turn = self._next_turn()
+        self.turn = self._next_turn(waiting)
         return None
 
     def winner_clean(self) -> bool:
@@ -84,30 +105,52 @@ class PlanRace:
         return self.clean[self._best()]
 
     def summary(self, winner: Plan) -> str:
-        """Each candidate's best time and the modules the one kept recomputes, for the log."""
-        times = zip(self.plans, self.best_times(), strict=True)
-        best = ", ".join(f"{_kind(p)}: {t:.3f}" for p, t in times)
+        """Each candidate's median time and replays, and what the winner recomputes, for the log."""
+        rows = zip(self.plans, self.medians(), self.times, strict=True)
+        listed = ", ".join(f"{_kind(p)}: {m:.3f} ({len(t)} replays)" for p, m, t in rows)
         return (
-            f"replayed (modules recomputed, clamps encoded: best s per step): {best}; "
-            f"keeping {_kind(winner)}"
+            f"replayed (modules recomputed, clamps encoded: median s per step as kept): "
+            f"{listed}; keeping {_kind(winner)}"
         )
 
-    def best_times(self) -> list[float]:
-        """The best wall time of each candidate so far (inf if it has not run)."""
-        return [min(t) if t else float("inf") for t in self.times]
+    def form_times(self, index: int) -> list[float]:
+        """Candidate ``index``'s times in the form it will run: its lean replays once it has any."""
+        pairs = zip(self.times[index], self.leans[index], strict=True)
+        lean = [t for t, was_lean in pairs if was_lean]
+        return lean or self.times[index]
 
-    def _next_turn(self) -> int:
-        """The next candidate after the current one, in turn, still short of its times."""
+    def medians(self) -> list[float]:
+        """Each candidate's median time in the form it will run (inf if it has not run)."""
+        medians = []
+        for index in range(len(self.plans)):
+            times = self.form_times(index)
+            medians.append(statistics.median(times) if times else float("inf"))
+        return medians
+
+    def _waiting(self) -> list[int]:
+        """The candidates still to replay: short of ``ROUNDS``, or close and short of the most."""
+        short = [i for i, t in enumerate(self.times) if len(t) < ROUNDS]
+        if short:
+            return short
+        medians = self.medians()
+        lead = medians[self._best()]
+        close = [i for i, m in enumerate(medians) if m <= lead * (1 + CLOSE)]
+        if len(close) < 2:
+            return []
+        return [i for i in close if len(self.times[i]) < self.max_rounds]
+
+    def _next_turn(self, waiting: list[int]) -> int:
+        """The next candidate after the current one, in turn, among those ``waiting``."""
         n = len(self.plans)
         for step in range(1, n + 1):
             index = (self.turn + step) % n
-            if len(self.times[index]) < ROUNDS:
+            if index in waiting:
                 return index
         return self.turn
 
     def _best(self) -> int:
-        best = self.best_times()
-        return min(range(len(best)), key=best.__getitem__)
+        medians = self.medians()
+        return min(range(len(medians)), key=medians.__getitem__)
 
 
 def _kind(plan: Plan) -> str:

@@ -12,8 +12,8 @@ The next manager with no plan for that key, in this process or another, takes th
 (the file goes then; it is written again if that manager too closes undecided) and goes on
 from the next trial or the next turn of the race. Progress holds plans and traces: sizes,
 times and step names, never a tensor's values. Times measured by another process join the race
-as they are; the race keeps each candidate's best time, so a slow process can cost a candidate
-the race, never correctness: every candidate keeps the budget and trains bit-identically.
+as they are; the race keeps each candidate's median time, so a slow process can cost a
+candidate the race, never correctness: every candidate keeps the budget and trains bit-identically.
 Unreadable progress is ignored with a warning, and the next iteration profiles again.
 """
 
@@ -76,6 +76,7 @@ class Undecided:
                 "times": self.race.times,
                 "turn": self.race.turn,
                 "clean": self.race.clean,
+                "leans": self.race.leans,
             }
         candidates = [
             [ref(plan), trace.to_json(), reserve, minimum]
@@ -121,9 +122,16 @@ class Undecided:
             race = PlanRace([some(i) for i in r["plans"]])
             times = [[float(x) for x in ts] for ts in r["times"]]
             clean = [bool(c) for c in r["clean"]]
+            # Progress written before lean times were told apart: its times count as full ones.
+            leans = [
+                [bool(x) for x in ls] for ls in r.get("leans", [[False] * len(t) for t in times])
+            ]
             if len(times) != len(race.plans) or len(clean) != len(race.plans):
                 raise ValueError("race times or flags do not match its plans")
-            race.times, race.clean, race.turn = times, clean, int(r["turn"])
+            if [len(t) for t in times] != [len(ls) for ls in leans]:
+                raise ValueError("race times and their lean flags do not match")
+            race.times, race.clean, race.leans = times, clean, leans
+            race.turn = int(r["turn"])
             if not 0 <= race.turn < len(race.plans):
                 raise ValueError(f"race turn {race.turn} of {len(race.plans)} plans")
         if trials is None and race is None:

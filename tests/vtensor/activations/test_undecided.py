@@ -9,8 +9,8 @@ from recompute_models import Block, batch, managed_steps, model_with, peak_bytes
 
 import vtensor
 from vtensor.activations.iteration_plan import Trials
+from vtensor.activations.race import MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
-from vtensor.activations.race import PlanRace
 from vtensor.activations.undecided import Undecided
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
@@ -48,12 +48,13 @@ def test_a_race_under_way_when_its_manager_closes_goes_on_in_the_next(
     assert candidates >= 2 and sources == ["profiled"] * candidates + ["raced"]
     assert _files(tmp_path) == (0, 1)
     with _manager(budget, tmp_path) as second:
-        managed_steps(second, model, candidates * (RACE_ROUNDS + 1) + 1)
+        # Each candidate: its replays, close ones up to MAX_ROUNDS, and one made again.
+        managed_steps(second, model, candidates * (MAX_ROUNDS + 1) + 1)
         later = [r.plan_source for r in second.reports]
         plan = second.plan_for(model, batch(0))
     assert later[0] == "raced"  # the race goes on: no profile again
     raced = 1 + later.count("raced")  # with the first manager's replay
-    assert candidates * RACE_ROUNDS <= raced <= candidates * (RACE_ROUNDS + 1), (sources, later)
+    assert candidates * RACE_ROUNDS <= raced <= candidates * (MAX_ROUNDS + 1), (sources, later)
     assert later[-1] == "planned" and plan is not None
     assert _files(tmp_path) == (1, 0)  # decided: the plan is cached, the progress gone
     with _manager(budget, tmp_path) as third:
@@ -102,6 +103,7 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     race = PlanRace([hybrid, swap_only])
     race.record(0.5)
     race.record(0.25, guard_bytes=0)
+    race.record(0.2, lean=True)
     growth = {"a": (300, 200), "b": (100, 0)}
     trials = Trials([pending], [hybrid], swap_only, growth, encoded=True)
     undecided = Undecided(trials, race, [(hybrid, (trace, 7, 9))])
@@ -113,11 +115,19 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     assert back.trials.plans[0] is back.race.plans[0] is back.candidates[0][0]
     assert back.trials.swap_only is back.race.plans[1]
     assert back.race.plans == [hybrid, swap_only]
-    assert (back.race.times, back.race.turn, back.race.clean) == (
+    assert (back.race.times, back.race.turn, back.race.clean, back.race.leans) == (
         race.times,
         race.turn,
         race.clean,
+        [[False, True], [False]],
     )
+    # Progress written before lean times were told apart: its times count as full ones.
+    older = undecided.to_dict()
+    del older["race"]["leans"]
+    assert Undecided.from_dict(older).race.leans == [[False, False], [False]]  # type: ignore[union-attr]
+    older["race"]["leans"] = [[True], [False]]
+    with pytest.raises(ValueError, match="lean flags"):
+        Undecided.from_dict(older)
     assert back.candidates[0][1][1:] == (7, 9) and back.candidates[0][1][0] == trace
 
 
