@@ -157,12 +157,16 @@ def test_a_candidate_races_lean_once_a_full_replay_of_it_needed_no_guard(
     )
     monkeypatch.setattr(vtensor.MemoryManager, "_guard_bytes", lambda *_: 0)
     budget = int(peak_bytes(Block, tmp_path) * 0.5)
-    reports, _ = _race(model_with(Block), budget, 2 + 2 * RACE_ROUNDS + 1, tmp_path)
-    raced = reports[2 : 2 + 2 * RACE_ROUNDS]
-    assert [r.plan_source for r in raced] == ["raced"] * len(raced)
-    assert [r.lean for r in raced] == [False, False] + [True, True] * (RACE_ROUNDS - 1)
+    # The two candidates may be close: each is replayed up to MAX_ROUNDS times (NOTE [close race]).
+    reports, _ = _race(model_with(Block), budget, 2 + 2 * MAX_ROUNDS + 1, tmp_path)
+    sources = [r.plan_source for r in reports[2:]]
+    raced = reports[2 : 2 + sources.count("raced")]
+    assert [r.plan_source for r in raced] == ["raced"] * len(raced), sources
+    assert 2 * RACE_ROUNDS <= len(raced) <= 2 * MAX_ROUNDS, sources
+    assert [r.lean for r in raced] == [False, False] + [True] * (len(raced) - 2)
     # The winner's full replay needed no guard: it goes on lean.
-    assert reports[-1].plan_source == "planned" and reports[-1].lean
+    after = reports[2 + len(raced) :]
+    assert after and all(r.plan_source == "planned" and r.lean for r in after), sources
     assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports)
 
 
