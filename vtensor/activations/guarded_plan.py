@@ -8,6 +8,7 @@ from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.memory_model import step_headroom, watched_events, watched_steps
 from vtensor.planner.plan import Plan
+from vtensor.planner.reserves import step_reserves
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -58,4 +59,5 @@ def plan_within_guard(
         step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
         watched_events=watched_events(plan, trace, watched),  # NOTE [hookless replay]
         encoded=trace.encoded,  # NOTE [encoding decided]
+        step_reserve_bytes=step_reserves(trace),  # NOTE [step reserve]
     )

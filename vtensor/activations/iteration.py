@@ -72,6 +72,8 @@ class Iteration:
         self.books = IterationBooks()
         self.floor = BudgetFloor(store, self.books, policy.budget_bytes)
         self.step_index = -1
+        self._event = 0  # hook events of the open step so far (NOTE [step reserve])
+        self._guarded_at: tuple[int, int] | None = None  # (step, event) the guard last acted at
         self._open: OpenStep | None = None
         self.meter.note(self.live_bytes())
         self._backward_done_queued = False
@@ -106,6 +108,9 @@ class Iteration:
         return self.meter.read()
 
     def _sample(self, live: int) -> None:
+        if self.record_trace and self._guarded_at is not None:
+            # NOTE [step reserve] in planner/reserves.py: the rise since the guard last acted.
+            self.books.note_growth(self._guarded_at, self.meter.rise(live))
         if live > self.policy.budget_bytes + self.overshoot_bytes:
             # The budget broke before the policy could act (an op allocated more than the
             # headroom): the iteration is infeasible at this budget as run.
@@ -120,6 +125,14 @@ class Iteration:
                     unmanaged -= self.params.resident_bytes()  # the plan places them
                 self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
 
+    def _next_event(self) -> None:
+        """A hook event of the open step: the guard keeps what followed it in the profile."""
+        self._event += 1
+        self.policy.at_event(self._event)  # NOTE [step reserve] in planner/reserves.py
+
+    def _keep_reserve(self, live: int) -> None:
+        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
+
     # -- recomputation --------------------------------------------------------------------------
     def recompute_began(self, regrowth_bytes: int) -> None:
         """Without a plan, make room for ``regrowth_bytes`` (NOTE [recomputed growth]); note."""
@@ -133,8 +146,8 @@ class Iteration:
         """Its growth is the plan's to place, not headroom (NOTE [recomputed growth])."""
         if self.recomputing == 1 and self._recompute_from is not None:
             live = self.live_bytes()
-            self._sample(live)
             self.meter.announce_recomputed(live - self._recompute_from)
+            self._sample(live)
             self._recompute_from = None
 
     # -- hook target --------------------------------------------------------------------------
@@ -162,6 +175,7 @@ class Iteration:
                 return  # NOTE [lean replay]
             self._leave_lean()
         self.books.dtypes.setdefault(record.vid, set()).add(str(tensor.dtype).replace("torch.", ""))
+        self._next_event()
         self.enforce()
 
     def before_unpack(self, record: VTensor) -> None:
@@ -169,6 +183,7 @@ class Iteration:
         if self.lean:
             self.store.reap(block=False, block_restores=False)
             return  # the plan has made room (NOTE [lean replay])
+        self._next_event()
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
         resident = record.storage.nbytes() if record.storage is not None else 0
         if incoming and resident and not record.in_place:
@@ -191,6 +206,7 @@ class Iteration:
             return  # the plan prefetches (NOTE [lean replay])
         if self.step_index not in record.uses:
             record.uses.append(self.step_index)
+        self._next_event()
         live = self.live_bytes()
         self._sample(live)
         if (self.executor is None or not self.executor.active) and self.policy.prefetch(
@@ -208,6 +224,7 @@ class Iteration:
             # Mark the end of backward (optimizer work that follows is its own step).
             self._backward_done_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self._event = 0
         if self.lean:
             self._lean_step = name
             self.step_index += 1
@@ -220,6 +237,8 @@ class Iteration:
                 self.store.reap(block=True, block_restores=False)
             watched = self.step_index in self.executor.watched
             self.executor.on_step(self.step_index, name)
+            # Read at boundaries only: the one reserve (NOTE [step reserve], planner/reserves.py).
+            self.policy.at_step(self.step_index, following=False)
             if self.executor.active:
                 if watched:
                     self._check_boundary()
@@ -228,6 +247,7 @@ class Iteration:
             self.step_index -= 1  # opened again below, with the books
         self._close_step()
         self.step_index += 1
+        self._event = 0
         epoch = self.store.memory_epoch
         live = self.live_bytes()
         self._open = OpenStep(
@@ -238,6 +258,9 @@ class Iteration:
             self._open.rss_start = self.rss.current_rss_bytes()
         if self.executor is not None:
             self.executor.on_step(self.step_index, name)
+            # NOTE [step reserve] in planner/reserves.py: a joint plan's reads keep the one.
+            follows = self.executor.active and self.params is None
+            self.policy.at_step(self.step_index, following=follows)
             self.policy.follow_plan(self.executor.active)
         if self.params is not None:
             # The plan's reads at this step: make room for each under the budget, then start it.
@@ -284,9 +307,10 @@ class Iteration:
         budget breaks it like any other sample; its floor is judged against what was evictable
         at the previous hook point, which is what could have made room.
         """
+        self._next_event()
         live = self.live_bytes()
         self._sample(live)
-        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
+        self._keep_reserve(live)
         # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
         # policy had no chance to act since the last hook point.
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
@@ -336,7 +360,7 @@ class Iteration:
         else:
             live = live_hint  # NOTE [reused readings]
         self._sample(live)
-        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
+        self._keep_reserve(live)
         epoch = self.store.memory_epoch
         self.policy.enforce(live + incoming_bytes, pinned)
         if self.store.memory_epoch != epoch or self.params is not None:
@@ -352,6 +376,8 @@ class Iteration:
         if judge:
             self.floor.note(live + incoming_bytes, pinned, self._step_name(), self.step_index)
         self.meter.note(live)
+        self.meter.mark(live)
+        self._guarded_at = (self.step_index, self._event)
 
     # -- closing ------------------------------------------------------------------------------
     def _close_step(self) -> None:

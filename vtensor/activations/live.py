@@ -32,6 +32,9 @@ class LiveBytes:
         self._entry_released = store.released_bytes
         self._last_live = 0
         self._last_param = 0
+        # Where the guard last acted (NOTE [step reserve]): the reading, parameters, restores
+        # started, recomputed bytes announced since.
+        self._mark = (0, 0, 0, 0)
         self.recomputed_bytes = 0  # growth of the recomputations since the last noted reading
 
     def read(self) -> int:
@@ -54,6 +57,21 @@ class LiveBytes:
     def announce_recomputed(self, nbytes: int) -> None:
         """A recomputation grew the tracked bytes by ``nbytes`` (NOTE [recomputed growth])."""
         self.recomputed_bytes += max(0, nbytes)
+        level, params, restored, recomputed = self._mark
+        self._mark = (level, params, restored, recomputed + max(0, nbytes))
+
+    def mark(self, live: int) -> None:
+        """The guard acted at the reading ``live``: :meth:`rise` is measured from it."""
+        self._mark = (live, self._param_bytes(), self.store.restored_bytes, 0)
+
+    def rise(self, live: int) -> int:
+        """How far ``live`` lies above the reading the guard last acted at, less the growth
+        announced since (parameters read, restores started, recomputations): what the guard
+        must keep free for the model's own allocations (NOTE [step reserve] in
+        ``planner/reserves.py``); a replayed plan places the rest."""
+        level, params, restored, recomputed = self._mark
+        announced = max(0, self._param_bytes() - params) + recomputed
+        return live - level - announced - (self.store.restored_bytes - restored)
 
     def growth(self, live: int) -> int:
         """Growth since the last noted reading that nobody announced: the guard's headroom.

@@ -52,6 +52,11 @@ class ReactivePolicy:
         self.prefetch_depth = prefetch_depth
         # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
         self.early_eviction = True
+        # The plan's reserve per step, and the one of the step running now while the plan is
+        # followed (None: ``reserve_bytes``; NOTE [step reserve] in planner/reserves.py).
+        self.step_reserves: tuple[tuple[int, ...], ...] = ()
+        self.step_reserve: int | None = None
+        self._now: tuple[int, ...] | None = None  # the running step's reserves by hook event
 
     def keep_reserve(self, nbytes: int, recomputed_bytes: int = 0) -> None:
         """Keep at least ``nbytes`` of headroom from now on (a growth between hook points).
@@ -76,6 +81,30 @@ class ReactivePolicy:
         if not self.early_eviction:
             nbytes -= recomputed_bytes  # a replayed plan placed them
         self.reserve_bytes = max(self.reserve_bytes, nbytes)
+
+    def use_step_reserves(self, reserves: tuple[tuple[int, ...], ...]) -> None:
+        """The plan about to be replayed keeps these per step and hook event (empty: its one)."""
+        self.step_reserves = reserves
+        self._now = None
+        self.step_reserve = None
+
+    def at_step(self, index: int, *, following: bool) -> None:
+        """Step ``index`` begins (its hook event 0); ``following``: the replay follows its plan.
+
+        NOTE [step reserve] in ``planner/reserves.py``: while it does, the guard keeps the growth
+        the profile saw after the same hook event of the same step; once it does not, its one
+        reserve everywhere.
+        """
+        known = following and 0 <= index < len(self.step_reserves)
+        self._now = self.step_reserves[index] if known else None
+        self.at_event(0)
+
+    def at_event(self, event: int) -> None:
+        """Hook event ``event`` of the step running now (a reading follows)."""
+        if self._now is None:
+            self.step_reserve = None
+        else:
+            self.step_reserve = self._now[event] if event < len(self._now) else 0
 
     def use_reserve(self, nbytes: int) -> None:
         """Keep the headroom of the plan about to be replayed: the growth its profile measured.
@@ -102,7 +131,8 @@ class ReactivePolicy:
             # A replayed plan budgets each step's op workspaces itself (its trace measured
             # them); the guard keeps the largest growth between two hook points free, because
             # the plan's per-step model cannot place every allocation within a step.
-            return self.budget_bytes - max(self.reserve_bytes, self.guard_bytes)
+            reserve = self.reserve_bytes if self.step_reserve is None else self.step_reserve
+            return self.budget_bytes - max(reserve, self.guard_bytes)
         # The reactive policy does not know which step needs a workspace, so it keeps the
         # largest one seen free as well.
         return self.budget_bytes - self.reserve_bytes - self.transient_bytes

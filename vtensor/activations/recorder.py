@@ -2,7 +2,7 @@
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vtensor.activations.report import StepStats
 from vtensor.activations.store import StoreStats, VTensor
@@ -55,6 +55,23 @@ class IterationBooks:
     min_budget_bytes: int = 0
     min_budget_step: str = ""
     violated: bool = False
+    # per (step, hook event): the largest growth after its reading (NOTE [step reserve])
+    growth: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def note_growth(self, at: tuple[int, int], nbytes: int) -> None:
+        """The reading at (step, hook event) ``at`` was followed by a growth of ``nbytes``."""
+        if nbytes > self.growth.get(at, 0):
+            self.growth[at] = nbytes
+
+    def step_growths(self) -> dict[int, tuple[int, ...]]:
+        """Per step, its growths by hook event, trailing events without growth left out."""
+        by_step: dict[int, dict[int, int]] = {}
+        for (step, event), nbytes in self.growth.items():
+            by_step.setdefault(step, {})[event] = nbytes
+        return {
+            step: tuple(events.get(e, 0) for e in range(max(events) + 1))
+            for step, events in by_step.items()
+        }
 
     def close(self, step: OpenStep, stats: StoreStats, transient: int, *, counted: bool) -> None:
         """Book ``step`` as it ends: its statistics and its trace step.
@@ -114,8 +131,10 @@ class IterationBooks:
             for position, r in enumerate(ordered)
         )
         tensors += tuple(extra)
+        growths = self.step_growths()
+        steps = tuple(replace(s, growth_bytes=growths.get(s.index, ())) for s in self.trace_steps)
         return Trace(
-            steps=tuple(self.trace_steps),
+            steps=steps,
             tensors=tensors,
             unmanaged_saved_bytes=self.unmanaged_saved_bytes,
             baseline_bytes=baseline_bytes,

@@ -273,6 +273,7 @@ class MemoryManager:
             executor = chosen.executor
             if executor is not None:
                 policy.use_reserve(executor.plan.reserve_bytes)
+            policy.use_step_reserves(executor.plan.step_reserve_bytes if executor else ())
             joint = None
             if params is not None:
                 joint = JointStep(

@@ -49,6 +49,9 @@ class ChunkStore:
         # Bumped whenever the store resizes or drops a storage, so a caller can tell that a
         # reading of the tracked bytes taken since (with no op run in between) is still current.
         self.memory_epoch = 0
+        # Bytes whose restores have started, ever: what the store itself grew the device by
+        # (NOTE [step reserve] in planner/reserves.py).
+        self.restored_bytes = 0
 
     # -- adoption and death -------------------------------------------------------------------
     def adopt(self, storage: torch.UntypedStorage, step: int) -> VTensor:
@@ -248,6 +251,7 @@ class ChunkStore:
             self.stats.copied_bytes += record.resident_bytes  # growing copies the prefix
             record.storage.resize_(record.nbytes)
         self.memory_epoch += 1
+        self.restored_bytes += sum(c.nbytes for c in chunks)
         for chunk in chunks:
             chunk.move(ChunkState.RESTORING)
         self._start(record, Pending(self.engine.restore(record.storage, chunks), chunks, False))

@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 7
+PLAN_SCHEMA_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,9 @@ class Plan:
             none after it.
         encoded: made from an iteration whose clamps saved bits (NOTE [mask encoding]): its
             replays encode them too.
+        step_reserve_bytes: per step, per hook event of it, the headroom the guard keeps
+            there while a full replay follows the plan (the trace's ``growth_bytes``, NOTE
+            [step reserve] in ``planner/reserves.py``); empty: ``reserve_bytes`` everywhere.
     """
 
     budget_bytes: int
@@ -94,6 +97,7 @@ class Plan:
     step_headroom_bytes: tuple[int, ...] = ()
     watched_events: tuple[tuple[int, int], ...] = ()
     encoded: bool = False
+    step_reserve_bytes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -131,6 +135,7 @@ class Plan:
             watched_steps=tuple(raw.pop("watched_steps", ())),
             selective=tuple(raw.pop("selective", ())),
             step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
+            step_reserve_bytes=tuple(tuple(r) for r in raw.pop("step_reserve_bytes", ())),
             watched_events=tuple((v, k) for v, k in raw.pop("watched_events", ())),
             **raw,
         )

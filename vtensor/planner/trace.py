@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 7
+TRACE_SCHEMA_VERSION = 8
 
 
 class TensorKind(StrEnum):
@@ -42,6 +42,11 @@ class TraceStep:
         transient_bytes: what the step needed beyond its sampled peak, for workspaces that live
             only inside one op (measured from the process's RSS high-water mark on CPU; 0 where
             it could not be measured).
+        growth_bytes: per hook event of the step (0: its start, then each saved-tensor pack,
+            unpack and backward node, in order), how far the tracked bytes rose after the guard
+            acted there before it could act again, less the manager's own restores, parameter
+            reads and recomputations (NOTE [step reserve] in ``planner/reserves.py``); 0 where
+            it did not act; trailing events without a rise left out.
     """
 
     index: int
@@ -52,6 +57,7 @@ class TraceStep:
     peak_live_bytes: int
     unmanaged_peak_bytes: int
     transient_bytes: int = 0
+    growth_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,10 @@ class Trace:
                 f"trace schema_version {raw.get('schema_version')!r} is not "
                 f"{TRACE_SCHEMA_VERSION}; re-profile the model"
             )
-        steps = tuple(TraceStep(**{**s, "phase": Phase(s["phase"])}) for s in raw.pop("steps"))
+        steps = tuple(
+            TraceStep(**{**s, "phase": Phase(s["phase"]), "growth_bytes": tuple(s["growth_bytes"])})
+            for s in raw.pop("steps")
+        )
         tensors = tuple(
             TraceTensor(
                 **{

@@ -1,0 +1,152 @@
+"""The guard's headroom per step (NOTE [step reserve] in planner/reserves.py)."""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import vtensor
+from vtensor.activations.guarded_plan import plan_within_guard
+from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.store import ChunkStore
+from vtensor.io.tiers import StorageTier
+from vtensor.io.transfer import FileTransferEngine
+from vtensor.planner.plan import Plan
+from vtensor.planner.reserves import step_reserves
+from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
+
+KIB = 1024
+CHUNK = 64 * KIB
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, channels: int, growth: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(channels)
+        self.conv = nn.Conv2d(channels, growth, 3, padding=1, bias=False)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(torch.cat(features, 1))))
+
+
+class Dense(nn.Module):
+    """Each layer concatenates every earlier feature map: the later a layer, the more its
+    step grows the tracked bytes between two readings."""
+
+    def __init__(self, layers: int = 6, growth: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.layers = nn.ModuleList(DenseLayer(16 + growth * i, growth) for i in range(layers))
+        self.head = nn.Linear(16 + growth * layers, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(features))
+        return self.head(torch.cat(features, 1).mean((2, 3)))
+
+
+def _train(
+    model: nn.Module, mm: vtensor.MemoryManager | None, steps: int
+) -> tuple[list[list[torch.Tensor]], nn.Module]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if mm is None:
+            model(x).square().mean().backward()
+        else:
+            with mm.step(model, opt, inputs=(x,)):
+                model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        opt.step()
+    return grads, model
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return Dense()
+
+
+def test_a_plan_filling_the_budget_moves_what_it_plans_not_what_the_largest_growth_asks(
+    tmp_path: Path,
+) -> None:
+    # The last layer's step grows the tracked bytes most (its concatenation of every earlier
+    # feature map). At half the peak the plan cannot leave that growth free everywhere (the
+    # floor in backward lies above ``budget - reserve_bytes``), so it fills the budget. Kept as
+    # headroom at every hook point, the largest growth made the guard move about twice what
+    # the plan moves at every replay; kept where it follows in the profile, the guard moves
+    # what the plan leaves to it: at most a chunk beyond the plan.
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as free:
+        _train(_model(), free, 2)
+        peak = free.report().peak_device_bytes
+    budget = int(peak * 0.5)
+    reference, _ = _train(_model(), None, 6)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, chunk_bytes=CHUNK) as mm:
+        grads, model = _train(_model(), mm, 6)
+        plan = mm.plan_for(model, inputs=(torch.zeros(8, 3, 32, 32),))
+        reports = mm.reports
+    assert plan is not None and plan.budget_bytes == budget  # it fills the budget
+    growths = sorted(g for step in plan.step_reserve_bytes for g in step)
+    assert plan.reserve_bytes == growths[-1] > 0
+    replays = [r for r in reports if r.plan_source == "planned"]
+    planned_out = sum(m.evict_bytes for m in plan.moves)
+    assert planned_out > 0 and len(replays) >= 4
+    assert all(r.bytes_out <= planned_out + CHUNK for r in replays), (
+        planned_out,
+        [r.bytes_out for r in replays],
+    )
+    assert all(r.peak_device_bytes <= budget + CHUNK for r in reports)
+    for step, (ours, theirs) in enumerate(zip(grads, reference, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), step
+
+
+def _trace(growths: list[tuple[int, ...]]) -> Trace:
+    """Four steps, one 100 KiB tensor saved at step 0 and used at step 3."""
+    steps = tuple(
+        TraceStep(i, f"forward:m{i}", Phase.FORWARD, 0.01, 0, 0, 50 * KIB, 0, g)
+        for i, g in enumerate(growths)
+    )
+    tensors = (TraceTensor(0, 100 * KIB, ("float32",), 0, 1, (3,)),)
+    return Trace(steps, tensors, 0, 0, 0, None, "cpu")
+
+
+def test_the_reserves_are_the_growths_the_profile_booked_per_hook_event() -> None:
+    booked = [(), (0, 40 * KIB), (), (8 * KIB,)]
+    trace = _trace(booked)
+    assert step_reserves(trace) == tuple(booked)
+    assert Trace.from_json(trace.to_json()) == trace
+    assert step_reserves(_trace([(), (), (), ()])) == ()  # none booked: the one reserve
+    plan = plan_within_guard(trace, 150 * KIB, None, 40 * KIB, 0)
+    assert plan is not None and plan.step_reserve_bytes == tuple(booked)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_the_guard_keeps_what_followed_each_hook_event_while_the_plan_is_followed(
+    tmp_path: Path,
+) -> None:
+    engine = FileTransferEngine(StorageTier(tmp_path))
+    try:
+        policy = ReactivePolicy(ChunkStore(engine, CHUNK), 1000 * KIB)
+        policy.use_reserve(300 * KIB)  # the plan's one reserve: the largest growth
+        policy.follow_plan(True)
+        policy.use_step_reserves(((), (0, 200 * KIB), (8 * KIB,)))
+        policy.at_step(1, following=True)  # event 0: nothing followed it in the profile
+        assert policy.high_watermark() == 1000 * KIB - CHUNK  # one chunk all the same
+        policy.at_event(1)  # the growth followed this one
+        assert policy.high_watermark() == 800 * KIB
+        policy.at_event(2)  # past the booked events
+        assert policy.high_watermark() == 1000 * KIB - CHUNK
+        policy.at_step(2, following=False)  # the replay left its plan: the one reserve
+        assert policy.high_watermark() == 700 * KIB
+        policy.at_step(0, following=True)
+        assert policy.high_watermark() == 1000 * KIB - CHUNK
+        policy.at_step(5, following=True)  # a step the plan does not know
+        assert policy.high_watermark() == 700 * KIB
+        policy.use_step_reserves(())  # a plan without them: the one reserve
+        policy.at_step(1, following=True)
+        policy.at_event(1)
+        assert policy.high_watermark() == 700 * KIB
+    finally:
+        engine.close()
