@@ -65,10 +65,12 @@ class LiveBytes:
         self._mark = (live, self._param_bytes(), self.store.restored_bytes, 0)
 
     def rise(self, live: int) -> int:
-        """How far ``live`` lies above the reading the guard last acted at, less the growth
-        announced since (parameters read, restores started, recomputations): what the guard
-        must keep free for the model's own allocations (NOTE [step reserve] in
-        ``planner/reserves.py``); a replayed plan places the rest."""
+        """How far ``live`` lies above the guard's last reading, less the growth announced since.
+
+        Parameters read, restores started and recomputations are the manager's own; a replayed
+        plan places them. The rest is what the guard must keep free for the model's own
+        allocations (NOTE [step reserve] in ``planner/reserves.py``).
+        """
         level, params, restored, recomputed = self._mark
         announced = max(0, self._param_bytes() - params) + recomputed
         return live - level - announced - (self.store.restored_bytes - restored)
