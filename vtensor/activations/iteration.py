@@ -237,8 +237,10 @@ class Iteration:
                 self.store.reap(block=True, block_restores=False)
             watched = self.step_index in self.executor.watched
             self.executor.on_step(self.step_index, name)
-            # Read at boundaries only: the one reserve (NOTE [step reserve], planner/reserves.py).
-            self.policy.at_step(self.step_index, following=False)
+            # Read at boundaries only: the one reserve, unless the plan moves nothing (NOTE [step
+            # reserve] in planner/reserves.py).
+            moves = bool(self.executor.plan.moves)
+            self.policy.at_step(self.step_index, following=self.executor.active and not moves)
             if self.executor.active:
                 if watched:
                     self._check_boundary()

@@ -132,9 +132,15 @@ def replays_lean(
 
     Only a plan that leaves the guard its headroom under ``budget_bytes`` (NOTE [plan within
     the guard] in ``activations/planning.py``): where the plan fills the whole budget, the guard
-    acts between boundaries as well. Never under a joint plan with parameter offloading, with
-    op workspaces counted, or while profiling: those read the tracked bytes at every point.
+    acts between boundaries as well. Or a plan that moves nothing and whose guard kept each
+    point's own headroom (NOTE [step reserve] in ``planner/reserves.py``): a full replay of it
+    that needed no guard (``asked``) is the same computation as its lean replays, and the guard
+    would have nothing to move. Never under a joint plan with parameter offloading, with op
+    workspaces counted, or while profiling: those read the tracked bytes at every point.
     """
     if not asked or executor is None or joint or count_workspaces or record_trace:
         return False
-    return executor.plan.budget_bytes + executor.plan.reserve_bytes <= budget_bytes
+    plan = executor.plan
+    if not plan.moves and plan.step_reserve_bytes:
+        return plan.budget_bytes <= budget_bytes
+    return plan.budget_bytes + plan.reserve_bytes <= budget_bytes

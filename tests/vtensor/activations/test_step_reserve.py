@@ -1,17 +1,20 @@
 """The guard's headroom per step (NOTE [step reserve] in planner/reserves.py)."""
 
+import dataclasses
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import vtensor
+from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
+from vtensor.activations.lean import replays_lean
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.store import ChunkStore
 from vtensor.io.tiers import StorageTier
 from vtensor.io.transfer import FileTransferEngine
-from vtensor.planner.plan import Plan
+from vtensor.planner.plan import Plan, TensorMove
 from vtensor.planner.reserves import step_reserves
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
@@ -148,5 +151,32 @@ def test_the_guard_keeps_what_followed_each_hook_event_while_the_plan_is_followe
         policy.at_step(1, following=True)
         policy.at_event(1)
         assert policy.high_watermark() == 700 * KIB
+    finally:
+        engine.close()
+
+
+def test_a_plan_that_moves_nothing_filling_the_budget_replays_lean_once_a_replay_was_clean(
+    tmp_path: Path,
+) -> None:
+    # A plan that fills the budget replays in full: its guard may have to act between
+    # boundaries. One that moves nothing, with each point's headroom (NOTE [step reserve]),
+    # is the same computation in every replay, and its guard has nothing to move: once a full
+    # replay needed no guard (``asked``), it replays lean.
+    engine = FileTransferEngine(StorageTier(tmp_path))
+    try:
+        store = ChunkStore(engine, CHUNK)
+        nothing = Plan(1000, CHUNK, (), (), (), 990, 0.0, "test", reserve_bytes=300)
+        kept = dataclasses.replace(nothing, step_reserve_bytes=((0, 30),))
+        moving = dataclasses.replace(kept, moves=(TensorMove(0, CHUNK, 0, 2),))
+        under = dataclasses.replace(moving, budget_bytes=700)  # leaves the one reserve free
+
+        def lean(plan: Plan, asked: bool = True) -> bool:
+            executor = PlanExecutor(plan, store)
+            flags = {"joint": False, "count_workspaces": False, "record_trace": False}
+            return replays_lean(asked, executor, 1000, **flags)
+
+        assert lean(kept) and not lean(kept, asked=False)
+        assert not lean(nothing)  # the one reserve everywhere: the guard acts between
+        assert not lean(moving) and lean(under)
     finally:
         engine.close()
