@@ -22,7 +22,12 @@ safe unit recomputed, selectively where it may be (what checkpointing every bloc
 candidate, and the fewest outermost units recomputed whole that cover the deficit, cheapest per byte
 first, a third: selective recomputation runs every op of its unit through a Python dispatch mode,
 which a unit recomputed whole does not pay, and in a process with glibc's default allocator that
-third candidate was the fastest on MobileNetV2 at half its peak. Each is profiled in an iteration
+third candidate was the fastest on MobileNetV2 at half its peak. The fourth is every outermost
+safe unit whole, what ``torch.utils.checkpoint`` on every block does: where it fits it moves
+nothing, and a plan that moves nothing replays lean once a full replay needed no guard (NOTE
+[step reserve] in ``planner/reserves.py``), so the race always holds what a user's one line of
+checkpointing would do; on the held-out ViT the race had kept swapping alone, 1.07x
+checkpointing's step. Each is profiled in an iteration
 of its own, its trace planned by ``plan_lgm``, and the hybrid plans and the swap-only one are then
 replayed in turn and the fastest replay kept (NOTE [plan race] in ``activations/race.py``).
 """
@@ -166,14 +171,17 @@ def choose_recompute(
     return tuple(sorted(chosen)), tuple(sorted(selective))
 
 
-def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def recompute_outermost(
+    trace: Trace, budget_bytes: int, *, whole: bool = False
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Every outermost safe unit of ``trace``, selectively where it may be, and those of them.
 
     What checkpointing every block does, as a candidate for the race: where recomputing a unit
     selectively would leave no feasible floor at ``budget_bytes`` (its product outputs held
     from its forward through its backward), it is tried whole, as checkpointing recomputes it;
     where that would not fit either, its outermost safe descendants are tried in its place.
-    Both sorted, maybe empty; deterministic.
+    With ``whole``, every unit is tried whole only: what ``torch.utils.checkpoint`` on every
+    block does. Both sorted, maybe empty; deterministic.
     """
     safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
     frontier = _outermost(safe)
@@ -181,7 +189,7 @@ def recompute_outermost(trace: Trace, budget_bytes: int) -> tuple[tuple[str, ...
     selective: list[str] = []
     while frontier:
         unit = frontier.pop(0)
-        for partial in ([unit.name], []) if unit.selective_safe else ([],):
+        for partial in ([unit.name], []) if unit.selective_safe and not whole else ([],):
             trial = with_recompute(trace, [*chosen, unit.name], [*selective, *partial])
             if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
                 chosen.append(unit.name)
@@ -197,8 +205,9 @@ def recompute_candidates(
 ) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
     """The recomputations worth a trial at ``budget_bytes``: (units, those selective) each.
 
-    The cheapest cover of the deficit (``choose_recompute``) and every outermost unit
-    (``recompute_outermost``), once each; none where nothing needs to leave memory.
+    The cheapest cover of the deficit (``choose_recompute``), every outermost unit selectively
+    where it may be and whole (``recompute_outermost``), and the fewest outermost units whole
+    that cover the deficit, once each; none where nothing needs to leave memory.
     """
     cheapest = choose_recompute(trace, budget_bytes)
     if not cheapest[0]:
@@ -207,6 +216,7 @@ def recompute_candidates(
     for option in (
         recompute_outermost(trace, budget_bytes),
         choose_recompute(trace, budget_bytes, whole_outermost=True),
+        recompute_outermost(trace, budget_bytes, whole=True),
     ):
         if option[0] and option not in found:
             found.append(option)

@@ -290,11 +290,11 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     monkeypatch.setattr(_Seen, "races", [])
     # Each candidate may be made again once, where its first replay needed the guard, and
     # replayed up to MAX_ROUNDS times where it is close to the leader (NOTE [close race]).
-    steps = 1 + 3 + 4 * (MAX_ROUNDS + 1) + 1
+    steps = 1 + 4 + 5 * (MAX_ROUNDS + 1) + 1
     reports, plan = _race(model_with(Block), budget, steps, tmp_path)
-    assert len(found) == 1 and len(found[0]) in (2, 3), found
-    # The cheapest cover, every block (selectively where it may be), and the fewest outermost
-    # blocks whole that cover the deficit, where that is another choice.
+    assert len(found) == 1 and len(found[0]) in (2, 3, 4), found
+    # The cheapest cover, every block (selectively where it may be), and, where they are other
+    # choices, the fewest outermost blocks whole that cover the deficit and every block whole.
     (cheapest, whole), (outermost, selective), *rest = found[0]
     assert (cheapest, whole) != (outermost, selective)
     assert set(selective) == set(outermost) - {"0", "7"}

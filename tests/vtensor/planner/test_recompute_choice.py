@@ -141,7 +141,10 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
         cheapest,
         recompute_outermost(trace, budget),
         choose_recompute(trace, budget, whole_outermost=True),
+        recompute_outermost(trace, budget, whole=True),
     )
+    # The fourth: every outermost unit whole, as checkpointing every block would.
+    assert recompute_outermost(trace, budget, whole=True) == (("a", "b.y", "c"), ())
     assert recompute_candidates(trace, _demand(trace)) == ()  # nothing needs to leave
 
 
