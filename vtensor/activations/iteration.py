@@ -237,10 +237,8 @@ class Iteration:
                 self.store.reap(block=True, block_restores=False)
             watched = self.step_index in self.executor.watched
             self.executor.on_step(self.step_index, name)
-            # Read at boundaries only: the one reserve, unless the plan moves nothing (NOTE [step
-            # reserve] in planner/reserves.py).
-            moves = bool(self.executor.plan.moves)
-            self.policy.at_step(self.step_index, following=self.executor.active and not moves)
+            # At a boundary, the headroom its full replays kept there (NOTE [step reserve]).
+            self.policy.at_step(self.step_index, following=self.executor.active)
             if self.executor.active:
                 if watched:
                     self._check_boundary()

@@ -17,11 +17,16 @@ the point's place among the step's hook events: its start, then each pack, unpac
 backward node, in order, the same in every iteration of one plan), how far the readings rose
 above it before the guard could act again, less what the manager announced or did itself in
 between (parameters read, restores started, recomputations: a replayed plan places those);
-``TraceStep.growth_bytes`` holds them, ``Plan.step_reserve_bytes`` carries them. While a full
-replay follows the plan, the guard keeps at each point what followed it in the profile (at
-least its one chunk); a lean replay, which reads at boundaries only, a joint plan with
-parameter offloading, and a replay that has left its plan keep the largest rise everywhere,
-as before. Plans are still made under the largest rise where they can be.
+``TraceStep.growth_bytes`` holds them, ``Plan.step_reserve_bytes`` carries them. While a replay
+follows the plan, the guard keeps at each point what followed it in the profile (at least its
+one chunk); a lean replay reads and guards at boundaries only, so with the headroom of the
+step's start, which its full replay kept without needing the guard (NOTE [lean replay]). A
+joint plan with parameter offloading and a replay that has left its plan keep the largest rise
+everywhere, as before. Plans are still made under the largest rise where they can be, which
+leaves a lean replay that much room between its boundaries. Kept at its boundaries, that
+largest rise had the lean replays of MobileNetV2's plan at half its peak wait for writes there
+(0.16 s a step), and at 40 % the plan never went lean (1055 heap readings a step, against 46;
+benchmarks/README.md, ``activation_swap``).
 """
 
 from vtensor.planner.trace import Trace
