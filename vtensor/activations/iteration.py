@@ -130,9 +130,6 @@ class Iteration:
         self._event += 1
         self.policy.at_event(self._event)  # NOTE [step reserve] in planner/reserves.py
 
-    def _keep_reserve(self, live: int) -> None:
-        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
-
     # -- recomputation --------------------------------------------------------------------------
     def recompute_began(self, regrowth_bytes: int) -> None:
         """Without a plan, make room for ``regrowth_bytes`` (NOTE [recomputed growth]); note."""
@@ -310,7 +307,7 @@ class Iteration:
         self._next_event()
         live = self.live_bytes()
         self._sample(live)
-        self._keep_reserve(live)
+        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
         # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
         # policy had no chance to act since the last hook point.
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
@@ -360,7 +357,7 @@ class Iteration:
         else:
             live = live_hint  # NOTE [reused readings]
         self._sample(live)
-        self._keep_reserve(live)
+        self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
         epoch = self.store.memory_epoch
         self.policy.enforce(live + incoming_bytes, pinned)
         if self.store.memory_epoch != epoch or self.params is not None:

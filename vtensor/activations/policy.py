@@ -52,8 +52,8 @@ class ReactivePolicy:
         self.prefetch_depth = prefetch_depth
         # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
         self.early_eviction = True
-        # The plan's reserve per step, and the one of the step running now while the plan is
-        # followed (None: ``reserve_bytes``; NOTE [step reserve] in planner/reserves.py).
+        # The plan's reserves per step and hook event, and the one in force now while the plan
+        # is followed (None: ``reserve_bytes``; NOTE [step reserve] in planner/reserves.py).
         self.step_reserves: tuple[tuple[int, ...], ...] = ()
         self.step_reserve: int | None = None
         self._now: tuple[int, ...] | None = None  # the running step's reserves by hook event
