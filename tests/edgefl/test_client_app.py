@@ -160,7 +160,7 @@ def test_clients_of_one_class_share_a_plan_cache(
 def test_a_plan_decision_a_round_leaves_under_way_goes_on_in_the_class_next_round(
     smoke_settings: RunSettings, with_budget: Callable[..., RunSettings], tmp_path: Path
 ) -> None:
-    """With recomputation (the main job's setting) a plan is decided over twelve to sixteen
+    """With recomputation (the main job's setting) a plan is decided over fifteen to twenty
     steps or more, more than a smoke round has: each round goes on where the class's last one
     stopped."""
     assert smoke_settings.client.vtensor.recompute
