@@ -55,16 +55,16 @@ class IterationBooks:
     min_budget_bytes: int = 0
     min_budget_step: str = ""
     violated: bool = False
-    # per (step, hook event): the largest growth after its reading (NOTE [step reserve])
+    # per (step, hook event) where the guard acted: the largest rise after it (NOTE [step reserve])
     growth: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def note_growth(self, at: tuple[int, int], nbytes: int) -> None:
-        """The reading at (step, hook event) ``at`` was followed by a growth of ``nbytes``."""
+        """The bytes rose ``nbytes`` above where the guard acted, at (step, hook event) ``at``."""
         if nbytes > self.growth.get(at, 0):
             self.growth[at] = nbytes
 
     def step_growths(self) -> dict[int, tuple[int, ...]]:
-        """Per step, its growths by hook event, trailing events without growth left out."""
+        """Per step, its rises by hook event, trailing events without a rise left out."""
         by_step: dict[int, dict[int, int]] = {}
         for (step, event), nbytes in self.growth.items():
             by_step.setdefault(step, {})[event] = nbytes
