@@ -31,6 +31,7 @@ from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, make_device_tracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
 from vtensor.planner.plan import Plan
+from vtensor.planner.reserves import step_guard
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
 
@@ -273,7 +274,9 @@ class MemoryManager:
             executor = chosen.executor
             if executor is not None:
                 policy.use_reserve(executor.plan.reserve_bytes)
-            policy.use_step_reserves(executor.plan.step_reserve_bytes if executor else ())
+            policy.use_step_reserves(
+                step_guard(executor.plan if executor else None, self.budget_bytes)
+            )
             joint = None
             if params is not None:
                 joint = JointStep(

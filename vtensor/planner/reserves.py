@@ -22,13 +22,14 @@ follows the plan, the guard keeps at each point what followed it in the profile 
 one chunk); a lean replay reads and guards at boundaries only, so with the headroom of the
 step's start, which its full replay kept without needing the guard (NOTE [lean replay]). A
 joint plan with parameter offloading and a replay that has left its plan keep the largest rise
-everywhere, as before. Plans are still made under the largest rise where they can be, which
-leaves a lean replay that much room between its boundaries. Kept at its boundaries, that
-largest rise had the lean replays of MobileNetV2's plan at half its peak wait for writes there
-(0.16 s a step), and at 40 % the plan never went lean (1055 heap readings a step, against 46;
-benchmarks/README.md, ``activation_swap``).
+everywhere, as before, and so does a plan made under the largest rise (plans still are, where
+they can be): the headroom per point is for the plans that fill the budget, where the largest
+rise cannot be left free (``step_guard``). At 40 % of MobileNetV2's peak such a plan had never
+replayed lean (1055 heap readings a step, against 44 now; benchmarks/README.md,
+``activation_swap``).
 """
 
+from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 
 
@@ -36,3 +37,14 @@ def step_reserves(trace: Trace) -> tuple[tuple[int, ...], ...]:
     """Per step of ``trace``, the rise after each hook event the guard acted at; empty if none."""
     reserves = tuple(s.growth_bytes for s in trace.steps)
     return reserves if any(reserves) else ()
+
+
+def step_guard(plan: Plan | None, budget_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The headroom per point the guard keeps while ``plan`` is replayed under ``budget_bytes``.
+
+    Only for a plan that fills the budget, where the largest rise cannot be left free: a plan
+    made under it keeps it everywhere, as its replays were proven with (empty: the one).
+    """
+    if plan is None or plan.budget_bytes + plan.reserve_bytes <= budget_bytes:
+        return ()
+    return plan.step_reserve_bytes
