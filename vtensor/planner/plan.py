@@ -74,8 +74,9 @@ class Plan:
         encoded: made from an iteration whose clamps saved bits (NOTE [mask encoding]): its
             replays encode them too.
         step_reserve_bytes: per step, per hook event of it, the headroom the guard keeps
-            there while a full replay follows the plan (the trace's ``growth_bytes``, NOTE
-            [step reserve] in ``planner/reserves.py``); empty: ``reserve_bytes`` everywhere.
+            there while a replay follows the plan, where it fills the budget (the trace's
+            ``growth_bytes``, NOTE [step reserve] in ``planner/reserves.py``); empty:
+            ``reserve_bytes`` everywhere.
     """
 
     budget_bytes: int
