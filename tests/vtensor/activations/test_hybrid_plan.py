@@ -144,7 +144,11 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
             opt.step()
         plain_out = plain.report().bytes_out
     swap_only = [r.bytes_out for r in reports[2:] if not r.recomputed]
-    assert all(out <= plain_out for out in swap_only), (swap_only, plain_out)
+    # The guard reads allocator statistics, which count the process's other small allocations
+    # too: a lean replay once evicted one 4 KiB piece more in a full run of the suite. The
+    # trial of recomputation moved half a MiB more than the swap-only replays here.
+    noise = 64 * 1024
+    assert all(out <= plain_out + noise for out in swap_only), (swap_only, plain_out)
 
 
 def test_a_candidate_races_lean_once_a_full_replay_of_it_needed_no_guard(
