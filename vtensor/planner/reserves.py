@@ -24,9 +24,11 @@ step's start, which its full replay kept without needing the guard (NOTE [lean r
 joint plan with parameter offloading and a replay that has left its plan keep the largest rise
 everywhere, as before, and so does a plan made under the largest rise (plans still are, where
 they can be): the headroom per point is for the plans that fill the budget, where the largest
-rise cannot be left free (``step_guard``). At 40 % of MobileNetV2's peak such a plan had never
-replayed lean (1055 heap readings a step, against 44 now; benchmarks/README.md,
-``activation_swap``).
+rise cannot be left free (``step_guard``). Kept for every plan, it let MobileNetV2's swap plan
+at 40 % of its peak replay lean (44 heap readings a step instead of 1055), but a transformer's
+replay then broke the budget once under ``MALLOC_PERTURB_``: one profile's rise at a point
+bounds no other replay's, and a plan made under the largest rise was proven with it
+(benchmarks/README.md, ``activation_swap``).
 """
 
 from vtensor.planner.plan import Plan
