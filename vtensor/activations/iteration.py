@@ -1,6 +1,6 @@
 """One managed training iteration: routes hook events to the store and policy, keeps the books."""
 
-import dataclasses
+import copy
 import functools
 import logging
 import time
@@ -15,11 +15,10 @@ from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.recorder import IterationBooks, OpenStep
-from vtensor.activations.store import ChunkStore, StoreStats, VTensor
+from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
-from vtensor.planner.trace import Trace, TraceUnit
 
 logger = logging.getLogger(__name__)
 
@@ -244,11 +243,10 @@ class Iteration:
             self.step_index -= 1  # opened again below, with the books
         self._close_step()
         self.step_index += 1
-        self._event = 0
         epoch = self.store.memory_epoch
         live = self.live_bytes()
         self._open = OpenStep(
-            self.step_index, name, time.perf_counter(), live, live, _copy(self.store.stats)
+            self.step_index, name, time.perf_counter(), live, live, copy.copy(self.store.stats)
         )
         if self.rss is not None:
             self.rss.reset_peak()
@@ -402,22 +400,3 @@ class Iteration:
         """Leave ``seconds`` (a check the profiler ran) out of the open step's duration."""
         if self._open is not None:
             self._open.started += seconds
-
-    def trace(self, budget_bytes: int, chunk_bytes: int | None) -> Trace:
-        """The iteration as a ``Trace``."""
-        n_activations, n_steps = len(self.books.tensors), len(self.books.trace_steps)
-        extra = [] if self.params is None else self.params.trace_tensors(n_activations, n_steps)
-        trace = self.books.trace(
-            extra, self.baseline_bytes, budget_bytes, chunk_bytes, self.device.type
-        )
-        units: tuple[TraceUnit, ...] = ()
-        if self.units is not None:
-            position = {vid: i for i, vid in enumerate(sorted(self.books.tensors))}
-            names = [s.name for s in trace.steps]
-            units = self.units.units(position, trace.tensors, names)
-        ran = dataclasses.replace(trace, recomputed=self.recomputed, selective=self.selective)
-        return dataclasses.replace(ran, units=units, encoded=self.encoded)
-
-
-def _copy(stats: StoreStats) -> StoreStats:
-    return StoreStats(stats.bytes_out, stats.bytes_in, stats.transfer_s, stats.stall_s)

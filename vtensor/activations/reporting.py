@@ -1,5 +1,6 @@
-"""The report of a finished iteration: its books, its plan and the store's counters."""
+"""What a finished iteration gives: its report and its trace."""
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, PlanSource, Policy
 from vtensor.activations.store import ChunkStore
 from vtensor.measure.independent import IndependentPeak
+from vtensor.planner.trace import Trace, TraceUnit
 
 
 @dataclass(frozen=True)
@@ -78,4 +80,27 @@ def iteration_report(
         recomputed=iteration.recomputed,
         lean=iteration.lean,
         selective=iteration.selective,
+    )
+
+
+def iteration_trace(iteration: Iteration, budget_bytes: int, chunk_bytes: int | None) -> Trace:
+    """``iteration`` as a ``Trace``: its books, the parameters' tensors, its units."""
+    books = iteration.books
+    params = iteration.params
+    extra = (
+        [] if params is None else params.trace_tensors(len(books.tensors), len(books.trace_steps))
+    )
+    trace = books.trace(
+        extra, iteration.baseline_bytes, budget_bytes, chunk_bytes, iteration.device.type
+    )
+    units: tuple[TraceUnit, ...] = ()
+    if iteration.units is not None:
+        position = {vid: i for i, vid in enumerate(sorted(books.tensors))}
+        units = iteration.units.units(position, trace.tensors, [s.name for s in trace.steps])
+    return dataclasses.replace(
+        trace,
+        recomputed=iteration.recomputed,
+        selective=iteration.selective,
+        units=units,
+        encoded=iteration.encoded,
     )

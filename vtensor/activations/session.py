@@ -20,7 +20,7 @@ from vtensor.activations.model_state import ModelScan, check_start, device_of, s
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import Granularity, IterationReport, Policy
-from vtensor.activations.reporting import StoreCounters, iteration_report
+from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.wiring import instrumented
 from vtensor.errors import InfeasibleBudgetError, VTensorError
@@ -333,7 +333,7 @@ class MemoryManager:
         assert self._store is not None and self._policy is not None and self._peaks is not None
         trace = None
         if chosen.record_trace:
-            trace = iteration.trace(self.budget_bytes, self.chunk_size)
+            trace = iteration_trace(iteration, self.budget_bytes, self.chunk_size)
             if joint is not None and joint.created_state:
                 trace = dataclasses.replace(trace, incomplete=True)
             self._trace = trace
