@@ -10,7 +10,7 @@ import torch
 from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
-from vtensor.activations.lean import Passing, replays_hookless, replays_lean
+from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wait_for_room
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
@@ -225,12 +225,7 @@ class Iteration:
             self._lean_step = name
             self.step_index += 1
             assert self.executor is not None
-            # NOTE [lean waits] in activations/lean.py: only for writes beyond the headroom.
-            self.store.reap(block=False, block_restores=False)
-            headroom = self.executor.plan.step_headroom_bytes
-            room = headroom[self.step_index] if self.step_index < len(headroom) else 0
-            if self.store.outgoing_bytes() > room:
-                self.store.reap(block=True, block_restores=False)
+            wait_for_room(self.store, self.executor.plan, self.step_index)  # NOTE [lean waits]
             watched = self.step_index in self.executor.watched
             self.executor.on_step(self.step_index, name)
             # At a boundary, the headroom its full replays kept there (NOTE [step reserve]).

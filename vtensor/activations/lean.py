@@ -62,6 +62,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.store import ChunkStore
+from vtensor.planner.plan import Plan
 
 
 class Passing:
@@ -106,6 +107,18 @@ class Passing:
         self._seen[storage._cdata] = (StorageWeakRef(storage), position)  # type: ignore[no-untyped-call]
         self._at((position, 0))
         return position
+
+
+def wait_for_room(store: ChunkStore, plan: Plan, step_index: int) -> None:
+    """As lean step ``step_index`` begins, wait for the writes beyond its headroom.
+
+    NOTE [lean waits]; completed transfers are taken in either way.
+    """
+    store.reap(block=False, block_restores=False)
+    headroom = plan.step_headroom_bytes
+    room = headroom[step_index] if step_index < len(headroom) else 0
+    if store.outgoing_bytes() > room:
+        store.reap(block=True, block_restores=False)
 
 
 def replays_hookless(executor: PlanExecutor) -> bool:
