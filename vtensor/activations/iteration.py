@@ -135,7 +135,8 @@ class Iteration:
         if self.recomputing != 1 or self.lean:
             return
         if regrowth_bytes and not (self.executor is not None and self.executor.active):
-            self.enforce(incoming_bytes=regrowth_bytes)  # a replayed plan has placed them
+            # A bound, not a need (NOTE [regrowth bound]): the reading after it judges the budget.
+            self.enforce(incoming_bytes=regrowth_bytes, judge=False)
         self._recompute_from = self.live_bytes()
 
     def recompute_ended(self) -> None:
@@ -247,11 +248,13 @@ class Iteration:
             self.rss.reset_peak()
             self._open.rss_start = self.rss.current_rss_bytes()
         if self.executor is not None:
-            self.executor.on_step(self.step_index, name)
-            # NOTE [step reserve] in planner/reserves.py: a joint plan's reads keep the one.
-            follows = self.executor.active and self.params is None
-            self.policy.at_step(self.step_index, following=follows)
-            self.policy.follow_plan(self.executor.active)
+            if self.executor.active:  # what a lean replay waits for, a full one too
+                wait_for_room(self.store, self.executor.plan, self.step_index)
+            joint = self.params is not None
+            self.policy.at_plan_step(self.step_index, active=self.executor.active, joint=joint)
+            self.executor.on_step(self.step_index, name, self.make_room)  # NOTE [room for restores]
+            if not self.executor.active:
+                self.policy.at_plan_step(self.step_index, active=False, joint=joint)
         if self.params is not None:
             # The plan's reads at this step: make room for each under the budget, then start it.
             for entry in self.params.on_step(self.step_index):

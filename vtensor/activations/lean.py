@@ -30,7 +30,10 @@ guard would keep it. Waiting at every boundary, lean replays stalled where full 
 not (a full replay's guard waits only once the headroom is gone); with this rule MobileNetV2's
 lean replays at 80-50 % stall 0.000 s (benchmarks/README.md, 2026-12-02). Waiting nowhere, the
 main job's two clients sharing two cores, whose writes fell behind compute, went up to 70 %
-over budget in lean replays.
+over budget in lean replays. A full replay waits by the same rule: its guard sees the writes
+in flight, but keeps only the headroom of the point it acts at (NOTE [step reserve]), while
+the plan has given the bytes it counted as gone to the step, where a recomputation brings a
+module's saved tensors back at once between two points.
 
 NOTE [passed]
 A lean replay leaves to autograd, as it is, every saved storage its plan never moves: no

@@ -33,8 +33,8 @@ class LiveBytes:
         self._last_live = 0
         self._last_param = 0
         # Where the guard last acted (NOTE [step reserve]): the reading, parameters, restores
-        # started, recomputed bytes announced since.
-        self._mark = (0, 0, 0, 0)
+        # started, recomputed bytes announced since, evictions completed.
+        self._mark = (0, 0, 0, 0, 0)
         self.recomputed_bytes = 0  # growth of the recomputations since the last noted reading
 
     def read(self) -> int:
@@ -57,23 +57,26 @@ class LiveBytes:
     def announce_recomputed(self, nbytes: int) -> None:
         """A recomputation grew the tracked bytes by ``nbytes`` (NOTE [recomputed growth])."""
         self.recomputed_bytes += max(0, nbytes)
-        level, params, restored, recomputed = self._mark
-        self._mark = (level, params, restored, recomputed + max(0, nbytes))
+        level, params, restored, recomputed, evicted = self._mark
+        self._mark = (level, params, restored, recomputed + max(0, nbytes), evicted)
 
     def mark(self, live: int) -> None:
         """The guard acted at the reading ``live``: :meth:`rise` is measured from it."""
-        self._mark = (live, self._param_bytes(), self.store.restored_bytes, 0)
+        stats = self.store.stats
+        self._mark = (live, self._param_bytes(), self.store.restored_bytes, 0, stats.bytes_out)
 
     def rise(self, live: int) -> int:
-        """How far ``live`` lies above the guard's last reading, less the growth announced since.
+        """How far the model's allocations took ``live`` above the guard's last reading.
 
         Parameters read, restores started and recomputations are the manager's own; a replayed
-        plan places them. The rest is what the guard must keep free for the model's own
-        allocations (NOTE [step reserve] in ``planner/reserves.py``).
+        plan places them, so they are left out. Evictions completed since are added back: when
+        they complete depends on the disk and the load, and a replay whose writes were still in
+        flight rises by all that was allocated (NOTE [gross rise] in ``planner/reserves.py``).
         """
-        level, params, restored, recomputed = self._mark
+        level, params, restored, recomputed, evicted = self._mark
         announced = max(0, self._param_bytes() - params) + recomputed
-        return live - level - announced - (self.store.restored_bytes - restored)
+        freed = self.store.stats.bytes_out - evicted
+        return live - level - announced - (self.store.restored_bytes - restored) + freed
 
     def growth(self, live: int) -> int:
         """Growth since the last noted reading that nobody announced: the guard's headroom.

@@ -3,6 +3,7 @@
 import logging
 
 from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,12 @@ class ReactivePolicy:
             nbytes -= recomputed_bytes  # a replayed plan placed them
         self.reserve_bytes = max(self.reserve_bytes, nbytes)
 
+    def use_plan(self, plan: Plan | None) -> None:
+        """Guard the replay of ``plan`` (None: no plan): its reserve, and its reserves per point."""
+        if plan is not None:
+            self.use_reserve(plan.reserve_bytes)
+        self.use_step_reserves(plan.step_reserve_bytes if plan is not None else ())
+
     def use_step_reserves(self, reserves: tuple[tuple[int, ...], ...]) -> None:
         """The plan about to be replayed keeps these per step and hook event (empty: its one)."""
         self.step_reserves = reserves
@@ -98,6 +105,16 @@ class ReactivePolicy:
         known = following and 0 <= index < len(self.step_reserves)
         self._now = self.step_reserves[index] if known else None
         self.at_event(0)
+
+    def at_plan_step(self, index: int, *, active: bool, joint: bool) -> None:
+        """Step ``index`` of a replay begins; ``active``: the replay follows its plan.
+
+        While it does, the plan moves bytes and the guard keeps each point's headroom; under a
+        joint plan with parameter offloading, the one reserve everywhere (NOTE [step reserve] in
+        ``planner/reserves.py``).
+        """
+        self.at_step(index, following=active and not joint)
+        self.follow_plan(active)
 
     def at_event(self, event: int) -> None:
         """Hook event ``event`` of the step running now (a reading follows)."""

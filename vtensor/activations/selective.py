@@ -20,6 +20,8 @@ output in place, or when a product output (or a view of one) leaves the unit, wh
 outside it could modify it in place unseen.
 """
 
+import importlib
+
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -44,3 +46,18 @@ def is_product(op: object) -> bool:
 def save_products(_ctx: object, op: object, *_args: object, **_kwargs: object) -> CheckpointPolicy:
     """The SAC policy: keep the outputs of product ops, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if is_product(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def load_sac() -> None:
+    """Import what selective checkpointing imports on first use, outside any step.
+
+    NOTE [SAC's imports]
+    The first selective profile of a process imported ``torch._dynamo`` (800 modules, 26-32
+    MB of Python objects on the heap), inside the profiled iteration, unless something had
+    before (making a ``torch.optim`` optimizer does): the heap counter took them for the
+    step's growth, so a hybrid manager's first iteration on a small ResNet read a 39 MB peak
+    against the 6.7 MB of every later one, refused 75 % of its peak, and its plans stated a
+    minimum of 34 MB (``tests/vtensor/measure/test_fresh_process.py``). A manager that may
+    recompute imports it when made (1.3 s, once per process).
+    """
+    importlib.import_module("torch._dynamo")

@@ -21,6 +21,7 @@ from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
+from vtensor.activations.selective import load_sac
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.wiring import instrumented
 from vtensor.errors import InfeasibleBudgetError, VTensorError
@@ -31,7 +32,6 @@ from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, make_device_tracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
 from vtensor.planner.plan import Plan
-from vtensor.planner.reserves import step_guard
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
 
@@ -155,6 +155,8 @@ class MemoryManager:
             encode_masks=encode_masks,
         )
         self.recompute, self.encode_masks = recompute, encode_masks
+        if recompute:
+            load_sac()  # NOTE [SAC's imports]
         self.check_every_hook = check_every_hook
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
@@ -272,11 +274,7 @@ class MemoryManager:
             chosen = self._plans.for_iteration(model, scan, inputs, device, store, signature)
             self._plans.encoding.apply(chosen, bool(scan.maskable))  # NOTE [encoding decided]
             executor = chosen.executor
-            if executor is not None:
-                policy.use_reserve(executor.plan.reserve_bytes)
-            policy.use_step_reserves(
-                step_guard(executor.plan if executor else None, self.budget_bytes)
-            )
+            policy.use_plan(executor.plan if executor is not None else None)
             joint = None
             if params is not None:
                 joint = JointStep(

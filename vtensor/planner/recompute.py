@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate
 from vtensor.planner.plan import Plan
-from vtensor.planner.trace import Trace, TraceUnit
+from vtensor.planner.trace import TensorKind, Trace, TraceUnit
 
 
 def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
@@ -47,15 +47,34 @@ def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
 
 
 def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
-    """Per safe unit, the bytes recomputing it brings back at once: (whole, selectively).
+    """Per safe unit, a bound of what recomputing it holds at once: (whole, selectively).
 
-    Selectively, SAC's cache has held the product outputs since the forward; the rest returns.
+    NOTE [regrowth bound]
+    A trial of recomputation makes room for each unit before it runs again (NOTE [recomputed
+    growth] in ``activations/policy.py``), from the swap-only profile, which never ran it
+    twice. Its inner tensors were too little: the recomputation also makes afresh what the
+    unit saved and a later unit shares (its output), and holds outputs that no op saved until
+    it ends. A small ResNet's blocks held 1.0-1.5 times every tensor saved inside them (the
+    unit's inputs aside), 2-3 times their inner bytes, and a selective recomputation of its
+    stem, whose estimate had been its non-product tensors (none), held 1.06 MB; a trial then
+    broke the budget by 250 KB beside a busy loop. So the bound is twice every tensor saved
+    inside the unit but its inputs, whole or selectively (a selective one may make all but the
+    product outputs afresh, and those are no larger). A trial's trace samples what each
+    recomputation really held, and its plan places that (NOTE [recomputed lifetimes]).
     """
-    return {
-        u.name: (inner_bytes(trace, u), sum(trace.tensors[v].nbytes for v in u.selective_vids))
-        for u in trace.units
-        if u.safe
-    }
+    bounds = {}
+    for unit in trace.units:
+        if unit.safe:
+            inputs = set(unit.input_vids)
+            inside = sum(
+                t.nbytes
+                for t in trace.tensors
+                if unit.first_step <= t.saved_step <= unit.last_step
+                and t.vid not in inputs
+                and t.kind is TensorKind.ACTIVATION
+            )
+            bounds[unit.name] = (2 * inside, 2 * inside)
+    return bounds
 
 
 def selective_bytes(trace: Trace, unit: TraceUnit) -> int:

@@ -22,16 +22,21 @@ follows the plan, the guard keeps at each point what followed it in the profile 
 one chunk); a lean replay reads and guards at boundaries only, so with the headroom of the
 step's start, which its full replay kept without needing the guard (NOTE [lean replay]). A
 joint plan with parameter offloading and a replay that has left its plan keep the largest rise
-everywhere, as before, and so does a plan made under the largest rise (plans still are, where
-they can be): the headroom per point is for the plans that fill the budget, where the largest
-rise cannot be left free (``step_guard``). Kept for every plan, it let MobileNetV2's swap plan
-at 40 % of its peak replay lean (44 heap readings a step instead of 1055), but a transformer's
-replay then broke the budget once under ``MALLOC_PERTURB_``: one profile's rise at a point
-bounds no other replay's, and a plan made under the largest rise was proven with it
-(benchmarks/README.md, ``activation_swap``).
+everywhere. Every plan keeps the headroom per point: MobileNetV2's swap plan at 40 % of its
+peak, made under the largest rise, then replays lean (44 heap readings a step instead of 1055;
+benchmarks/README.md, ``activation_swap``). What once broke the budget with it, beside a busy
+loop, was no rise but a plan's restores landing on a step the heap's noise had filled (NOTE
+[room for restores] in ``activations/executor.py``).
+
+NOTE [gross rise]
+The rise booked to a point counts everything the model allocated until the guard could act
+again, even where evictions completed in between and the readings rose less. While profiling,
+the guard's early evictions complete at the next point, before its reading: the readings rose
+by the allocations less those writes. A replay's writes complete when the disk and the load let
+them; one still in flight there rises by all the allocations, so the headroom booked net of
+the writes would sit under what that replay needs.
 """
 
-from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 
 
@@ -39,14 +44,3 @@ def step_reserves(trace: Trace) -> tuple[tuple[int, ...], ...]:
     """Per step of ``trace``, the rise after each hook event the guard acted at; empty if none."""
     reserves = tuple(s.growth_bytes for s in trace.steps)
     return reserves if any(reserves) else ()
-
-
-def step_guard(plan: Plan | None, budget_bytes: int) -> tuple[tuple[int, ...], ...]:
-    """The headroom per point the guard keeps while ``plan`` is replayed under ``budget_bytes``.
-
-    Only for a plan that fills the budget, where the largest rise cannot be left free: a plan
-    made under it keeps it everywhere, as its replays were proven with (empty: the one).
-    """
-    if plan is None or plan.budget_bytes + plan.reserve_bytes <= budget_bytes:
-        return ()
-    return plan.step_reserve_bytes

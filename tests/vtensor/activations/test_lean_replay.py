@@ -423,10 +423,10 @@ def test_a_lean_replay_leaves_writes_in_flight_only_within_each_steps_headroom(
     in_flight: list[tuple[int, int]] = []  # (bytes, the step's headroom) as each step begins
     on_step = PlanExecutor.on_step
 
-    def noted(self: PlanExecutor, index: int, name: str) -> None:
+    def noted(self: PlanExecutor, index: int, name: str, *room: Any) -> None:
         headroom = self.plan.step_headroom_bytes
         in_flight.append((self.store.outgoing_bytes(), headroom[index]))
-        on_step(self, index, name)
+        on_step(self, index, name, *room)
 
     monkeypatch.setattr(PlanExecutor, "on_step", noted)
     with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
@@ -438,6 +438,47 @@ def test_a_lean_replay_leaves_writes_in_flight_only_within_each_steps_headroom(
         plan = mm.plan_for(model, (x,))
     assert plan is not None and len(plan.step_headroom_bytes) == len(plan.step_names)
     assert all(held <= room for held, room in in_flight), in_flight
+    assert any(held > 0 for held, _ in in_flight), in_flight  # it did not wait at every step
+
+
+def test_a_full_replay_waits_for_the_writes_beyond_each_steps_headroom_as_a_lean_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # NOTE [lean waits]: the plan counts an eviction's bytes as gone from its step on, and
+    # gives them to that step (a recomputation, a restore, the model's own allocations). A
+    # full replay's guard sees a write still in flight, but it keeps only the headroom of the
+    # point it acts at, not what the plan gave away: on a loaded machine, where the writes fell
+    # behind, hybrid replays broke the budget by a recomputed module's bytes. So a full replay
+    # waits as a lean one does.
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    budget = int(0.5 * _peak(model, x))
+    ref = _step(model, x, None)
+    write = FileTransferEngine._write_dropped
+
+    def slow(self: FileTransferEngine, offset: int, views: list[memoryview]) -> None:
+        time.sleep(0.002)
+        write(self, offset, views)
+
+    monkeypatch.setattr(FileTransferEngine, "_write_dropped", slow)
+    in_flight: list[tuple[int, int]] = []  # (bytes, the step's headroom) as each step begins
+    on_step = PlanExecutor.on_step
+
+    def noted(self: PlanExecutor, index: int, name: str, *room: Any) -> None:
+        headroom = self.plan.step_headroom_bytes
+        in_flight.append((self.store.outgoing_bytes(), headroom[index]))
+        on_step(self, index, name, *room)
+
+    monkeypatch.setattr(PlanExecutor, "on_step", noted)
+    with vtensor.MemoryManager(
+        budget, chunk_bytes=CHUNK, storage_dir=tmp_path, check_every_hook=True
+    ) as mm:
+        for _ in range(3):  # profiled, then full replays
+            in_flight.clear()
+            grads = _step(model, x, mm)
+            assert all(map(torch.equal, ref, grads))
+        assert [r.lean for r in mm.reports] == [False, False, False]
+    assert in_flight and all(held <= room for held, room in in_flight), in_flight
     assert any(held > 0 for held, _ in in_flight), in_flight  # it did not wait at every step
 
 

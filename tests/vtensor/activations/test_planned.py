@@ -208,8 +208,8 @@ def test_replay_counting_workspaces_waits_for_early_evictions_at_their_step(
     on_step = PlanExecutor.on_step
     running: list[int] = []
 
-    def checked(self: PlanExecutor, index: int, name: str) -> None:
-        on_step(self, index, name)
+    def checked(self: PlanExecutor, index: int, name: str, *room: object) -> None:
+        on_step(self, index, name, *room)
         for vid, step in self._started:
             pending = self.records[vid].pending if step == index else None
             running.append(int(pending is not None and pending.outgoing))
@@ -230,3 +230,52 @@ def test_replay_counting_workspaces_waits_for_early_evictions_at_their_step(
             assert [r.policy for r in mm.reports[1:]] == ["planned", "planned"]
         assert running, "the plan started no eviction early"
         assert (sum(running) == 0) == count
+
+
+def test_a_full_replay_makes_room_for_each_restore_of_its_plan_before_it_starts(
+    tmp_path, monkeypatch
+):
+    # NOTE [room for restores]: the plan's restores start as a step begins, before any
+    # reading; a full replay has the guard make room for each first. A lean replay does not.
+    from vtensor.activations.executor import PlanExecutor
+    from vtensor.activations.iteration import Iteration
+    from vtensor.activations.store import ChunkStore
+
+    events: list[tuple[str, int]] = []  # ("room", bytes) and ("restore", bytes), in order
+    in_plan = [False]
+    on_step, make_room, restore = PlanExecutor.on_step, Iteration.make_room, ChunkStore.restore
+
+    def stepping(self, index, name, *room):
+        in_plan[0] = True
+        try:
+            on_step(self, index, name, *room)
+        finally:
+            in_plan[0] = False
+
+    def rooming(self, nbytes):
+        events.append(("room", nbytes))
+        make_room(self, nbytes)
+
+    def restoring(self, record):
+        if in_plan[0]:
+            events.append(("restore", sum(c.nbytes for c in record.offloaded_chunks())))
+        restore(self, record)
+
+    monkeypatch.setattr(PlanExecutor, "on_step", stepping)
+    monkeypatch.setattr(Iteration, "make_room", rooming)
+    monkeypatch.setattr(ChunkStore, "restore", restoring)
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(4096, 64)
+    budget = _budget(model, x, 0.6)
+    ref = _run(model, x, None)
+    with vtensor.MemoryManager(budget, chunk_bytes=65536, storage_dir=tmp_path) as mm:
+        for _ in range(3):  # profiled, a full replay, a lean one
+            events.clear()
+            assert all(map(torch.equal, ref, _run(model, x, mm, inputs=(x,))))
+            if len(mm.reports) == 2:
+                full = list(events)
+        assert [r.lean for r in mm.reports] == [False, False, True]
+    restores = [i for i, (what, _) in enumerate(full) if what == "restore"]
+    assert restores, full
+    assert all(i > 0 and full[i - 1] == ("room", full[i][1]) for i in restores), full
+    assert events and all(what == "restore" for what, _ in events), events  # lean: no room

@@ -10,6 +10,7 @@ import vtensor
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
 from vtensor.activations.lean import replays_lean
+from vtensor.activations.live import LiveBytes
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.store import ChunkStore
 from vtensor.io.tiers import StorageTier
@@ -179,4 +180,46 @@ def test_a_plan_that_moves_nothing_filling_the_budget_replays_lean_once_a_replay
         assert not lean(nothing)  # the one reserve everywhere: the guard acts between
         assert not lean(moving) and lean(under)
     finally:
+        engine.close()
+
+
+class _Counter:
+    """A heap counter the test sets: the model's allocations."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def current_bytes(self) -> int:
+        return self.nbytes
+
+    def pool_bytes(self) -> int:
+        return 0
+
+
+def test_the_rise_counts_what_was_allocated_where_evictions_completed_in_between(
+    tmp_path: Path,
+) -> None:
+    # NOTE [gross rise]: the guard acted with a write in flight; the model then allocated 96
+    # KiB, and the write completed before the next reading, which therefore rose less.
+    # A replay whose write is still in flight at that point rises by all 96 KiB: that is the
+    # headroom the point needs.
+    engine = FileTransferEngine(StorageTier(tmp_path))
+    try:
+        store = ChunkStore(engine, CHUNK)
+        data = torch.ones(CHUNK // 4 + 4096)  # a page-aligned chunk of it can leave in place
+        nbytes = data.nbytes
+        record = store.adopt(data.untyped_storage(), step=0)
+        del data  # the store's alone, as a saved tensor's is
+        counter = _Counter()
+        meter = LiveBytes(counter, store, torch.device("cpu"), baseline_bytes=0)
+        counter.nbytes = nbytes
+        meter.mark(meter.read())
+        evicted = store.evict(record, CHUNK)
+        counter.nbytes += 96 * KIB  # the model allocates
+        store.reap(block=True)  # the write completes: its pages leave the reading
+        assert evicted >= CHUNK and store.released_bytes == evicted
+        assert meter.read() == nbytes + 96 * KIB - evicted  # it rose less, or fell
+        assert meter.rise(meter.read()) == 96 * KIB
+    finally:
+        store.close()
         engine.close()
