@@ -17,6 +17,7 @@ from vtensor.activations.margin import Profile, plan_again, remake
 from vtensor.activations.model_state import Fingerprint, ModelScan
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
+from vtensor.activations.selective import load_sac
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.undecided import Undecided, park, take_up
 from vtensor.errors import VTensorError
@@ -67,6 +68,8 @@ class PlanBook:
         self.count_workspaces = count_workspaces
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
         self.recompute = recompute
+        if recompute:
+            load_sac()  # NOTE [SAC's imports]: before any step of this manager
         # Signatures whose next iterations are profiled with modules recomputed, one candidate
         # each (NOTE [hybrid plan]).
         self._trial: dict[str, Trials] = {}

@@ -21,7 +21,6 @@ from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
-from vtensor.activations.selective import load_sac
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.wiring import instrumented
 from vtensor.errors import InfeasibleBudgetError, VTensorError
@@ -155,8 +154,6 @@ class MemoryManager:
             encode_masks=encode_masks,
         )
         self.recompute, self.encode_masks = recompute, encode_masks
-        if recompute:
-            load_sac()  # NOTE [SAC's imports]
         self.check_every_hook = check_every_hook
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
