@@ -43,8 +43,9 @@ class Trials:
         pending: the candidates not yet profiled, the next first: (modules, those selective).
         plans: the hybrid plans of those profiled.
         swap_only: the profiled iteration's plan, without recomputation.
-        growth: per module the profile found safe to recompute, what recomputing it brings
-            back at once: (whole, selectively) bytes (``unit_regrowth``).
+        growth: per module the profile found safe to recompute, a bound of what recomputing it
+            holds at once: (whole, selectively) bytes, the same bound both ways
+            (``unit_regrowth``, NOTE [regrowth bound]).
         encoded: the profile's clamps saved bits: so do the trials' (NOTE [mask encoding]).
     """
 

@@ -113,9 +113,9 @@ class Passing:
 
 
 def wait_for_room(store: ChunkStore, plan: Plan, step_index: int) -> None:
-    """As lean step ``step_index`` begins, wait for the writes beyond its headroom.
+    """As step ``step_index`` of a replay begins, wait for the writes beyond its headroom.
 
-    NOTE [lean waits]; completed transfers are taken in either way.
+    NOTE [lean waits], for full replays as well; completed transfers are taken in either way.
     """
     store.reap(block=False, block_restores=False)
     headroom = plan.step_headroom_bytes

@@ -67,7 +67,7 @@ class ReactivePolicy:
         hook can make room: a growth as large as the unit's saved tensors, on MobileNetV2
         several times the largest growth elsewhere. While reacting, that growth is headroom
         like any other, and a trial of recomputation makes room before each recomputation for
-        what its profile says the unit saved inside (``unit_regrowth``): without it, a unit
+        a bound of what it will hold (``unit_regrowth``, NOTE [regrowth bound]): without it, a unit
         larger than any growth seen so far landed on top of what the trial was bringing back
         and broke the budget, more often on a loaded machine. A plan knows: its trace sampled
         each recomputation's bytes in the step that needed them, so the plan places them, and

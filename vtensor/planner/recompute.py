@@ -55,11 +55,11 @@ def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
     twice. Its inner tensors were too little: the recomputation also makes afresh what the
     unit saved and a later unit shares (its output), and holds outputs that no op saved until
     it ends. A small ResNet's blocks held 1.0-1.5 times every tensor saved inside them (the
-    unit's inputs aside), 2-3 times their inner bytes, and a selective recomputation of its
+    unit's inputs aside), up to 3 times their inner bytes, and a selective recomputation of its
     stem, whose estimate had been its non-product tensors (none), held 1.06 MB; a trial then
     broke the budget by 250 KB beside a busy loop. So the bound is twice every tensor saved
-    inside the unit but its inputs, whole or selectively (a selective one may make all but the
-    product outputs afresh, and those are no larger). A trial's trace samples what each
+    inside the unit but its inputs, the same whole or selectively (a selective one may make all
+    but the product outputs afresh, and those are no larger). A trial's trace samples what each
     recomputation really held, and its plan places that (NOTE [recomputed lifetimes]).
     """
     bounds = {}
