@@ -403,8 +403,29 @@ def test_a_plan_the_guard_had_to_help_is_planned_again_under_a_margin_once(
     assert PlanCache(cache).get(key) == margined  # and cached for the next process
 
 
+@pytest.fixture
+def in_flight(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Writes slower than compute; (bytes in flight, the step's headroom) as each step begins."""
+    write = FileTransferEngine._write_dropped
+
+    def slow(self: FileTransferEngine, offset: int, views: list[memoryview]) -> None:
+        time.sleep(0.002)
+        write(self, offset, views)
+
+    held: list[tuple[int, int]] = []
+    on_step = PlanExecutor.on_step
+
+    def noted(self: PlanExecutor, index: int, name: str, *room: Any) -> None:
+        held.append((self.store.outgoing_bytes(), self.plan.step_headroom_bytes[index]))
+        on_step(self, index, name, *room)
+
+    monkeypatch.setattr(FileTransferEngine, "_write_dropped", slow)
+    monkeypatch.setattr(PlanExecutor, "on_step", noted)
+    return held
+
+
 def test_a_lean_replay_leaves_writes_in_flight_only_within_each_steps_headroom(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, in_flight: list[tuple[int, int]]
 ):
     # NOTE [lean waits]: with writes slower than compute, a lean replay still lets them run
     # on into a step the plan predicts far enough under its budget, and waits for them where
@@ -413,22 +434,6 @@ def test_a_lean_replay_leaves_writes_in_flight_only_within_each_steps_headroom(
     model, x = Hoarder(), torch.randn(4096, 64)
     budget = int(0.5 * _peak(model, x))
     ref = _step(model, x, None)
-    write = FileTransferEngine._write_dropped
-
-    def slow(self: FileTransferEngine, offset: int, views: list[memoryview]) -> None:
-        time.sleep(0.002)
-        write(self, offset, views)
-
-    monkeypatch.setattr(FileTransferEngine, "_write_dropped", slow)
-    in_flight: list[tuple[int, int]] = []  # (bytes, the step's headroom) as each step begins
-    on_step = PlanExecutor.on_step
-
-    def noted(self: PlanExecutor, index: int, name: str, *room: Any) -> None:
-        headroom = self.plan.step_headroom_bytes
-        in_flight.append((self.store.outgoing_bytes(), headroom[index]))
-        on_step(self, index, name, *room)
-
-    monkeypatch.setattr(PlanExecutor, "on_step", noted)
     with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
         for _ in range(3):  # profiled, a full replay that needs no guard, a lean one
             in_flight.clear()
@@ -442,34 +447,16 @@ def test_a_lean_replay_leaves_writes_in_flight_only_within_each_steps_headroom(
 
 
 def test_a_full_replay_waits_for_the_writes_beyond_each_steps_headroom_as_a_lean_one_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, in_flight: list[tuple[int, int]]
 ):
     # NOTE [lean waits]: the plan counts an eviction's bytes as gone from its step on, and
     # gives them to that step (a recomputation, a restore, the model's own allocations). A
-    # full replay's guard sees a write still in flight, but it keeps only the headroom of the
-    # point it acts at, not what the plan gave away: on a loaded machine, where the writes fell
-    # behind, hybrid replays broke the budget by a recomputed module's bytes. So a full replay
-    # waits as a lean one does.
+    # full replay's guard sees a write still in flight, but keeps only the headroom of the
+    # point it acts at, not what the plan gave away; so a full replay waits as a lean one does.
     torch.manual_seed(0)
     model, x = Hoarder(), torch.randn(4096, 64)
     budget = int(0.5 * _peak(model, x))
     ref = _step(model, x, None)
-    write = FileTransferEngine._write_dropped
-
-    def slow(self: FileTransferEngine, offset: int, views: list[memoryview]) -> None:
-        time.sleep(0.002)
-        write(self, offset, views)
-
-    monkeypatch.setattr(FileTransferEngine, "_write_dropped", slow)
-    in_flight: list[tuple[int, int]] = []  # (bytes, the step's headroom) as each step begins
-    on_step = PlanExecutor.on_step
-
-    def noted(self: PlanExecutor, index: int, name: str, *room: Any) -> None:
-        headroom = self.plan.step_headroom_bytes
-        in_flight.append((self.store.outgoing_bytes(), headroom[index]))
-        on_step(self, index, name, *room)
-
-    monkeypatch.setattr(PlanExecutor, "on_step", noted)
     with vtensor.MemoryManager(
         budget, chunk_bytes=CHUNK, storage_dir=tmp_path, check_every_hook=True
     ) as mm:
