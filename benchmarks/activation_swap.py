@@ -16,8 +16,8 @@ fractions of each model's unmanaged tracked peak, with these variants:
 - ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
   (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
-- ``lgm-chunk+masks``, ``lgm-hybrid+masks``: those with ``encode_masks=True`` (clamps save one
-  bit per element of their input; NOTE [mask encoding]); ``lgm-chunk+auto``,
+- ``lgm-chunk+masks``, ``lgm-hybrid+masks``: those with ``encode_masks=True`` (clamps save
+  their output instead of their input; NOTE [mask encoding]); ``lgm-chunk+auto``,
   ``lgm-hybrid+auto``: with ``encode_masks="auto"`` (the race decides; NOTE [encoding decided]);
 - ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost;
 - ``micro-2``, ``micro-4``: the batch in 2 or 4 micro-batches with gradient accumulation (the

@@ -36,8 +36,8 @@ class ModelScan:
         buffers: each buffer once.
         structure: what the model's architecture fingerprint depends on that can be checked
             without computing it (NOTE [fingerprint once]).
-        maskable: the modules whose saved input may be encoded as bits (NOTE [mask
-            encoding] in ``activations/encodings.py``).
+        maskable: the modules that may save their output instead of their input (NOTE
+            [mask encoding] in ``activations/encodings.py``).
     """
 
     names: dict[int, str]

@@ -93,8 +93,9 @@ class MemoryManager:
             the cache reads them at module boundaries only, and does per-tensor work only where
             the plan acts (NOTE [lean replay] in ``vtensor/activations/lean.py``); its
             report then has no per-step statistics and states the profiled iteration's minimum.
-        encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save a bit per element of their input, not
-            the input; gradients stay bit-identical (NOTE [mask encoding] in ``encodings.py``).
+        encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save their output, which the next layer
+            saves too, instead of their input; gradients stay bit-identical (NOTE [mask
+            encoding] in ``encodings.py``).
             ``"auto"``: as the plans decide (NOTE [encoding decided] in ``encoding_choice.py``).
     """
 

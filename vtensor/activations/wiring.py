@@ -46,5 +46,5 @@ def instrumented(
                 stack.callback(hook.remove)
         if chosen.encode and scan.maskable:
             # After the recomputation's wrappers: a recomputed clamp keeps its own forward.
-            iteration.encoded = stack.enter_context(masks_encoded(scan.maskable)) > 0
+            iteration.encoded = stack.enter_context(masks_encoded(scan.maskable, scan.names)) > 0
         yield

@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 9
+PLAN_SCHEMA_VERSION = 10
 
 
 @dataclass(frozen=True)

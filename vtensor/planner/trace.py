@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 9
+TRACE_SCHEMA_VERSION = 10
 
 
 class TensorKind(StrEnum):
