@@ -4,8 +4,8 @@ NOTE [mask encoding] in ``vtensor/activations/encodings.py``. Two parts, in this
 
 - ``ops``: per tensor of a clamp's input size, a clamp's forward and backward through autograd
   as ``nn.ReLU6`` runs it (saving its input) against the encoding's ``MaskedHardtanh`` (saving
-  its output), in microseconds, medians of ``--repeats``, with the kernels alone for reference,
-  and whether the gradients are bit-identical;
+  its output), in microseconds, medians of ``--repeats`` taken in turn, with the kernels alone
+  for reference, and whether the gradients are bit-identical;
 - ``models``: the main job's CNN (``conf/config.yaml``) and the benchmarks' MobileNetV2 (its
   ReLU6 saves its input), trained unmanaged and under a manager whose budget never binds, with
   and without the encoding, the variants taking turns step by step from the same weights: the
@@ -48,14 +48,17 @@ MIB = 1 << 20
 SHAPES = {"main job, first block": (32, 96, 14, 14), "MobileNetV2, stem": (12, 32, 64, 64)}
 
 
-def _median_us(fn: Callable[[], object], n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
+def _interleaved_us(fns: dict[str, Callable[[], object]], n: int) -> dict[str, float]:
+    """Each of ``fns`` timed ``n`` times, in turn, after one call each: medians in microseconds."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    for _ in range(n):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(t) * 1e6 for k, t in times.items()}
 
 
 def ops(n: int, quick: bool) -> list[dict[str, Any]]:
@@ -69,7 +72,7 @@ def _op_row(name: str, shape: tuple[int, ...], n: int) -> dict[str, Any]:
 
     def through(clamp: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         leaf = x.clone().requires_grad_()
-        clamp(leaf).backward(grad)
+        clamp(leaf).backward(grad)  # type: ignore[no-untyped-call]
         assert leaf.grad is not None
         return leaf.grad
 
@@ -89,7 +92,7 @@ def _op_row(name: str, shape: tuple[int, ...], n: int) -> dict[str, Any]:
         "clamp forward and backward, encoded": lambda: through(encoded),
     }
     row: dict[str, Any] = {"shape": name, "dims": list(shape), "mib": x.nbytes / MIB}
-    row |= {k: _median_us(fn, n) for k, fn in timed.items()}
+    row |= _interleaved_us(timed, n)
     row |= {"gradient_identical": same}
     return row
 

@@ -14,7 +14,7 @@ kernel given the output returns every gradient bit for bit (tested at and around
 with signed zeros, infinities and NaN, in float32 and float64). Where the next layer saves the
 output anyway, the clamp's input is no longer held by anyone: one tensor saved where there were
 two, at no cost beyond the ``autograd.Function``'s call (Gist, ISCA'18, binarizes ReLU-pool
-pairs for the same reason; packed bits had cost the main job's CNN a fifth of its step in
+pairs for the same reason; packed bits had cost the main job's CNN 0.14-0.17 of its step in
 numpy passes, benchmarks/README.md, ``mask_encoding``). Where nothing else keeps the output,
 the clamp holds it instead of its input: the same bytes as without the encoding. The output is
 saved through the manager's hooks like any saved tensor (the same storage as the next layer's
