@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from vtensor.activations.admission import Admission
 from vtensor.activations.lean import Passing
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
@@ -20,6 +21,7 @@ class HookTarget(Protocol):
     store: ChunkStore
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
+    admission: Admission  # which saved tensors are activations, and which of them it manages
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` may be virtualized."""
@@ -80,7 +82,11 @@ def make_saved_tensor_hooks(
 
     def pack(tensor: torch.Tensor) -> Any:
         if not target.accepts(tensor):
-            return tensor
+            # Saved-tensor hooks switch autograd's own check of in-place changes off: a tiny
+            # activation keeps its version, checked at unpack. Parameters and buffers (changed
+            # in place by the optimizer, or by a parameter offloading's restores) are left as
+            # they are.
+            return (tensor, tensor._version, None) if target.admission.plain(tensor) else tensor
         passing = target.passing
         position = passing.passes(tensor) if passing is not None else None
         if position is not None:
@@ -99,7 +105,7 @@ def make_saved_tensor_hooks(
             passed, version, position = packed
             _check_version(passed, version)
             passing = target.passing
-            if passing is not None:
+            if passing is not None and position is not None:
                 passing.unpacked(position)
             return passed  # type: ignore[no-any-return]
         handle: SavedHandle = packed
