@@ -50,8 +50,8 @@ class MaskedHardtanh(torch.autograd.Function):
         """The module's forward kernel; the output saved for backward."""
         out: torch.Tensor = torch.ops.aten.hardtanh(x, low, high)
         ctx.save_for_backward(out)
-        # Saved-tensor hooks switch autograd's own check of in-place changes off, and the
-        # manager's hooks hand small tensors back as they are: the version is checked here.
+        # Saved-tensor hooks switch autograd's own check of in-place changes off (the manager's
+        # check instead, but other hooks may not): the version is checked here too.
         ctx.meta = (low, high, name, out._version)
         return out
 
