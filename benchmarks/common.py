@@ -15,9 +15,15 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    ImageBatches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 # NOTE [honest RSS] in vtensor/measure/rss.py: with this threshold RSS follows the live bytes.
 HONEST_RSS_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -124,6 +130,29 @@ def describe(env: Mapping[str, Any]) -> str:
         f"{env['torch_threads']} torch threads, {variables}, load average {load}, "
         f"{env['platform']}, {env['date']}"
     )
+
+
+# -- models ---------------------------------------------------------------------------------------
+def main_job_model() -> tuple[str, "nn.Module", "ImageBatches"]:
+    """The main job's model and client 0's batches, from the main job's configuration."""
+    import numpy as np
+    import torch  # here, so that importing this module does not import torch
+
+    from edgefl.client_data import client_split
+    from edgefl.config import load_run_settings
+    from edgefl.models import build_model
+
+    settings = load_run_settings([])
+    c = settings.client
+    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
+    model = build_model(c.model.name, info, c.model.options)
+    size = c.train.batch_size
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.random.default_rng(i).choice(len(data), size, replace=False)
+        return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+
+    return f"main job's CNN ({c.model.name}), batch {size}", model, batch
 
 
 # -- JSON lines -----------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -37,6 +36,7 @@ from benchmarks.common import (
     add_repeats,
     describe,
     environment,
+    main_job_model,
     repeats,
     tagged,
     write_json_lines,
@@ -97,29 +97,10 @@ def _op_row(name: str, shape: tuple[int, ...], n: int) -> dict[str, Any]:
     return row
 
 
-def _main_job_model() -> tuple[str, nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
-    """The main job's model and client 0's batches, from the main job's configuration."""
-    from edgefl.client_data import client_split
-    from edgefl.config import load_run_settings
-    from edgefl.models import build_model
-
-    settings = load_run_settings([])
-    c = settings.client
-    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
-    model = build_model(c.model.name, info, c.model.options)
-    size = c.train.batch_size
-
-    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = np.random.default_rng(i).choice(len(data), size, replace=False)
-        return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
-
-    return f"main job's CNN ({c.model.name}), batch {size}", model, batch
-
-
 def models(steps: int, quick: bool) -> list[dict[str, Any]]:
     """Unmanaged against a budget that never binds, encoded and not, step by step."""
     w = workloads(quick, 0.5)["mobilenet"]
-    cases = [_main_job_model(), (w.describe, w.build(), w.batch)]
+    cases = [main_job_model(), (w.describe, w.build(), w.batch)]
     rows = []
     storage = tempfile.mkdtemp(prefix="mask-encoding-")
     for describe_model, start, batch in cases:

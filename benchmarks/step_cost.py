@@ -1,8 +1,9 @@
 """Where a managed step of the main job's model spends its time, phase by phase, against unmanaged.
 
 The main job's model, client 0's data and batch size (``conf/config.yaml``; Hydra overrides after
-``--``), trained in this one process unmanaged and under each device class's budget, swap-only
-and with recomputation, the variants taking turns round by round from the same weights. Every
+``--``), trained in this one process unmanaged and under each device class's budget, swap-only,
+with recomputation, and with recomputation and clamps saving their output (``+recompute+masks``,
+the main job's setting), the variants taking turns round by round from the same weights. Every
 round opens a fresh manager on the class's plan cache, as a round of the main job does; round 1
 profiles (and with recomputation tries and races candidates) and is left out. Each step is timed
 in five phases with ``time.perf_counter``: entering ``mm.step`` (the plan key, the model's state,
@@ -48,10 +49,14 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     seed_everything(c.seed, c.train.torch_threads)
     start = build_model(c.model.name, info, c.model.options)
     peak = measure_unmanaged_peak(copy.deepcopy(start), data, c.train.batch_size)
-    variants: list[tuple[str, int | None, bool]] = [("unmanaged", None, False)]
+    variants: list[tuple[str, int | None, bool, bool]] = [("unmanaged", None, False, False)]
     for device in c.fleet.classes:
         budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
-        variants += [(device.name, budget, False), (f"{device.name}+recompute", budget, True)]
+        variants += [
+            (device.name, budget, False, False),
+            (f"{device.name}+recompute", budget, True, False),
+            (f"{device.name}+recompute+masks", budget, True, True),
+        ]
     if args.variants:
         unknown = set(args.variants) - {v[0] for v in variants}
         if unknown:
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     moved: dict[str, list[int]] = {v[0]: [] for v in variants}
     loss_fn = torch.nn.CrossEntropyLoss()
     for r in range(args.rounds):
-        for name, budget, recompute in variants:
+        for name, budget, recompute, masks in variants:
             model = copy.deepcopy(start)
             seed_everything(c.seed, c.train.torch_threads)
             opt = torch.optim.SGD(model.parameters(), lr=c.train.lr, momentum=c.train.momentum)
@@ -76,6 +81,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                     chunk_bytes=c.vtensor.chunk_bytes,
                     plan_cache_dir=root / name,
                     recompute=recompute,
+                    encode_masks=masks,
                 )
             rng = np.random.default_rng(c.seed + r)
             begun = time.perf_counter()
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
             "mib_out_per_step": statistics.median(moved[name]) / (1 << 20),
             "steps": len(times[name]["enter"]),
         }
-        for name, budget, _ in variants
+        for name, budget, _, _ in variants
     ]
 
 

@@ -41,7 +41,7 @@ class SelectiveProfile:
     """A unit's forward as selective recomputation sees it (store vids).
 
     Attributes:
-        selective_s: time of its non-product ops.
+        selective_s: what recomputing it selectively costs (NOTE [dispatch cost]).
         product_vids: the vTensors it saved whose storage a product op made.
         products: (vTensor or None where autograd saved none, bytes) per product output.
         why_not: why it may not be recomputed selectively ("" if it may).
@@ -94,15 +94,18 @@ class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.other_s = 0.0
+        self.ops_s = 0.0
         self.products: list[tuple[torch.Tensor, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         began = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        took = time.perf_counter() - began
+        self.ops_s += took
         if is_product(func):
             self.products += [(t, t._version) for t in tensors_in(out)]
         else:
-            self.other_s += time.perf_counter() - began
+            self.other_s += took
         return out
 
 
@@ -113,10 +116,12 @@ def profile_selective(
     vids: Sequence[int],
     records: Mapping[int, VTensor],
     target: ProfileTarget,
+    plain_s: float,
 ) -> SelectiveProfile:
     """Run the forward of ``module`` (``call``: its args and kwargs) again and profile it.
 
-    ``vids``: the vTensors its first forward made, in order of first save.
+    ``vids``: the vTensors its first forward made, in order of first save. ``plain_s``: its
+    forward's time run again without autograd or a dispatch mode (NOTE [unit time]).
     """
     saved: list[int] = []  # storages, in order of first save
     # Weak references keep each saved storage's address from being reused by a later one
@@ -133,7 +138,9 @@ def profile_selective(
     args, kwargs = call
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never)
     with replaying(module, start, target), torch.enable_grad(), hooks, recorder:
+        began = time.perf_counter()
         again = tensors_in(module.forward(*args, **kwargs))
+        wall_s = time.perf_counter() - began
     outputs = {t.untyped_storage()._cdata for t in again}
     known = {r.storage._cdata: v for v, r in records.items() if r.storage is not None}
     mapped = {c: known[c] for c in saved if c in known}  # the same storage: an input
@@ -147,11 +154,33 @@ def profile_selective(
     if any(c in sizes for c in outputs):
         why = why or "a product output leaves it"
     return SelectiveProfile(
-        selective_s=recorder.other_s,
+        selective_s=selective_cost(recorder.other_s, recorder.ops_s, plain_s, wall_s),
         product_vids=frozenset(mapped[c] for c in sizes if c in mapped),
         products=tuple((mapped.get(c), n) for c, n in sizes.items()),
         why_not=why,
     )
+
+
+def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) -> float:
+    """What recomputing a unit selectively costs a step (NOTE [dispatch cost]).
+
+    ``other_s``: its non-product ops' time; ``ops_s``: all its ops' time; ``plain_s``: its
+    forward without autograd or a dispatch mode; ``wall_s``: its forward under one, with
+    autograd.
+
+    NOTE [dispatch cost]
+    Under torch's selective checkpointing every op of the unit, products too, goes through a
+    Python dispatch mode twice: in its forward (deciding what to cache) and in its
+    recomputation (answering from the cache or running the op), and the recomputation runs the
+    unit's Python again. Its non-product ops alone were a third of what it cost on the main
+    job's CNN: three blocks recomputed selectively added 2.5 ms to the forward and 7 ms to the
+    backward, of which 2.8 and 3.7 ms were the mode's (the same blocks under a policy that
+    caches every op). So the cost is the non-product ops, the unit's Python outside its ops
+    (``plain_s - ops_s``) once, and the mode's overhead (``wall_s - plain_s``: the profile's
+    own mode stands in for torch's) twice. Without it the planner took selective recomputation
+    for the cheapest way to free bytes where recomputing whole freed them for less.
+    """
+    return other_s + max(0.0, plain_s - ops_s) + 2 * max(0.0, wall_s - plain_s)
 
 
 def with_selective(

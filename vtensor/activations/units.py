@@ -27,7 +27,17 @@ unsafe to recompute selectively.
 The check runs its forward a second time (without autograd), the selective profile a third
 (with it), and both times are excluded from the step's measured duration. Control flow that
 depends only on the inputs is safe: a second run
-takes the same branch. What no check can see (a side effect outside Python attributes and
+takes the same branch.
+
+NOTE [unit time]
+A unit's forward time, what recomputing it whole costs, is that of the check's second run:
+its forward alone. The first run's window held the profiled iteration's work at every hook
+point and, as each unit inside it ended, that unit's snapshot, check and selective profile:
+on the main job's CNN ``features`` (12 ms of forward, unmanaged) measured 198 ms and each
+block two to five times its forward, so the planner ranked recomputing whole, and every unit
+with units inside it, dearer than it is, and took selective recomputation instead. The second
+run has no autograd (recomputation has, for the graph it does not keep), which on CPU kernels
+changes little next to that. What no check can see (a side effect outside Python attributes and
 tensors, such as a write to a file) stays the user's to exclude.
 """
 
@@ -162,12 +172,15 @@ class UnitRecorder:
             self.seen[name].why_unsafe = "it runs more than once per iteration"
             return
         began = time.perf_counter()
-        why = _why_unsafe(module, opened, output, self.target)
+        why, again_s = _why_unsafe(module, opened, output, self.target)
+        forward_s = again_s or forward_s  # NOTE [unit time]
         selective = None
         if not why:
             start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
             call = opened.call.copy()
-            selective = profile_selective(module, start, call, vids, self.records, self.target)
+            selective = profile_selective(
+                module, start, call, vids, self.records, self.target, forward_s
+            )
         self.target.exclude_time(time.perf_counter() - began)
         self.seen[name] = _Seen(
             name, opened.first_step, self.target.step_index, forward_s, vids, inputs, why
@@ -232,18 +245,24 @@ def _attributes(module: nn.Module) -> dict[tuple[int, str], object]:
     return found
 
 
-def _why_unsafe(module: nn.Module, opened: _Open, output: Any, target: RecomputeTarget) -> str:
-    """Why recomputing ``module`` might not reproduce its forward; "" if it would."""
+def _why_unsafe(
+    module: nn.Module, opened: _Open, output: Any, target: RecomputeTarget
+) -> tuple[str, float]:
+    """Why recomputing ``module`` might not reproduce its forward ("" if it would).
+
+    Also the time of its second forward (0.0 if the check did not get that far).
+    """
     if any(t._version != version for t, version in opened.versions):
-        return "it modifies an input in place"
+        return "it modifies an input in place", 0.0
     outputs = tensors_in(output)
     if _calls_custom_function(outputs, opened.input_nodes):
-        return "it calls a custom autograd Function"
+        return "it calls a custom autograd Function", 0.0
     if _attributes(module) != opened.attributes:
-        return "it changes a module attribute in its forward"
-    if not _reproduces(module, opened, outputs, target):
-        return "a second forward from the same inputs gave other outputs"
-    return ""
+        return "it changes a module attribute in its forward", 0.0
+    same, again_s = _reproduces(module, opened, outputs, target)
+    if not same:
+        return "a second forward from the same inputs gave other outputs", again_s
+    return "", again_s
 
 
 def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> bool:
@@ -264,8 +283,10 @@ def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> b
 
 def _reproduces(
     module: nn.Module, opened: _Open, outputs: Sequence[torch.Tensor], target: RecomputeTarget
-) -> bool:
-    """Run the forward again from the state it began with; True if the outputs are the same.
+) -> tuple[bool, float]:
+    """Run the forward again from the state it began with: whether the outputs are the same.
+
+    Also how long that forward took (NOTE [unit time]).
 
     It runs from the call's snapshot, as a recomputation would (NOTE [call snapshot]), so
     what it appends to a list it was given stays out of the caller's.
@@ -273,10 +294,13 @@ def _reproduces(
     start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
     args, kwargs = opened.call.copy()
     with replaying(module, start, target), torch.no_grad():
+        began = time.perf_counter()
         again = tensors_in(module.forward(*args, **kwargs))
-    return len(again) == len(outputs) and all(
+        again_s = time.perf_counter() - began
+    same = len(again) == len(outputs) and all(
         _same_bits(a, b) for a, b in zip(again, outputs, strict=True)
     )
+    return same, again_s
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

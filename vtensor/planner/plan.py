@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 10
+PLAN_SCHEMA_VERSION = 11
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 10
+TRACE_SCHEMA_VERSION = 11
 
 
 class TensorKind(StrEnum):
@@ -107,7 +107,8 @@ class TraceUnit:
         name: the module's qualified name in the model.
         first_step: index of the forward step its forward began with.
         last_step: index of the last forward step inside its forward.
-        forward_s: measured wall time of its forward (what recomputing it costs).
+        forward_s: measured wall time of its forward run again on its own (what recomputing it
+            costs, NOTE [unit time] in ``activations/units.py``).
         inner_vids: the vTensors (trace vids) saved inside its forward, made there and used
             only by its own backward steps: the bytes recomputing it would not keep.
         input_vids: vTensors saved inside its forward that are its inputs: a recomputed unit
@@ -120,7 +121,9 @@ class TraceUnit:
             checkpointing (NOTE [selective recompute] in ``activations/selective.py``): it is
             safe, and no product output is modified in place or leaves it.
         why_not_selective: the first reason it may not be recomputed selectively.
-        selective_s: measured time of its non-product ops (what a selective recompute costs).
+        selective_s: what a selective recompute costs: its non-product ops' measured time, its
+            Python once more and a dispatch mode's overhead twice (NOTE [dispatch cost] in
+            ``activations/selective_profile.py``).
         selective_vids: the inner vTensors no product op made: what a selective recompute
             frees from its forward to its backward.
         product_vids: the inner vTensors product ops made: SAC's cache holds them instead of

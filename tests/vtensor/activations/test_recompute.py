@@ -1,6 +1,7 @@
 """Recomputation (NOTE [recompute], NOTE [safe to recompute]), whole and selective (NOTE
 [selective recompute]). The plans that recompute: test_hybrid_plan.py."""
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,50 @@ def test_torch_frees_each_recomputed_tensor_after_its_use_as_the_planner_models(
     # middle sin's backward has used the recomputed a (a's gradient made, b's gradient freed):
     # the 16 MiB fewer are the recomputed a, freed after its use, not at the unit's end.
     assert readings["a"] <= readings["b"] - nbytes + MIB, readings
+
+
+class _Slow(nn.Module):
+    """A leaf that takes at least ``SLOW_S`` (not a unit: it has no children)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_S)
+        return x * 1.0
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.slow, self.fc2 = nn.Linear(64, 64), _Slow(), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.fc2(torch.tanh(self.slow(self.fc1(x)))))
+
+
+SLOW_S = 0.02
+
+
+def test_a_units_forward_time_leaves_out_the_checks_of_the_units_inside_it(
+    tmp_path: Path,
+) -> None:
+    # NOTE [safe to recompute]: profiling runs each safe unit's forward twice more (the check,
+    # the selective profile) as it ends. Those runs are left out of the step's time, and must
+    # be left out of the forward time of every unit around it too: recomputing the outer unit
+    # runs its forward once, not its inner units' checks. Counted in, the outer unit's time
+    # was three times its forward, and the planner ranked it (and every unit with units
+    # inside it) as dearer to recompute than it is.
+    model = nn.Sequential(nn.Linear(32, 64), nn.Sequential(_Inner(), _Inner()), nn.Linear(64, 10))
+    x, y = torch.randn(256, 32), torch.randint(0, 10, (256,))
+    with vtensor.MemoryManager(1 << 30, storage_dir=tmp_path, recompute=True) as mm:
+        with mm.step(model, None, inputs=(x, y)):
+            nn.functional.cross_entropy(model(x), y).backward()
+        assert mm.trace is not None
+        units = {u.name: u for u in mm.trace.units}
+    inner = units["1.0"].forward_s + units["1.1"].forward_s
+    assert units["1.0"].safe and units["1.1"].safe and units["1"].safe
+    assert min(units["1.0"].forward_s, units["1.1"].forward_s) >= SLOW_S
+    # Its own forward is its two inner units' and a little Python; their checks would add
+    # four more runs of SLOW_S each (2x ``inner``).
+    assert units["1"].forward_s < inner + 2 * SLOW_S, (units["1"].forward_s, inner)
+    # NOTE [dispatch cost]: a selective recomputation runs the unit's Python again (the sleep,
+    # outside any op), which the time of its non-product ops alone (tanh, the copy) left out.
+    assert units["1.0"].selective_safe and units["1.0"].selective_s >= SLOW_S

@@ -1,0 +1,169 @@
+"""What recomputing a block costs: the profile's prediction against the measured cost.
+
+The planner ranks what to recompute by what the profiled iteration measured of each unit: its
+forward time (recomputing it whole, NOTE [unit time] in ``vtensor/activations/units.py``) and
+the cost of recomputing it selectively (NOTE [dispatch cost] in
+``vtensor/activations/selective_profile.py``). This script checks both against what recomputing
+each block really adds to a training step. Per model (the main job's CNN from
+``conf/config.yaml`` and the benchmarks' MobileNetV2): one iteration is profiled under a manager
+whose budget never binds, with recomputation on; then, in this one process, the model trains
+without a manager, unchanged and with one block at a time recomputed through the manager's own
+mechanism (``recompute_modules``: torch's checkpointing, whole or selectively), the variants
+taking turns step by step from the same weights. Per block: predicted and measured cost in ms
+(measured: the median step with it recomputed, less the median unchanged step), and the bytes
+each way frees. The blocks are the children of the unit holding the most units (the model's
+feature stack). Run from the repository root::
+
+    python -m benchmarks.recompute_cost --out recompute_cost.jsonl
+    python -m benchmarks.recompute_cost --quick    # CI-sized; its rows are not results
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import vtensor
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    add_repeats,
+    describe,
+    environment,
+    main_job_model,
+    repeats,
+    tagged,
+    write_json_lines,
+)
+from benchmarks.zoo import workloads
+from vtensor.activations.recompute import recompute_modules
+from vtensor.planner.recompute import inner_bytes, selective_bytes
+from vtensor.planner.trace import Trace, TraceUnit
+
+MIB = 1 << 20
+COLUMNS = ("predicted_ms", "measured_ms", "frees_mib")
+Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _Host:
+    """What ``recompute_modules`` tells that a forward runs again (no manager around it)."""
+
+    recomputing = 0
+
+    def recompute_began(self, regrowth_bytes: int) -> None:
+        """Nothing to place: no plan."""
+
+    def recompute_ended(self) -> None:
+        """Nothing to measure."""
+
+
+def _profiled(model: nn.Module, batch: Batch) -> Trace:
+    """The trace of one iteration profiled with recomputation on, under a budget never met."""
+    with vtensor.MemoryManager(
+        1 << 40, storage_dir=tempfile.mkdtemp(prefix="recompute-cost-"), recompute=True
+    ) as mm:
+        x, y = batch(0)
+        with mm.step(model, None, (x, y)):
+            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        model.zero_grad(set_to_none=True)
+        if mm.trace is None:
+            raise SystemExit("the manager recorded no trace")
+        return mm.trace
+
+
+def _blocks(trace: Trace) -> list[TraceUnit]:
+    """The safe children of the unit that holds the most units."""
+    names = [u.name for u in trace.units]
+    top = max(names, key=lambda n: sum(m.startswith(n + ".") for m in names))
+    return [
+        u
+        for u in trace.units
+        if u.safe and u.name.startswith(top + ".") and "." not in u.name[len(top) + 1 :]
+    ]
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    began = time.perf_counter()
+    nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+    took = time.perf_counter() - began
+    model.zero_grad(set_to_none=True)
+    return took
+
+
+def measure(
+    describe_model: str, model: nn.Module, batch: Batch, steps: int
+) -> list[dict[str, Any]]:
+    """Per block: predicted and measured cost of recomputing it whole and selectively."""
+    trace = _profiled(model, batch)
+    blocks = _blocks(trace)
+    host = _Host()
+    variants: list[tuple[str, list[str], list[str]]] = [("unchanged", [], [])]
+    for u in blocks:
+        variants.append((f"{u.name} whole", [u.name], []))
+        if u.selective_safe:
+            variants.append((f"{u.name} selective", [u.name], [u.name]))
+    times: dict[str, list[float]] = {v[0]: [] for v in variants}
+    x, y = batch(1)
+    for i in range(steps + 1):
+        for name, names, selective in variants:
+            with recompute_modules(model, names, host, selective):
+                took = _step(model, x, y)
+            if i:  # the first round warms each variant up
+                times[name].append(took)
+    base = statistics.median(times["unchanged"])
+    rows = []
+    for u in blocks:
+        row: dict[str, Any] = {
+            "model": describe_model,
+            "block": u.name,
+            "whole_predicted_ms": u.forward_s * 1e3,
+            "whole_measured_ms": (statistics.median(times[f"{u.name} whole"]) - base) * 1e3,
+            "whole_frees_mib": inner_bytes(trace, u) / MIB,
+        }
+        if u.selective_safe:
+            measured = statistics.median(times[f"{u.name} selective"]) - base
+            row |= {
+                "selective_predicted_ms": u.selective_s * 1e3,
+                "selective_measured_ms": measured * 1e3,
+                "selective_frees_mib": selective_bytes(trace, u) / MIB,
+            }
+        rows.append(row | {"unchanged_step_ms": base * 1e3, "steps": steps})
+    return rows
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
+
+
+def main() -> None:
+    """Parse arguments, measure each model, print the table, write the JSON lines."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_repeats(parser, "timed steps per variant", full=15, quick=2)
+    add_quick(parser, "CI-sized models, two steps")
+    add_out(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    env = environment(script="recompute_cost")
+    print(describe(env), flush=True)
+    w = workloads(args.quick, 0.5)["mobilenet"]
+    rows = []
+    for describe_model, model, batch in (main_job_model(), (w.describe, w.build(), w.batch)):
+        rows += measure(describe_model, model, batch, repeats(args, 15, 2))
+    keys = [f"{way}_{what}" for way in ("whole", "selective") for what in COLUMNS]
+    print(
+        "\n| model | block | whole: predicted ms | measured ms | frees MiB "
+        "| selective: predicted ms | measured ms | frees MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['block']} | " + " | ".join(_cell(r, k) for k in keys) + " |")
+    write_json_lines(args.out, env, tagged("recompute_cost", rows))
+
+
+if __name__ == "__main__":
+    main()
