@@ -11,8 +11,8 @@ without a manager, unchanged and with one block at a time recomputed through the
 mechanism (``recompute_modules``: torch's checkpointing, whole or selectively), the variants
 taking turns step by step from the same weights. Per block: predicted and measured cost in ms
 (measured: the median step with it recomputed, less the median unchanged step), and the bytes
-each way frees. The blocks are the children of the unit holding the most units (the model's
-feature stack). Run from the repository root::
+each way frees. The blocks are the largest group of sibling units (the model's feature
+stack). Run from the repository root::
 
     python -m benchmarks.recompute_cost --out recompute_cost.jsonl
     python -m benchmarks.recompute_cost --quick    # CI-sized; its rows are not results
@@ -77,14 +77,12 @@ def _profiled(model: nn.Module, batch: Batch) -> Trace:
 
 
 def _blocks(trace: Trace) -> list[TraceUnit]:
-    """The safe children of the unit that holds the most units."""
-    names = [u.name for u in trace.units]
-    top = max(names, key=lambda n: sum(m.startswith(n + ".") for m in names))
-    return [
-        u
-        for u in trace.units
-        if u.safe and u.name.startswith(top + ".") and "." not in u.name[len(top) + 1 :]
-    ]
+    """The safe units of the largest group of siblings (the feature stack's blocks)."""
+    groups: dict[str, list[TraceUnit]] = {}
+    for u in trace.units:
+        groups.setdefault(u.name.rpartition(".")[0], []).append(u)
+    largest = max(groups.values(), key=lambda g: (len(g), -g[0].name.count(".")))
+    return [u for u in largest if u.safe]
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
