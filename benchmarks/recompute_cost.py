@@ -15,6 +15,7 @@ each way frees. The blocks are the largest group of sibling units (the model's f
 stack). Run from the repository root::
 
     python -m benchmarks.recompute_cost --out recompute_cost.jsonl
+    python -m benchmarks.recompute_cost --models main --repeats 30    # the main job's CNN alone
     python -m benchmarks.recompute_cost --quick    # CI-sized; its rows are not results
 """
 
@@ -141,6 +142,13 @@ def _cell(row: dict[str, Any], key: str) -> str:
 def main() -> None:
     """Parse arguments, measure each model, print the table, write the JSON lines."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=("main", "mobilenet"),
+        default=["main", "mobilenet"],
+        help="the main job's CNN, the benchmarks' MobileNetV2 (default: both)",
+    )
     add_repeats(parser, "timed steps per variant", full=15, quick=2)
     add_quick(parser, "CI-sized models, two steps")
     add_out(parser)
@@ -148,9 +156,13 @@ def main() -> None:
     torch.set_num_threads(1)
     env = environment(script="recompute_cost")
     print(describe(env), flush=True)
-    w = workloads(args.quick, 0.5)["mobilenet"]
     rows = []
-    for describe_model, model, batch in (main_job_model(), (w.describe, w.build(), w.batch)):
+    for name in args.models:
+        if name == "main":
+            describe_model, model, batch = main_job_model()
+        else:
+            w = workloads(args.quick, 0.5)["mobilenet"]
+            describe_model, model, batch = w.describe, w.build(), w.batch
         rows += measure(describe_model, model, batch, repeats(args, 15, 2))
     keys = [f"{way}_{what}" for way in ("whole", "selective") for what in COLUMNS]
     print(

@@ -33,9 +33,9 @@ NOTE [unit time]
 A unit's forward time, what recomputing it whole costs, is that of the check's second run:
 its forward alone. The first run's window held the profiled iteration's work at every hook
 point and, as each unit inside it ended, that unit's snapshot, check and selective profile:
-on the main job's CNN ``features`` (12 ms of forward, unmanaged) measured 198 ms and each
-block two to five times its forward, so the planner ranked recomputing whole, and every unit
-with units inside it, dearer than it is, and took selective recomputation instead. The second
+the main job's CNN's blocks measured 1.5-31 ms where recomputing one costs 2-5 ms, the more
+the more units a block holds (benchmarks/README.md, ``recompute_cost``), so the planner ranked
+recomputing whole dearer than it is and took selective recomputation instead. The second
 run has no autograd (recomputation has, for the graph it does not keep), which on CPU kernels
 changes little next to that. What no check can see (a side effect outside Python attributes and
 tensors, such as a write to a file) stays the user's to exclude.
