@@ -20,9 +20,11 @@ takes cores from compute even where the planner hides the transfer, which a mode
 does not see. So the choice is tested, not trusted, and is not the only one tried: every outermost
 safe unit recomputed, selectively where it may be (what checkpointing every block does), is a second
 candidate, and the fewest outermost units recomputed whole that cover the deficit, cheapest per byte
-first, a third: selective recomputation runs every op of its unit through a Python dispatch mode,
-which a unit recomputed whole does not pay, and in a process with glibc's default allocator that
-third candidate was the fastest on MobileNetV2 at half its peak. The fourth is every outermost
+first (one that would not fit giving way to the units inside it), a third: selective
+recomputation runs every op of its unit through a Python dispatch mode, which a unit recomputed
+whole does not pay (NOTE [dispatch cost] in ``activations/selective_profile.py``), and in a
+process with glibc's default allocator that third candidate was the fastest on MobileNetV2 at
+half its peak. The fourth is every outermost
 safe unit whole, what ``torch.utils.checkpoint`` on every block does: where it fits it moves
 nothing, and a plan that moves nothing replays lean once a full replay needed no guard (NOTE
 [step reserve] in ``planner/reserves.py``), so the race always holds what a user's one line of
@@ -144,7 +146,8 @@ def choose_recompute(
     """The units of ``trace`` to recompute at ``budget_bytes``, and those of them selectively.
 
     With ``whole_outermost``, only outermost safe units are options, whole only: the blocks
-    checkpointing would recompute, as few as cover the deficit, cheapest per byte first.
+    checkpointing would recompute, as few as cover the deficit, cheapest per byte first, one
+    that would not fit giving way to the outermost units inside it (``_fewest_whole``).
     Both sorted, maybe empty. Deterministic: ties are broken by name, whole before selective.
     """
     # What the iteration would hold if nothing moved (the profiled one already swapped).
@@ -153,12 +156,12 @@ def choose_recompute(
     if deficit <= 0:
         return (), ()
     safe = [u for u in trace.units if u.safe]
-    options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in _outermost(safe)]
-    if not whole_outermost:
-        options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in safe]
-        options += [
-            (u, True, u.selective_s, selective_bytes(trace, u)) for u in safe if u.selective_safe
-        ]
+    if whole_outermost:
+        return _fewest_whole(trace, budget_bytes, deficit, safe), ()
+    options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in safe]
+    options += [
+        (u, True, u.selective_s, selective_bytes(trace, u)) for u in safe if u.selective_safe
+    ]
     ranked = sorted((o for o in options if o[3] > 0), key=lambda o: (o[2] / o[3], o[0].name, o[1]))
     chosen: list[str] = []
     selective: list[str] = []
@@ -188,6 +191,35 @@ def choose_recompute(
             selective.remove(name)
             freed += extra
     return tuple(sorted(chosen)), tuple(sorted(selective))
+
+
+def _fewest_whole(
+    trace: Trace, budget_bytes: int, deficit: int, safe: Sequence[TraceUnit]
+) -> tuple[str, ...]:
+    """Outermost safe units whole, cheapest per byte first, until they cover ``deficit``.
+
+    A unit whose recomputation would leave no feasible floor gives way to its outermost safe
+    descendants, as in ``recompute_outermost``: a model whose blocks sit in one outermost
+    stack (the main job's CNN: ``features`` and ``head``) gets its cheapest blocks, not the
+    head alone. Sorted; deterministic.
+    """
+
+    def rank(u: TraceUnit) -> tuple[float, str]:
+        return u.forward_s / inner_bytes(trace, u), u.name
+
+    pool = sorted((u for u in _outermost(safe) if inner_bytes(trace, u) > 0), key=rank)
+    chosen: list[str] = []
+    freed = 0
+    while pool and freed < deficit:
+        unit = pool.pop(0)
+        trial = with_recompute(trace, [*chosen, unit.name])
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] > budget_bytes:
+            inside = _outermost([u for u in safe if _inside(u.name, unit.name)])
+            pool = sorted([*pool, *(u for u in inside if inner_bytes(trace, u) > 0)], key=rank)
+            continue
+        chosen.append(unit.name)
+        freed += inner_bytes(trace, unit)
+    return tuple(sorted(chosen))
 
 
 def recompute_outermost(

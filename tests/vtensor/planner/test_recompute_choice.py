@@ -201,6 +201,36 @@ def test_an_outermost_unit_whose_working_set_does_not_fit_gives_way_to_its_child
     assert min_budget(build_lgm(with_recompute(trace, chosen), None))[0] <= budget
 
 
+def _big_with_two_blocks() -> Trace:
+    """One outermost unit holding two blocks, each saving 100 KB used in its own backward."""
+    names = ["forward:big.0", "forward:big.1", "backward:big.1", "backward:big.0"]
+    steps = tuple(
+        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
+    )
+    tensors = [TraceTensor(i, 100 * KB, ("float32",), i, i + 1, (3 - i,)) for i in range(2)]
+    units = (
+        TraceUnit("big", 0, 1, 0.002, (0, 1), (), True),
+        TraceUnit("big.0", 0, 0, 0.001, (0,), (), True),
+        TraceUnit("big.1", 1, 1, 0.0005, (1,), (), True),
+    )
+    return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+
+
+def test_the_third_candidate_gives_way_to_the_blocks_of_an_outermost_unit_that_does_not_fit() -> (
+    None
+):
+    # The main job's CNN is one outermost feature stack (and a head): recomputed whole, the
+    # stack brings all its tensors back at once, which no small budget holds. The fewest
+    # blocks whole that cover the deficit are then its children, cheapest per byte first, as
+    # checkpointing the cheapest blocks would do; before, the candidate was the head alone.
+    trace = _big_with_two_blocks()
+    budget = 150 * KB
+    assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
+    chosen = choose_recompute(trace, budget, whole_outermost=True)
+    assert chosen == (("big.1",), ())  # the cheaper per byte covers the 50 KB deficit
+    assert min_budget(build_lgm(with_recompute(trace, chosen[0]), None))[0] <= budget
+
+
 def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_set() -> None:
     trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
     after = with_recompute(trace, ["b"])
