@@ -172,8 +172,8 @@ def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) 
     Under torch's selective checkpointing every op of the unit, products too, goes through a
     Python dispatch mode twice: in its forward (deciding what to cache) and in its
     recomputation (answering from the cache or running the op), and the recomputation runs the
-    unit's Python again. Its non-product ops' time alone was 0.2-0.8 ms for the main job's
-    CNN's blocks, whose selective recomputation cost 2-6 ms a step (benchmarks/README.md,
+    unit's Python again. Its non-product ops' time alone was 0.1-0.8 ms for the main job's
+    CNN's blocks, whose selective recomputation cost 1-6 ms a step (benchmarks/README.md,
     ``recompute_cost``). So the cost is the non-product ops, the unit's Python outside its ops
     (``plain_s - ops_s``) once, and the mode's overhead (``wall_s - plain_s``: the profile's
     own mode stands in for torch's) twice. Without it the planner took selective recomputation

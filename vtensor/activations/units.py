@@ -27,18 +27,19 @@ unsafe to recompute selectively.
 The check runs its forward a second time (without autograd), the selective profile a third
 (with it), and both times are excluded from the step's measured duration. Control flow that
 depends only on the inputs is safe: a second run
-takes the same branch.
+takes the same branch. What no check can see (a side effect outside Python attributes and
+tensors, such as a write to a file) stays the user's to exclude.
 
 NOTE [unit time]
 A unit's forward time, what recomputing it whole costs, is that of the check's second run:
 its forward alone. The first run's window held the profiled iteration's work at every hook
 point and, as each unit inside it ended, that unit's snapshot, check and selective profile:
-the main job's CNN's blocks measured 1.5-31 ms where recomputing one costs 2-5 ms, the more
-the more units a block holds (benchmarks/README.md, ``recompute_cost``), so the planner ranked
-recomputing whole dearer than it is and took selective recomputation instead. The second
-run has no autograd (recomputation has, for the graph it does not keep), which on CPU kernels
-changes little next to that. What no check can see (a side effect outside Python attributes and
-tensors, such as a write to a file) stays the user's to exclude.
+the main job's CNN's blocks measured 1.2-31 ms where recomputing one cost 0.3-5.3 ms, the
+more so the more units a block holds (benchmarks/README.md, ``recompute_cost``), so the planner
+ranked recomputing whole dearer than it is and took selective recomputation instead. The second
+run has no autograd (recomputation has, for the graph it does not keep), and it leaves out
+what the recomputation's allocations cost in backward (fresh pages under glibc's default
+settings): the predictions sit 2-3x under the measured costs, ranked as they are.
 """
 
 import time
