@@ -39,7 +39,7 @@ more so the more units a block holds (benchmarks/README.md, ``recompute_cost``),
 ranked recomputing whole dearer than it is and took selective recomputation instead. The second
 run has no autograd (recomputation has, for the graph it does not keep), and it leaves out
 what the recomputation's allocations cost in backward (fresh pages under glibc's default
-settings): the predictions sit 2-3x under the measured costs, ranked as they are.
+settings): the predictions sit 1.5-3.3x under the measured costs, ranked as they are.
 """
 
 import time
