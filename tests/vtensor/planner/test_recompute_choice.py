@@ -182,25 +182,6 @@ def test_an_outermost_unit_whose_selective_option_does_not_fit_is_tried_whole() 
     assert recompute_outermost(trace, budget) == (("a", "b"), ())
 
 
-def test_an_outermost_unit_whose_working_set_does_not_fit_gives_way_to_its_children() -> None:
-    names = ["forward:big.0", "forward:big.1", "backward:big.1", "backward:big.0"]
-    steps = tuple(
-        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
-    )
-    tensors = [TraceTensor(i, 100 * KB, ("float32",), i, i + 1, (3 - i,)) for i in range(2)]
-    units = (
-        TraceUnit("big", 0, 1, 0.002, (0, 1), (), True),
-        TraceUnit("big.0", 0, 0, 0.001, (0,), (), True),
-        TraceUnit("big.1", 1, 1, 0.001, (1,), (), True),
-    )
-    trace = Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
-    budget = 150 * KB
-    assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
-    chosen, _ = recompute_outermost(trace, budget)
-    assert "big" not in chosen and chosen
-    assert min_budget(build_lgm(with_recompute(trace, chosen), None))[0] <= budget
-
-
 def _big_with_two_blocks() -> Trace:
     """One outermost unit holding two blocks, each saving 100 KB used in its own backward."""
     names = ["forward:big.0", "forward:big.1", "backward:big.1", "backward:big.0"]
@@ -214,6 +195,15 @@ def _big_with_two_blocks() -> Trace:
         TraceUnit("big.1", 1, 1, 0.0005, (1,), (), True),
     )
     return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+
+
+def test_an_outermost_unit_whose_working_set_does_not_fit_gives_way_to_its_children() -> None:
+    trace = _big_with_two_blocks()
+    budget = 150 * KB
+    assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
+    chosen, _ = recompute_outermost(trace, budget)
+    assert "big" not in chosen and chosen
+    assert min_budget(build_lgm(with_recompute(trace, chosen), None))[0] <= budget
 
 
 def test_the_third_candidate_gives_way_to_the_blocks_of_an_outermost_unit_that_does_not_fit() -> (
