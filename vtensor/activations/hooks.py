@@ -24,7 +24,7 @@ class HookTarget(Protocol):
     admission: Admission  # which saved tensors are activations, and which of them it manages
 
     def accepts(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` may be virtualized."""
+        """Whether ``tensor``, plain for ``admission``, may be virtualized."""
         ...
 
     @property
@@ -81,12 +81,14 @@ def make_saved_tensor_hooks(
     """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
     def pack(tensor: torch.Tensor) -> Any:
+        if not target.admission.plain(tensor):
+            # Parameters and buffers (changed in place by the optimizer, or by a parameter
+            # offloading's restores), and tensors of other devices, are left as they are.
+            return tensor
         if not target.accepts(tensor):
             # Saved-tensor hooks switch autograd's own check of in-place changes off: a tiny
-            # activation keeps its version, checked at unpack. Parameters and buffers (changed
-            # in place by the optimizer, or by a parameter offloading's restores) are left as
-            # they are.
-            return (tensor, tensor._version, None) if target.admission.plain(tensor) else tensor
+            # activation keeps its version, checked at unpack.
+            return (tensor, tensor._version, None)
         passing = target.passing
         position = passing.passes(tensor) if passing is not None else None
         if position is not None:

@@ -149,9 +149,7 @@ class Iteration:
 
     # -- hook target --------------------------------------------------------------------------
     def accepts(self, tensor: torch.Tensor) -> bool:
-        """Plain dense tensors on the managed device, not parameters or buffers, not tiny."""
-        if not self.admission.plain(tensor):
-            return False
+        """Whether a plain saved tensor (``admission.plain``) becomes a vTensor: not tiny."""
         if not self.admission.big_enough(tensor):
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False

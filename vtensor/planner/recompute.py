@@ -203,11 +203,12 @@ def _fewest_whole(
     stack (the main job's CNN: ``features`` and ``head``) gets its cheapest blocks, not the
     head alone. Sorted; deterministic.
     """
+    frees = {u.name: inner_bytes(trace, u) for u in safe}
 
     def rank(u: TraceUnit) -> tuple[float, str]:
-        return u.forward_s / inner_bytes(trace, u), u.name
+        return u.forward_s / frees[u.name], u.name
 
-    pool = sorted((u for u in _outermost(safe) if inner_bytes(trace, u) > 0), key=rank)
+    pool = sorted((u for u in _outermost(safe) if frees[u.name] > 0), key=rank)
     chosen: list[str] = []
     freed = 0
     while pool and freed < deficit:
@@ -215,10 +216,10 @@ def _fewest_whole(
         trial = with_recompute(trace, [*chosen, unit.name])
         if min_budget(build_lgm(trial, trace.chunk_bytes))[0] > budget_bytes:
             inside = _outermost([u for u in safe if _inside(u.name, unit.name)])
-            pool = sorted([*pool, *(u for u in inside if inner_bytes(trace, u) > 0)], key=rank)
+            pool = sorted([*pool, *(u for u in inside if frees[u.name] > 0)], key=rank)
             continue
         chosen.append(unit.name)
-        freed += inner_bytes(trace, unit)
+        freed += frees[unit.name]
     return tuple(sorted(chosen))
 
 
