@@ -8,11 +8,13 @@ each block really adds to a training step. Per model (the main job's CNN from
 ``conf/config.yaml`` and the benchmarks' MobileNetV2): one iteration is profiled under a manager
 whose budget never binds, with recomputation on; then, in this one process, the model trains
 without a manager, unchanged and with one block at a time recomputed through the manager's own
-mechanism (``recompute_modules``: torch's checkpointing, whole or selectively), the variants
-taking turns step by step from the same weights. Per block: predicted and measured cost in ms
-(measured: the median step with it recomputed, less the median unchanged step), and the bytes
-each way frees. The blocks are the largest group of sibling units (the model's feature
-stack). Run from the repository root::
+mechanism (``recompute_modules``: torch's checkpointing, whole or selectively, and whole
+through one autograd node where the profile allows it, NOTE [one-node recomputation] in
+``vtensor/activations/rebuild.py``), the variants taking turns step by step from the same
+weights. Per block: predicted and measured cost in ms (measured: the median step with it
+recomputed, less the median unchanged step), and the bytes each way frees. The blocks are the
+largest group of sibling units (the model's feature stack); a last row recomputes every block
+at once, whole, through checkpointing and through one node. Run from the repository root::
 
     python -m benchmarks.recompute_cost --out recompute_cost.jsonl
     python -m benchmarks.recompute_cost --models main --repeats 30    # the main job's CNN alone
@@ -55,12 +57,16 @@ class _Host:
     """What ``recompute_modules`` tells that a forward runs again (no manager around it)."""
 
     recomputing = 0
+    rebuilding = 0
 
     def recompute_began(self, regrowth_bytes: int) -> None:
         """Nothing to place: no plan."""
 
     def recompute_ended(self) -> None:
         """Nothing to measure."""
+
+    def rebuilt(self, module: nn.Module, output: object) -> None:
+        """No boundaries to mark."""
 
 
 def _profiled(model: nn.Module, batch: Batch) -> Trace:
@@ -101,16 +107,23 @@ def measure(
     trace = _profiled(model, batch)
     blocks = _blocks(trace)
     host = _Host()
-    variants: list[tuple[str, list[str], list[str]]] = [("unchanged", [], [])]
+    # (name, recomputed, selectively, through one node)
+    variants: list[tuple[str, list[str], list[str], list[str]]] = [("unchanged", [], [], [])]
     for u in blocks:
-        variants.append((f"{u.name} whole", [u.name], []))
+        variants.append((f"{u.name} whole", [u.name], [], []))
+        if u.one_node:
+            variants.append((f"{u.name} one node", [u.name], [], [u.name]))
         if u.selective_safe:
-            variants.append((f"{u.name} selective", [u.name], [u.name]))
+            variants.append((f"{u.name} selective", [u.name], [u.name], []))
+    # Every block at once: the two whole mechanisms' difference summed over the stack.
+    every = [u.name for u in blocks]
+    variants.append(("every block whole", every, [], []))
+    variants.append(("every block one node", every, [], [u.name for u in blocks if u.one_node]))
     times: dict[str, list[float]] = {v[0]: [] for v in variants}
     x, y = batch(1)
     for i in range(steps + 1):
-        for name, names, selective in variants:
-            with recompute_modules(model, names, host, selective):
+        for name, names, selective, one_node in variants:
+            with recompute_modules(model, names, host, selective, one_node=one_node):
                 took = _step(model, x, y)
             if i:  # the first round warms each variant up
                 times[name].append(took)
@@ -124,6 +137,9 @@ def measure(
             "whole_measured_ms": (statistics.median(times[f"{u.name} whole"]) - base) * 1e3,
             "whole_frees_mib": inner_bytes(trace, u) / MIB,
         }
+        if u.one_node:
+            measured = statistics.median(times[f"{u.name} one node"]) - base
+            row["one_node_measured_ms"] = measured * 1e3
         if u.selective_safe:
             measured = statistics.median(times[f"{u.name} selective"]) - base
             row |= {
@@ -132,6 +148,19 @@ def measure(
                 "selective_frees_mib": selective_bytes(trace, u) / MIB,
             }
         rows.append(row | {"unchanged_step_ms": base * 1e3, "steps": steps})
+    rows.append(
+        {
+            "model": describe_model,
+            "block": "every block",
+            "whole_predicted_ms": sum(u.forward_s for u in blocks) * 1e3,
+            "whole_measured_ms": (statistics.median(times["every block whole"]) - base) * 1e3,
+            "one_node_measured_ms": (statistics.median(times["every block one node"]) - base) * 1e3,
+            "whole_frees_mib": sum(inner_bytes(trace, u) for u in blocks) / MIB,
+            "one_node_blocks": sum(u.one_node for u in blocks),
+            "unchanged_step_ms": base * 1e3,
+            "steps": steps,
+        }
+    )
     return rows
 
 
@@ -165,11 +194,12 @@ def main() -> None:
             describe_model, model, batch = w.describe, w.build(), w.batch
         rows += measure(describe_model, model, batch, repeats(args, 15, 2))
     keys = [f"{way}_{what}" for way in ("whole", "selective") for what in COLUMNS]
+    keys.insert(2, "one_node_measured_ms")
     print(
-        "\n| model | block | whole: predicted ms | measured ms | frees MiB "
-        "| selective: predicted ms | measured ms | frees MiB |"
+        "\n| model | block | whole: predicted ms | measured ms | one node: measured ms "
+        "| frees MiB | selective: predicted ms | measured ms | frees MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['block']} | " + " | ".join(_cell(r, k) for k in keys) + " |")
     write_json_lines(args.out, env, tagged("recompute_cost", rows))

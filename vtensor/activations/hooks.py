@@ -10,6 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 from vtensor.activations.admission import Admission
 from vtensor.activations.lean import Passing
+from vtensor.activations.rebuild import REBUILT_KEY
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
 from vtensor.outputs import tensors_in
@@ -21,6 +22,7 @@ class HookTarget(Protocol):
     store: ChunkStore
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
+    rebuilding: int  # above 0 while a unit's graph is rebuilt (NOTE [one-node recomputation])
     admission: Admission  # which saved tensors are activations, and which of them it manages
 
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -144,6 +146,7 @@ class Removable(Protocol):
 
 
 _SAMPLED_KEY = "vtensor.node_sampler"  # see NOTE [sampled nodes]
+_BOUNDARY_KEY = "vtensor.boundary"
 
 
 class _NodeSampler:
@@ -197,9 +200,72 @@ class _NodeSampler:
         self._handles.clear()
 
 
+class ModuleHooks:
+    """The module boundary hooks of one step (``install_module_hooks``)."""
+
+    def __init__(self, names: Mapping[int, str], target: HookTarget, sample_nodes: bool) -> None:
+        self._forward = {key: f"forward:{name}" for key, name in names.items()}
+        self._backward = {key: f"backward:{name}" for key, name in names.items()}
+        self._target = target
+        self._sampler = _NodeSampler(target) if sample_nodes else None
+        # A node with a boundary is marked in its metadata with this step's token, not kept by
+        # id: a graph rebuilt in backward (NOTE [one-node recomputation]) is made after earlier
+        # nodes were freed, and could reuse their ids.
+        self._token = object()
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post),
+        ]
+
+    def _pre(self, module: nn.Module, _args: Any) -> None:
+        name = self._forward.get(id(module))
+        if name is not None and not self._target.recomputing:
+            self._target.begin_step(name)
+
+    def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
+        target = self._target
+        if not target.recomputing or target.rebuilding:
+            self.mark(module, output)
+
+    def mark(self, module: nn.Module, output: Any) -> None:
+        """Give the nodes that made ``output`` the backward boundary of ``module``.
+
+        A node that already has one (an inner module's output returned as it is) keeps it; a
+        ``Rebuild`` node gets none: the graph it rebuilds in backward gets them then.
+        """
+        name = self._backward.get(id(module))
+        if name is None:
+            return
+        tensors = tensors_in(output)
+        if self._sampler is not None:
+            self._sampler.add_graph_of(tensors)
+        target = self._target
+        for tensor in tensors:
+            node: Any = tensor.grad_fn
+            if node is None:
+                continue
+            metadata = node.metadata
+            if metadata.get(_BOUNDARY_KEY) is self._token or REBUILT_KEY in metadata:
+                continue
+            metadata[_BOUNDARY_KEY] = self._token
+
+            def on_backward(_grads: Any, name: str = name) -> None:
+                target.begin_step(name)
+
+            node.register_prehook(on_backward)
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._sampler is not None:
+            self._sampler.remove()
+
+
 def install_module_hooks(
     names: Mapping[int, str], target: HookTarget, *, sample_nodes: bool = True
-) -> list[Removable]:
+) -> ModuleHooks:
     """Mark forward and backward step boundaries of every module of a model.
 
     ``names`` gives each of the model's modules its step name by ``id`` (``ModelScan.names``).
@@ -210,38 +276,8 @@ def install_module_hooks(
     outputs, which leave the graph unchanged (full backward hooks would wrap outputs and break
     modules that modify their input in place, such as ``ReLU(inplace=True)``). With
     ``sample_nodes``, every backward node of the graph behind a module output also gets a
-    post-hook that samples the tracked bytes (NOTE [node peaks]).
+    post-hook that samples the tracked bytes (NOTE [node peaks]). A recomputation's forward
+    steps are not steps; the graph a ``Rebuild`` node rebuilds gets its backward boundaries as
+    it is made (``ModuleHooks.mark``, NOTE [one-node recomputation]).
     """
-    forward = {key: f"forward:{name}" for key, name in names.items()}
-    backward = {key: f"backward:{name}" for key, name in names.items()}
-    seen_nodes: set[int] = set()
-    sampler = _NodeSampler(target)
-
-    def pre(module: nn.Module, _args: Any) -> None:
-        name = forward.get(id(module))
-        if name is not None and not target.recomputing:
-            target.begin_step(name)
-
-    def post(module: nn.Module, _args: Any, output: Any) -> None:
-        name = backward.get(id(module))
-        if name is None or target.recomputing:
-            return
-        tensors = tensors_in(output)
-        if sample_nodes:
-            sampler.add_graph_of(tensors)
-        for tensor in tensors:
-            node = tensor.grad_fn
-            if node is None or id(node) in seen_nodes:
-                continue
-            seen_nodes.add(id(node))
-
-            def on_backward(_grads: Any, name: str = name) -> None:
-                target.begin_step(name)
-
-            node.register_prehook(on_backward)
-
-    return [
-        register_module_forward_pre_hook(pre),
-        register_module_forward_hook(post),
-        sampler,
-    ]
+    return ModuleHooks(names, target, sample_nodes)

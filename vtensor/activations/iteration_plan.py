@@ -25,6 +25,9 @@ class IterationPlan:
     cache_load_s: float = 0.0
     recompute: tuple[str, ...] = ()  # modules recomputed in this iteration (NOTE [recompute])
     selective: tuple[str, ...] = ()  # of those, the ones recomputed selectively
+    one_node: tuple[
+        str, ...
+    ] = ()  # of those, whole through one node (NOTE [one-node recomputation])
     find_units: bool = False  # profile which modules could be recomputed
     abandoned: bool = False  # a trial of recomputation that broke the budget
     racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
@@ -47,6 +50,8 @@ class Trials:
             holds at once: (whole, selectively) bytes, the same bound both ways
             (``unit_regrowth``, NOTE [regrowth bound]).
         encoded: the profile's clamps saved bits: so do the trials' (NOTE [mask encoding]).
+        one_node: the modules the profile found one autograd node can stand for (NOTE
+            [one-node recomputation] in ``activations/rebuild.py``).
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
@@ -54,6 +59,11 @@ class Trials:
     swap_only: Plan | None
     growth: dict[str, tuple[int, int]] = field(default_factory=dict)
     encoded: bool = False
+    one_node: tuple[str, ...] = ()
+
+    def one_node_of(self, names: tuple[str, ...], selective: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the modules ``names`` recomputes, those recomputed whole through one node."""
+        return tuple(n for n in names if n in self.one_node and n not in selective)
 
     def profiled(self, plan: Plan | None, predicted_s: float) -> Plan | None:
         """The next candidate was profiled into ``plan``: its hybrid plan, kept to race."""
@@ -67,7 +77,12 @@ class Trials:
         )
         if plan is None:
             return None
-        hybrid = dataclasses.replace(plan, recompute=names, selective=selective)
+        hybrid = dataclasses.replace(
+            plan,
+            recompute=names,
+            selective=selective,
+            one_node=self.one_node_of(names, selective),
+        )
         self.plans.append(hybrid)
         return hybrid
 
@@ -83,6 +98,7 @@ class Trials:
             key,
             recompute=names,
             selective=selective,
+            one_node=self.one_node_of(names, selective),
             regrowth=regrowth,
             encode=self.encoded,
         )

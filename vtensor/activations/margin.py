@@ -45,6 +45,7 @@ def plan_again(make_plan: Planner, profile: Profile, plan: Plan, guard_bytes: in
         replanned,
         recompute=plan.recompute,
         selective=plan.selective,
+        one_node=plan.one_node,
         predicted_step_s=predicted_step_s(trace, replanned),
     )
 

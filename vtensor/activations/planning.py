@@ -25,7 +25,12 @@ from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import PlanKey, dtype_of, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import predicted_step_s, recompute_candidates, unit_regrowth
+from vtensor.planner.recompute import (
+    predicted_step_s,
+    recompute_candidates,
+    through_one_node,
+    unit_regrowth,
+)
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -378,8 +383,9 @@ class PlanBook:
             candidates = recompute_candidates(trace, judged)
             if candidates:
                 growth = unit_regrowth(trace)
+                whole = tuple(u.name for u in trace.units if through_one_node(u))
                 self._trial[signature] = Trials(
-                    list(candidates), others, plan, growth, trace.encoded
+                    list(candidates), others, plan, growth, trace.encoded, whole
                 )
                 return plan
         return self._race_or_only(signature, Trials([], others, plan)) if others else plan

@@ -2,9 +2,11 @@
 
 NOTE [recompute]
 A recomputed module saves nothing for backward but its inputs; backward runs its forward again
-right before it needs what that forward saved. The mechanism is torch's non-reentrant
-``torch.utils.checkpoint`` (``use_reentrant=False``, ``preserve_rng_state=True``), wrapped
-around the module's ``forward`` for the managed step only: it restores the RNG state, so
+right before it needs what that forward saved. The mechanism is one autograd node for a unit
+recomputed whole where one can stand for it (NOTE [one-node recomputation] in
+``activations/rebuild.py``), else torch's non-reentrant ``torch.utils.checkpoint``
+(``use_reentrant=False``, ``preserve_rng_state=True``), wrapped around the module's
+``forward`` for the managed step only: it restores the RNG state, so
 dropout masks come out the same, and its own saved-tensor hooks sit inside the manager's, so
 the tensors saved inside the module never reach the manager. Two things checkpointing leaves to
 its caller are done here, in the recomputation's context:
@@ -30,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from vtensor.activations.rebuild import REBUILT_KEY, Rebuild, RebuildHost, Rerun
 from vtensor.activations.selective import save_products
 from vtensor.errors import VTensorError
 
@@ -40,7 +43,7 @@ class RecomputeTarget(Protocol):
     recomputing: int
 
 
-class RecomputeHost(RecomputeTarget, Protocol):
+class RecomputeHost(RecomputeTarget, RebuildHost, Protocol):
     """The iteration a plan's recomputations run in: it measures what each one grows."""
 
     def recompute_began(self, regrowth_bytes: int) -> None:
@@ -57,10 +60,13 @@ class RecomputeHost(RecomputeTarget, Protocol):
 
 @contextlib.contextmanager
 def recomputing(
-    target: RecomputeHost, module: nn.Module, regrowth_bytes: int = 0
+    target: RecomputeHost, module: nn.Module, regrowth_bytes: int = 0, *, buffers: bool = True
 ) -> Iterator[None]:
-    """Run again the forward of ``module``: hooks ignore it, its buffers come back unchanged."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    """Run again the forward of ``module``: hooks ignore it, its buffers come back unchanged.
+
+    Without ``buffers``, putting them back is the caller's (``buffers_of``, ``put_back``).
+    """
+    values = buffers_of(module) if buffers else []
     target.recomputing += 1
     target.recompute_began(regrowth_bytes)
     try:
@@ -68,9 +74,19 @@ def recomputing(
     finally:
         target.recompute_ended()
         target.recomputing -= 1
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+        put_back(values)
+
+
+def buffers_of(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``module`` with a copy of its value now."""
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def put_back(values: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write back the values ``buffers_of`` copied."""
+    with torch.no_grad():
+        for buffer, value in values:
+            buffer.copy_(value)
 
 
 @contextlib.contextmanager
@@ -80,10 +96,13 @@ def recompute_modules(
     target: RecomputeHost,
     selective: Sequence[str] = (),
     regrowth: Mapping[str, int] | None = None,
+    *,
+    one_node: Sequence[str] = (),
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
-    Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]).
+    Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]); those in
+    ``one_node`` (whole) go behind one autograd node instead (NOTE [one-node recomputation]).
     ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
     host with no plan to place them (NOTE [recomputed growth] in ``activations/policy.py``).
 
@@ -107,9 +126,12 @@ def recompute_modules(
                     "wrapped): it cannot be recomputed"
                 )
             expected = (regrowth or {}).get(name, 0)
-            module.forward = _checkpointed(
-                module, module.forward, target, name in selective, expected
-            )
+            if name in one_node and name not in selective:
+                module.forward = _one_node(module, module.forward, target, expected)
+            else:
+                module.forward = _checkpointed(
+                    module, module.forward, target, name in selective, expected
+                )
             wrapped.append(module)
         yield
     finally:
@@ -136,8 +158,8 @@ def _checkpointed(
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # nothing is saved: nothing to recompute
         call = CallSnapshot(args, kwargs)
-        # The closure holds no tensor once the forward has run: checkpointing keeps the inputs
-        # under the manager's saved-tensor hooks (which may swap them), not a reference here.
+        # The closures hold no tensor once the forward has run: the inputs are kept under the
+        # manager's saved-tensor hooks (which may swap them), not by a reference here.
         tensors = call.hand_over()
         pending = [(args, kwargs)]
 
@@ -157,6 +179,71 @@ def _checkpointed(
         )
 
     return run
+
+
+def _one_node(
+    module: nn.Module, forward: Callable[..., Any], target: RecomputeHost, regrowth_bytes: int
+) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)  # nothing is saved: nothing to recompute
+        call = CallSnapshot(args, kwargs)
+        tensors = call.hand_over()
+        return _rebuild(module, forward, call, (args, kwargs), tensors, target, regrowth_bytes)
+
+    return run
+
+
+def _rebuild(
+    module: nn.Module,
+    forward: Callable[..., Any],
+    call: "CallSnapshot",
+    own: tuple[tuple[Any, ...], dict[str, Any]],
+    tensors: list[torch.Tensor],
+    target: RecomputeHost,
+    regrowth_bytes: int,
+) -> Any:
+    """``module``'s forward behind one ``Rebuild`` node (NOTE [one-node recomputation])."""
+    pending = [own]
+
+    def first() -> Any:
+        args, kwargs = pending.pop()
+        return forward(*args, **kwargs)
+
+    def rerun(inputs: Sequence[torch.Tensor]) -> Any:
+        args, kwargs = call.rebuild(inputs)
+        output = forward(*args, **kwargs)
+        target.rebuilt(module, output)
+        return output
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    values: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        # The buffers go back once the rebuilt graph is done with them (``finish``): it saved
+        # them (batch norm's running statistics), and writing them earlier would change them
+        # under it.
+        values[:] = buffers_of(module)
+        with recomputing(target, module, regrowth_bytes, buffers=False):
+            target.rebuilding += 1
+            try:
+                yield
+            finally:
+                target.rebuilding -= 1
+
+    def finish() -> None:
+        put_back(values)
+        values.clear()
+
+    run = Rerun(first, context, rerun, finish, len(tensors), params)
+    run.note_state(tensors)
+    output = Rebuild.apply(run, *tensors, *params)  # type: ignore[no-untyped-call]
+    node: Any = (output if isinstance(output, torch.Tensor) else output[0]).grad_fn
+    if node is not None:
+        node.metadata[REBUILT_KEY] = True
+    return output
 
 
 class CallSnapshot:

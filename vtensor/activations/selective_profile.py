@@ -45,12 +45,15 @@ class SelectiveProfile:
         product_vids: the vTensors it saved whose storage a product op made.
         products: (vTensor or None where autograd saved none, bytes) per product output.
         why_not: why it may not be recomputed selectively ("" if it may).
+        tail_share: the share of its ops' time after its last save (NOTE [one-node
+            recomputation] in ``activations/rebuild.py``).
     """
 
     selective_s: float
     product_vids: frozenset[int]
     products: tuple[tuple[int | None, int], ...]
     why_not: str
+    tail_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,11 @@ def replaying(module: nn.Module, start: StartState, target: RecomputeTarget) -> 
 class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Times each op; keeps the outputs of product ops with their versions when made."""
 
-    def __init__(self) -> None:
+    def __init__(self, tail: list[float]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.other_s = 0.0
         self.ops_s = 0.0
+        self.tail = tail  # [the ops' time since the last save]
         self.products: list[tuple[torch.Tensor, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -102,6 +106,7 @@ class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         took = time.perf_counter() - began
         self.ops_s += took
+        self.tail[0] += took
         if is_product(func):
             self.products += [(t, t._version) for t in tensors_in(out)]
         else:
@@ -128,13 +133,19 @@ def profile_selective(
     # once its tensors are freed (nothing here keeps them), without keeping its bytes.
     seen: dict[int, StorageWeakRef] = {}
 
+    # The pack hook must not reach the recorder: the graph this forward builds keeps its hooks,
+    # and the recorder keeps that graph's product outputs, a cycle that no collection frees
+    # while a step holds the cycle collector (NOTE [quiet heap]).
+    tail = [0.0]
+    recorder = _OpRecorder(tail)
+
     def pack(tensor: torch.Tensor) -> None:
+        tail[0] = 0.0  # an op's inputs are saved before it runs, its outputs after
         storage = tensor.untyped_storage()
         if storage._cdata not in seen and target.manages(tensor):
             seen[storage._cdata] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
             saved.append(storage._cdata)
 
-    recorder = _OpRecorder()
     args, kwargs = call
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never)
     with replaying(module, start, target), torch.enable_grad(), hooks, recorder:
@@ -158,6 +169,7 @@ def profile_selective(
         product_vids=frozenset(mapped[c] for c in sizes if c in mapped),
         products=tuple((mapped.get(c), n) for c, n in sizes.items()),
         why_not=why,
+        tail_share=tail[0] / recorder.ops_s if recorder.ops_s > 0 else 0.0,
     )
 
 
@@ -198,6 +210,7 @@ def with_selective(
         selective_vids=tuple(v for v in unit.inner_vids if v not in products),
         product_vids=tuple(v for v in unit.inner_vids if v in products),
         product_bytes=unsaved,
+        tail_s=profile.tail_share * unit.forward_s,
     )
 
 

@@ -68,6 +68,7 @@ class Undecided:
                 "swap_only": ref(self.trials.swap_only),
                 "growth": {n: list(g) for n, g in self.trials.growth.items()},
                 "encoded": self.trials.encoded,
+                "one_node": list(self.trials.one_node),
             }
         race = None
         if self.race is not None:
@@ -115,7 +116,8 @@ class Undecided:
                 raise ValueError("trials with no candidate left to try")
             growth = {str(n): (int(w), int(s)) for n, (w, s) in t.get("growth", {}).items()}
             plans_so_far, swap_only = [some(i) for i in t["plans"]], plan(t["swap_only"])
-            trials = Trials(pending, plans_so_far, swap_only, growth, bool(t.get("encoded")))
+            whole = tuple(str(n) for n in t.get("one_node", ()))
+            trials = Trials(pending, plans_so_far, swap_only, growth, bool(t.get("encoded")), whole)
         race = None
         if raw["race"] is not None:
             r = raw["race"]

@@ -52,6 +52,7 @@ from torch import nn
 
 from vtensor.activations.encodings import side_effect_free
 from vtensor.activations.hooks import Removable
+from vtensor.activations.rebuild import one_node
 from vtensor.activations.recompute import CallSnapshot, RecomputeTarget
 from vtensor.activations.selective_profile import (
     ProfileTarget,
@@ -106,6 +107,8 @@ class _Seen:
     why_unsafe: str = ""
     calls: int = 1
     selective: SelectiveProfile | None = None
+    output_bytes: int = 0
+    one_node: bool = False
 
 
 @dataclass
@@ -182,11 +185,15 @@ class UnitRecorder:
             selective = profile_selective(
                 module, start, call, vids, self.records, self.target, forward_s
             )
+        whole = not why and one_node(module, output, [t for t, _ in opened.versions])
         self.target.exclude_time(time.perf_counter() - began)
+        returned = {t.untyped_storage().data_ptr(): t.nbytes for t in tensors_in(output)}
         self.seen[name] = _Seen(
             name, opened.first_step, self.target.step_index, forward_s, vids, inputs, why
         )
         self.seen[name].selective = selective
+        self.seen[name].output_bytes = sum(returned.values())
+        self.seen[name].one_node = whole
 
     def units(
         self, position: dict[int, int], tensors: Sequence[TraceTensor], step_names: Sequence[str]
@@ -224,6 +231,8 @@ class UnitRecorder:
                 safe=not seen.why_unsafe,
                 why_unsafe=seen.why_unsafe,
                 why_not_selective=seen.why_unsafe or "not profiled",
+                output_bytes=seen.output_bytes,
+                one_node=seen.one_node,
             )
             if seen.selective is not None:
                 unit = with_selective(unit, seen.selective, position)

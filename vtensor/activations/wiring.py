@@ -31,14 +31,20 @@ def instrumented(
     plan = chosen.executor.plan if chosen.executor is not None else chosen
     with contextlib.ExitStack() as stack:
         if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
-            for hook in install_module_hooks(
-                scan.names, iteration, sample_nodes=not iteration.lean
-            ):
-                stack.callback(hook.remove)
+            hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
+            stack.callback(hooks.remove)
+            iteration.boundaries = hooks
         if plan.recompute:
             iteration.recomputed, iteration.selective = plan.recompute, plan.selective
             stack.enter_context(
-                recompute_modules(model, plan.recompute, iteration, plan.selective, chosen.regrowth)
+                recompute_modules(
+                    model,
+                    plan.recompute,
+                    iteration,
+                    plan.selective,
+                    chosen.regrowth,
+                    one_node=plan.one_node,
+                )
             )
         elif chosen.find_units:
             iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)

@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 11
+PLAN_SCHEMA_VERSION = 12
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class Plan:
             there while a replay follows the plan, where it fills the budget (the trace's
             ``growth_bytes``, NOTE [step reserve] in ``planner/reserves.py``); empty:
             ``reserve_bytes`` everywhere.
+        one_node: of ``recompute``, the modules recomputed whole through one autograd node
+            (NOTE [one-node recomputation] in ``activations/rebuild.py``); the others through
+            torch's checkpointing.
     """
 
     budget_bytes: int
@@ -99,6 +102,7 @@ class Plan:
     watched_events: tuple[tuple[int, int], ...] = ()
     encoded: bool = False
     step_reserve_bytes: tuple[tuple[int, ...], ...] = ()
+    one_node: tuple[str, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -135,6 +139,7 @@ class Plan:
             recompute=tuple(raw.pop("recompute", ())),
             watched_steps=tuple(raw.pop("watched_steps", ())),
             selective=tuple(raw.pop("selective", ())),
+            one_node=tuple(raw.pop("one_node", ())),
             step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
             step_reserve_bytes=tuple(tuple(r) for r in raw.pop("step_reserve_bytes", ())),
             watched_events=tuple((v, k) for v, k in raw.pop("watched_events", ())),

@@ -85,6 +85,24 @@ def selective_bytes(trace: Trace, unit: TraceUnit) -> int:
     return freed - unit.product_bytes
 
 
+# NOTE [one node or checkpointing]: one node saves a unit's graph in forward and
+# checkpointing's hook per saved tensor (11-16 % of the blocks' recomputation on the main job's
+# CNN, benchmarks/README.md, ``recompute_cost``), but runs the whole forward again, where
+# checkpointing stops after the last tensor the unit saves. A unit whose ops after its last save
+# take more than this share of its forward (a DenseNet layer's last convolution: 32-45 %) is
+# cheaper through checkpointing.
+ONE_NODE_MAX_TAIL_SHARE = 0.1
+
+
+def through_one_node(unit: TraceUnit) -> bool:
+    """Whether ``unit``, recomputed whole, goes behind one autograd node.
+
+    Where one can stand for it and its forward's tail is short (NOTE [one node or
+    checkpointing]).
+    """
+    return unit.one_node and unit.tail_s <= ONE_NODE_MAX_TAIL_SHARE * unit.forward_s
+
+
 def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] = ()) -> Trace:
     """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
 
@@ -122,6 +140,11 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
             for index in range(first, freed + 1):
                 extra[index] += tensor.nbytes
         if unit.name not in partial:
+            if through_one_node(unit):
+                # Its output's gradient stays until its backward ends (NOTE [one-node
+                # recomputation] in activations/rebuild.py).
+                for index in range(first, last + 1):
+                    extra[index] += unit.output_bytes
             continue
         held = [(trace.tensors[v].saved_step, trace.tensors[v].nbytes) for v in unit.product_vids]
         for first, nbytes in [*held, (unit.first_step, unit.product_bytes)]:

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 11
+TRACE_SCHEMA_VERSION = 12
 
 
 class TensorKind(StrEnum):
@@ -130,6 +130,13 @@ class TraceUnit:
             the manager, from their save through its backward.
         product_bytes: bytes of the other product outputs SAC's cache holds (autograd saved
             no vTensor of them), from its forward through its backward.
+        output_bytes: bytes of the tensors its forward returned: recomputed whole through one
+            node, it holds their gradient through its backward (NOTE [one-node recomputation]
+            in ``activations/rebuild.py``).
+        one_node: one autograd node can stand for it when it is recomputed whole (NOTE
+            [one-node recomputation]).
+        tail_s: the time of its forward's ops after its last save: what checkpointing does not
+            recompute and one node does (NOTE [one-node recomputation]).
     """
 
     name: str
@@ -146,6 +153,9 @@ class TraceUnit:
     selective_vids: tuple[int, ...] = ()
     product_vids: tuple[int, ...] = ()
     product_bytes: int = 0
+    output_bytes: int = 0
+    one_node: bool = False
+    tail_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -122,16 +122,20 @@ def test_the_hybrid_plan_races_the_swap_only_plan_and_the_faster_replay_is_kept(
     )
     budget = int(peak_bytes(Block, tmp_path) * 0.5)
     model = model_with(Slow)
-    reports, plan = _race(model, budget, 2 + 2 * RACE_ROUNDS + 1, tmp_path)
+    reports, plan = _race(model, budget, 2 + 2 * RACE_ROUNDS + 3, tmp_path)
     assert [r.plan_source for r in reports[:2]] == ["profiled", "profiled"]
     assert reports[1].recomputed == ("3",)  # the trial, the slow block
-    raced = reports[2 : 2 + 2 * RACE_ROUNDS]
-    assert [r.recomputed for r in raced] == [("3",), ()] * RACE_ROUNDS  # in turn
-    assert all(r.plan_source == "raced" for r in raced)
+    sources = [r.plan_source for r in reports[2:]]
+    raced = reports[2 : 2 + sources.index("planned")] if "planned" in sources else []
+    # In turn; a candidate whose first full replay needed the guard races one round more, made
+    # again under the guard's margin (NOTE [guard margin]).
+    assert len(raced) in (2 * RACE_ROUNDS, 2 * RACE_ROUNDS + 1), sources
+    assert [r.recomputed for r in raced] == ([("3",), ()] * (RACE_ROUNDS + 1))[: len(raced)]
     # Recomputing the slow block costs 0.2 s a step that swapping its tensors does not.
     walls = [(r.plan_source, r.recomputed, round(r.wall_s, 3)) for r in reports]
     assert plan is not None and plan.recompute == (), walls
-    assert reports[-1].recomputed == () and reports[-1].plan_source == "planned"
+    kept = reports[2 + len(raced) :]
+    assert kept and all(r.recomputed == () and r.plan_source == "planned" for r in kept)
     # The swap-only replays move what their plan moves: the guard keeps that plan's headroom,
     # not the larger one the trial of recomputation grew (its unit's tensors came back at once).
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

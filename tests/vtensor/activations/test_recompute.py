@@ -122,12 +122,15 @@ def test_sac_refuses_a_product_output_modified_in_place(tmp_path: Path) -> None:
     """What the check above prevents: torch raises in backward (or a plan would be wrong)."""
 
     class Target:
-        recomputing = 0
+        recomputing = rebuilding = 0
 
         def recompute_began(self, regrowth_bytes: int) -> None:
             pass
 
         def recompute_ended(self) -> None:
+            pass
+
+        def rebuilt(self, module: nn.Module, output: object) -> None:
             pass
 
     model = model_with(ProductInPlace)

@@ -18,11 +18,13 @@ from vtensor.planner.lgm import (
 from vtensor.planner.memory_model import check_plan, simulate
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import (
+    ONE_NODE_MAX_TAIL_SHARE,
     choose_recompute,
     inner_bytes,
     recompute_candidates,
     recompute_outermost,
     selective_bytes,
+    through_one_node,
     with_recompute,
 )
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
@@ -230,6 +232,32 @@ def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_s
     held = [s.unmanaged_peak_bytes for s in after.steps]
     assert held == [0, 0, 200 * KB, 0]  # b's backward step holds its inner bytes
     assert inner_bytes(trace, trace.units[1]) == 200 * KB
+
+
+def test_a_unit_recomputed_through_one_node_also_holds_its_output_gradient() -> None:
+    # NOTE [one-node recomputation]: the engine keeps the node's incoming gradient until its
+    # backward returns; through checkpointing the unit's last op frees it.
+    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
+    b = dataclasses.replace(trace.units[1], output_bytes=50 * KB)
+    checkpointed = dataclasses.replace(trace, units=(trace.units[0], b))
+    one_node = dataclasses.replace(
+        trace, units=(trace.units[0], dataclasses.replace(b, one_node=True))
+    )
+    held = [s.unmanaged_peak_bytes for s in with_recompute(checkpointed, ["b"]).steps]
+    assert held == [0, 0, 200 * KB, 0]
+    held = [s.unmanaged_peak_bytes for s in with_recompute(one_node, ["b"]).steps]
+    assert held == [0, 0, 250 * KB, 0]
+
+
+def test_a_unit_whose_forward_ends_in_a_long_tail_stays_with_checkpointing() -> None:
+    # NOTE [one node or checkpointing]: checkpointing stops after the unit's last save, one
+    # node runs the whole forward again.
+    unit = TraceUnit("u", 0, 0, 0.010, (1,), (0,), True, one_node=True)
+    assert ONE_NODE_MAX_TAIL_SHARE < 0.5
+    assert through_one_node(unit)
+    assert through_one_node(dataclasses.replace(unit, tail_s=0.010 * ONE_NODE_MAX_TAIL_SHARE))
+    assert not through_one_node(dataclasses.replace(unit, tail_s=0.005))  # half its forward
+    assert not through_one_node(dataclasses.replace(unit, one_node=False))
 
 
 def test_a_recomputed_tensor_is_held_from_the_units_backward_to_its_own_last_use() -> None:
