@@ -126,12 +126,14 @@ def recompute_modules(
                     "wrapped): it cannot be recomputed"
                 )
             expected = (regrowth or {}).get(name, 0)
-            if name in one_node and name not in selective:
-                module.forward = _one_node(module, module.forward, target, expected)
-            else:
-                module.forward = _checkpointed(
-                    module, module.forward, target, name in selective, expected
-                )
+            module.forward = _checkpointed(
+                module,
+                module.forward,
+                target,
+                name in selective,
+                expected,
+                one_node=name in one_node and name not in selective,
+            )
             wrapped.append(module)
         yield
     finally:
@@ -145,7 +147,11 @@ def _checkpointed(
     target: RecomputeHost,
     selective: bool,
     regrowth_bytes: int,
+    *,
+    one_node: bool = False,
 ) -> Callable[..., Any]:
+    """``forward`` recomputed: through torch's checkpointing, or behind one node."""
+
     def contexts() -> tuple[contextlib.AbstractContextManager[Any], Any]:
         if not selective:
             return contextlib.nullcontext(), recomputing(target, module, regrowth_bytes)
@@ -161,6 +167,8 @@ def _checkpointed(
         # The closures hold no tensor once the forward has run: the inputs are kept under the
         # manager's saved-tensor hooks (which may swap them), not by a reference here.
         tensors = call.hand_over()
+        if one_node:
+            return _rebuild(module, forward, call, (args, kwargs), tensors, target, regrowth_bytes)
         pending = [(args, kwargs)]
 
         def again(*inputs: torch.Tensor) -> Any:
@@ -177,20 +185,6 @@ def _checkpointed(
             preserve_rng_state=True,
             context_fn=contexts,
         )
-
-    return run
-
-
-def _one_node(
-    module: nn.Module, forward: Callable[..., Any], target: RecomputeHost, regrowth_bytes: int
-) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)  # nothing is saved: nothing to recompute
-        call = CallSnapshot(args, kwargs)
-        tensors = call.hand_over()
-        return _rebuild(module, forward, call, (args, kwargs), tensors, target, regrowth_bytes)
 
     return run
 
