@@ -57,16 +57,13 @@ class _Host:
     """What ``recompute_modules`` tells that a forward runs again (no manager around it)."""
 
     recomputing = 0
-    rebuilding = 0
+    boundaries = None  # no module hooks
 
     def recompute_began(self, regrowth_bytes: int) -> None:
         """Nothing to place: no plan."""
 
     def recompute_ended(self) -> None:
         """Nothing to measure."""
-
-    def rebuilt(self, module: nn.Module, output: object) -> None:
-        """No boundaries to mark."""
 
 
 def _profiled(model: nn.Module, batch: Batch) -> Trace:

@@ -22,7 +22,6 @@ class HookTarget(Protocol):
     store: ChunkStore
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
-    rebuilding: int  # above 0 while a unit's graph is rebuilt (NOTE [one-node recomputation])
     admission: Admission  # which saved tensors are activations, and which of them it manages
 
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -212,6 +211,7 @@ class ModuleHooks:
         # id: a graph rebuilt in backward (NOTE [one-node recomputation]) is made after earlier
         # nodes were freed, and could reuse their ids.
         self._token = object()
+        self.rebuilding = 0  # NOTE [one-node recomputation]: a rebuilt graph gets boundaries
         self._handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post),
@@ -223,8 +223,7 @@ class ModuleHooks:
             self._target.begin_step(name)
 
     def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
-        target = self._target
-        if not target.recomputing or target.rebuilding:
+        if not self._target.recomputing or self.rebuilding:
             self.mark(module, output)
 
     def mark(self, module: nn.Module, output: Any) -> None:

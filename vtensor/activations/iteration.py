@@ -4,19 +4,17 @@ import copy
 import functools
 import logging
 import time
-from typing import Any
 
 import torch
-from torch import nn
 
 from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
-from vtensor.activations.hooks import ModuleHooks
 from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wait_for_room
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.rebuild import Boundaries
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
@@ -50,8 +48,7 @@ class Iteration:
         # Above 0 while a forward runs again (NOTE [recompute] in activations/recompute.py):
         # module hooks then ignore it. ``units`` records the candidates while profiling.
         self.recomputing = 0
-        self.rebuilding = 0  # NOTE [one-node recomputation] in activations/rebuild.py
-        self.boundaries: ModuleHooks | None = None  # None: a replay without module hooks
+        self.boundaries: Boundaries | None = None  # None: a replay without module hooks
         self._recompute_from: int | None = None  # the reading the outermost one began at
         self.units: UnitRecorder | None = None
         self.recomputed: tuple[str, ...] = ()
@@ -151,11 +148,6 @@ class Iteration:
             self.meter.announce_recomputed(live - self._recompute_from)
             self._sample(live)
             self._recompute_from = None
-
-    def rebuilt(self, module: nn.Module, output: Any) -> None:
-        """A unit's graph was rebuilt in backward: its outputs get the unit's boundary."""
-        if self.boundaries is not None:
-            self.boundaries.mark(module, output)
 
     # -- hook target --------------------------------------------------------------------------
     def accepts(self, tensor: torch.Tensor) -> bool:

@@ -25,9 +25,7 @@ class IterationPlan:
     cache_load_s: float = 0.0
     recompute: tuple[str, ...] = ()  # modules recomputed in this iteration (NOTE [recompute])
     selective: tuple[str, ...] = ()  # of those, the ones recomputed selectively
-    one_node: tuple[
-        str, ...
-    ] = ()  # of those, whole through one node (NOTE [one-node recomputation])
+    one_node: tuple[str, ...] = ()  # of those, behind one node (NOTE [one-node recomputation])
     find_units: bool = False  # profile which modules could be recomputed
     abandoned: bool = False  # a trial of recomputation that broke the budget
     racing: bool = False  # one of the candidate plans being timed (NOTE [plan race])
@@ -50,8 +48,8 @@ class Trials:
             holds at once: (whole, selectively) bytes, the same bound both ways
             (``unit_regrowth``, NOTE [regrowth bound]).
         encoded: the profile's clamps saved bits: so do the trials' (NOTE [mask encoding]).
-        one_node: the modules the profile found one autograd node can stand for (NOTE
-            [one-node recomputation] in ``activations/rebuild.py``).
+        one_node: the modules recomputed whole behind one autograd node (``through_one_node``,
+            NOTE [one-node recomputation] in ``activations/rebuild.py``).
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]

@@ -31,7 +31,7 @@ is made from and its replays hold the same bytes; the others stay with torch's c
 What one node holds that checkpointing does not is the unit's output gradient, which the engine
 keeps until the node's backward returns: the planner counts it (``TraceUnit.output_bytes``).
 The manager's hooks see the same steps either way (the rebuilt graph's backward boundaries are
-marked as the first forward's would have been, ``RebuildHost.rebuilt``).
+marked as the first forward's would have been, ``Boundaries.mark``).
 """
 
 import contextlib
@@ -49,14 +49,20 @@ REBUILT_KEY = "vtensor.rebuilt"  # in the metadata of a Rebuild node (NOTE [one-
 _MAX_GRAPH_NODES = 100_000
 
 
+class Boundaries(Protocol):
+    """The module hooks that mark a step's boundaries (``hooks.ModuleHooks``)."""
+
+    rebuilding: int  # above 0 while a unit's graph is rebuilt in backward: its modules mark it
+
+    def mark(self, module: nn.Module, output: Any) -> None:
+        """Give the nodes that made ``output`` the backward boundary of ``module``."""
+        ...
+
+
 class RebuildHost(Protocol):
     """The iteration a rebuilt graph belongs to."""
 
-    rebuilding: int  # above 0 while a unit's graph is rebuilt in backward
-
-    def rebuilt(self, module: nn.Module, output: Any) -> None:
-        """``module``'s forward, run again with autograd, returned ``output``: mark its boundary."""
-        ...
+    boundaries: Boundaries | None  # None: no module hooks (a replay without them)
 
 
 class Rerun:

@@ -208,7 +208,8 @@ def _rebuild(
     def rerun(inputs: Sequence[torch.Tensor]) -> Any:
         args, kwargs = call.rebuild(inputs)
         output = forward(*args, **kwargs)
-        target.rebuilt(module, output)
+        if target.boundaries is not None:  # the unit's own, as its first forward would have
+            target.boundaries.mark(module, output)
         return output
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -220,12 +221,16 @@ def _rebuild(
         # them (batch norm's running statistics), and writing them earlier would change them
         # under it.
         values[:] = buffers_of(module)
+        boundaries = target.boundaries
         with recomputing(target, module, regrowth_bytes, buffers=False):
-            target.rebuilding += 1
+            if boundaries is None:
+                yield
+                return
+            boundaries.rebuilding += 1
             try:
                 yield
             finally:
-                target.rebuilding -= 1
+                boundaries.rebuilding -= 1
 
     def finish() -> None:
         put_back(values)

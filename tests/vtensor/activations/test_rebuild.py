@@ -1,6 +1,6 @@
 """A unit recomputed whole through one autograd node (NOTE [one-node recomputation]).
 
-Each test runs steps with the units recomputed (``recompute_modules``, a stub host) beside the
+Each test runs steps with the units recomputed (``recompute_modules``, a stand-in host) beside the
 same model without recomputation, through one node or through torch's checkpointing.
 """
 
@@ -21,19 +21,15 @@ class Host:
     """What ``recompute_modules`` and the module hooks tell (no manager): the steps seen."""
 
     def __init__(self) -> None:
-        self.recomputing = self.rebuilding = 0
+        self.recomputing = 0
         self.steps: list[str] = []
-        self.hooks: Any = None
+        self.boundaries: Any = None
 
     def recompute_began(self, regrowth_bytes: int) -> None:
         pass
 
     def recompute_ended(self) -> None:
         pass
-
-    def rebuilt(self, module: nn.Module, output: Any) -> None:
-        if self.hooks is not None:
-            self.hooks.mark(module, output)
 
     def begin_step(self, name: str) -> None:
         self.steps.append(name)
@@ -129,7 +125,7 @@ def _train(
                 host.steps.clear()
                 whole = () if through_checkpoint else names
                 with recompute_modules(net, names, host, one_node=whole):  # type: ignore[arg-type]
-                    host.hooks = install_module_hooks(names_by_id, host) if hooked else None
+                    host.boundaries = install_module_hooks(names_by_id, host) if hooked else None
                     try:
                         loss = _loss(net, x)
                         if by_grad:
@@ -139,8 +135,8 @@ def _train(
                         else:
                             loss.backward()  # type: ignore[no-untyped-call]
                     finally:
-                        if host.hooks is not None:
-                            host.hooks.remove()
+                        if host.boundaries is not None:
+                            host.boundaries.remove()
                 seen.append(_grads(net))
                 continue
             loss.backward()  # type: ignore[no-untyped-call]

@@ -122,15 +122,13 @@ def test_sac_refuses_a_product_output_modified_in_place(tmp_path: Path) -> None:
     """What the check above prevents: torch raises in backward (or a plan would be wrong)."""
 
     class Target:
-        recomputing = rebuilding = 0
+        recomputing = 0
+        boundaries = None
 
         def recompute_began(self, regrowth_bytes: int) -> None:
             pass
 
         def recompute_ended(self) -> None:
-            pass
-
-        def rebuilt(self, module: nn.Module, output: object) -> None:
             pass
 
     model = model_with(ProductInPlace)
