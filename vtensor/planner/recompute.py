@@ -111,8 +111,17 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     bytes are held, as unmanaged bytes, from their save (the others from its first step)
     through its last backward step. Each tensor recomputation brings back is held, as
     unmanaged bytes, from the unit's first backward step through its own last use (NOTE
-    [recomputed lifetimes]); the unit's inputs cannot move (the checkpoint holds them). Vids
-    are renumbered in order.
+    [recomputed lifetimes]). The unit's inputs cannot move where checkpointing recomputes it
+    (its frame holds them); behind one node they move like any saved tensor until its backward
+    (NOTE [one node's inputs]). Vids are renumbered in order.
+
+    NOTE [one node's inputs]
+    A unit recomputed behind one node (``activations/rebuild.py``) saves its inputs through the
+    manager's hooks, so a plan may swap them between its forward and its backward; its backward
+    holds them from its first step to its last (the second forward runs on them, and the
+    rebuilt graph saves them again). Pinned for the whole iteration, as checkpointing's are, a
+    small ConvNeXt's four blocks recomputed were judged 1.5 MB above their floor, more than its
+    budget at half its peak, so what checkpointing every block does never got a trial.
 
     NOTE [recomputed lifetimes]
     Recomputation runs the unit's forward again at the first unpack of anything it saved, so
@@ -128,11 +137,16 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     units = [u for u in trace.units if u.name in chosen]
     gone = {v for u in units for v in u.inner_vids}
     gone |= {v for u in units if u.name in partial for v in (*u.selective_vids, *u.product_vids)}
-    kept = {v for u in units for v in u.input_vids}
+    one_node = {u.name for u in units if u.name not in partial and through_one_node(u)}
+    kept = {v for u in units if u.name not in one_node for v in u.input_vids}
+    held_by_node: dict[int, set[int]] = {}  # NOTE [one node's inputs]
     extra = [0] * len(trace.steps)
     for unit in units:
         backward = [s.index for s in trace.steps if _in_backward(s.name, unit.name)]
         first, last = min(backward, default=unit.last_step), max(backward, default=unit.last_step)
+        if unit.name in one_node:
+            for v in unit.input_vids:
+                held_by_node.setdefault(v, set()).update(range(first, last + 1))
         recomputed = unit.selective_vids if unit.name in partial else unit.inner_vids
         for v in recomputed:  # NOTE [recomputed lifetimes]
             tensor = trace.tensors[v]
@@ -155,7 +169,12 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
         for s in trace.steps
     )
     tensors = tuple(
-        dataclasses.replace(t, vid=i, evictable_step=-1 if t.vid in kept else t.evictable_step)
+        dataclasses.replace(
+            t,
+            vid=i,
+            evictable_step=-1 if t.vid in kept else t.evictable_step,
+            use_steps=tuple(sorted({*t.use_steps, *held_by_node.get(t.vid, ())})),
+        )
         for i, t in enumerate(t for t in trace.tensors if t.vid not in gone)
     )
     return dataclasses.replace(

@@ -249,6 +249,22 @@ def test_a_unit_recomputed_through_one_node_also_holds_its_output_gradient() -> 
     assert held == [0, 0, 250 * KB, 0]
 
 
+def test_a_unit_recomputed_through_one_node_leaves_its_inputs_free_to_move() -> None:
+    # NOTE [one node's inputs]: the node saves them through the manager's hooks; checkpointing's
+    # frame holds them from the forward to the backward.
+    units = [("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True), ("c", 0.01, KB, True)]
+    trace = _trace(units)
+    b = dataclasses.replace(trace.units[1], one_node=True)
+    one_node = dataclasses.replace(trace, units=(trace.units[0], b, trace.units[2]))
+    checkpointed = with_recompute(trace, ["b"])
+    after = with_recompute(one_node, ["b"])
+    assert checkpointed.tensors[2].evictable_step == -1
+    assert after.tensors[2].evictable_step == trace.tensors[2].evictable_step  # b's input
+    assert after.tensors[2].use_steps == (4,)  # b's backward: the steps it holds them
+    floors = build_lgm(after, None).floors()
+    assert floors[2] < build_lgm(checkpointed, None).floors()[2]  # away during c's steps
+
+
 def test_a_unit_whose_forward_ends_in_a_long_tail_stays_with_checkpointing() -> None:
     # NOTE [one node or checkpointing]: checkpointing stops after the unit's last save, one
     # node runs the whole forward again.
