@@ -37,10 +37,12 @@ one fast replay is as much an accident of the machine as one slow one.
 
 NOTE [confirmed leader]
 A leader clearly ahead of every other candidate still stood on one replay in its final form
-(its full replay and one lean one): on a held-out SENet at half its peak, the swap-only plan
-led a race by 15 % on one lean replay and then ran at 1.92x the unmanaged step, 1.35x the
-plans it had beaten (benchmarks/README.md, ``held_out``); the time of a plan that moves bytes
-depends on the disk and the page cache as well as on the cores. So the leader is replayed
+(its full replay and one lean one). On a held-out SENet at half its peak (benchmarks/README.md,
+``held_out``) one race led by its swap-only plan on one lean replay, 0.127 s against 0.146 s
+and more, where the same plan's replays took 0.174-0.213 s in five other races; in another run
+the race kept that plan, which then ran at 1.92x the unmanaged step where the recomputing plans
+other runs kept ran at 1.32-1.47x. A plan that moves bytes is timed by the disk and the page
+cache as well as by the cores. So the leader is replayed
 until it has ``CONFIRM`` times in the form it will run (or ``max_rounds`` replays), and a
 leader those replays slow down gives way to the next. What confirming costs is nothing where
 the leader stays ahead: those iterations run the plan that is then kept.
