@@ -1,0 +1,103 @@
+"""Choosing between candidate plans by their replays (NOTE [plan race], NOTE [close race] and
+NOTE [confirmed leader] in vtensor/activations/race.py): the race alone, on recorded times."""
+
+import dataclasses
+
+from vtensor.activations.race import CONFIRM, MAX_ROUNDS, PlanRace
+from vtensor.activations.race import ROUNDS as RACE_ROUNDS
+from vtensor.planner.plan import Plan
+
+_EMPTY_PLAN = Plan(0, None, (), (), (), 0, 0.0, "test")
+
+
+def _two() -> tuple[Plan, Plan]:
+    a, b = (dataclasses.replace(_EMPTY_PLAN, recompute=names) for names in (("x",), ()))
+    return a, b
+
+
+def test_a_race_keeps_the_plan_with_the_least_median_time_in_the_form_it_runs() -> None:
+    a, b = _two()
+    race = PlanRace([a, b])
+    # Full replays (clean: both go lean), then lean ones: a's fast full replay does not count.
+    assert race.record(1.0, guard_bytes=0) is None and race.current() is b
+    assert race.record(5.0, guard_bytes=0) is None and race.lean()
+    assert race.record(3.0, lean=True) is None and race.current() is b
+    assert race.record(1.5, lean=True) is None  # 1.5 against 3.0: clearly apart, but b stands
+    assert race.current() is b  # on one replay as it runs: it is confirmed first
+    assert race.record(1.6, lean=True) is None and race.current() is b
+    assert race.record(1.4, lean=True) is b
+    assert race.medians() == [3.0, 1.5] and race.form_times(0) == [3.0]
+    assert len(race.form_times(1)) == CONFIRM
+
+
+def test_a_leader_its_confirming_replays_slow_down_gives_way() -> None:
+    # NOTE [confirmed leader]: one lucky lean replay put b ahead by 15 %.
+    a, b = _two()
+    race = PlanRace([a, b])
+    for full in (2.0, 2.0):
+        assert race.record(full, guard_bytes=0) is None
+    assert race.record(1.00, lean=True) is None
+    assert race.record(0.85, lean=True) is None and race.current() is b  # b leads, unconfirmed
+    assert race.record(1.30, lean=True) is None  # b's median, 1.075, is now close to a's 1.00
+    while (result := race.record(1.0 if race.turn == 0 else 1.3, lean=True)) is None:
+        pass
+    assert result is a and race.medians()[0] < race.medians()[1]
+
+
+def test_candidates_close_to_the_leader_are_replayed_again_and_the_median_decides() -> None:
+    # NOTE [close race]: one lean replay each put a ahead by 5 %, within the machine's spread.
+    a, b = _two()
+    race = PlanRace([a, b])
+    for full in (2.0, 2.0):
+        assert race.record(full, guard_bytes=0) is None
+    assert race.record(1.00, lean=True) is None
+    assert race.record(1.05, lean=True) is None  # close: both are replayed again
+    for a_time, b_time in ((1.12, 1.04), (1.10, 1.06)):  # still close after each
+        assert race.current() is a and race.record(a_time, lean=True) is None
+        assert race.current() is b
+        result = race.record(b_time, lean=True)
+    assert result is b and [len(t) for t in race.times] == [MAX_ROUNDS, MAX_ROUNDS]
+    assert race.medians() == [1.10, 1.05] and race.winner_clean()  # a's best was 1.00
+
+
+def test_a_clearly_slower_candidate_is_not_replayed_again() -> None:
+    a, b = _two()
+    c = dataclasses.replace(_EMPTY_PLAN, recompute=("y",))
+    race = PlanRace([a, b, c])
+    for _ in range(3):
+        race.record(2.0, guard_bytes=0)
+    for time_s in (1.00, 1.02, 1.60):  # c is 60 % slower than a
+        race.record(time_s, lean=True)
+    turns = []
+    while (result := race.record(1.0 if race.turn == 0 else 1.02, lean=True)) is None:
+        turns.append(race.turn)
+    assert result is a and set(turns) <= {0, 1} and len(race.times[2]) == RACE_ROUNDS
+
+
+def test_a_race_of_close_candidates_ends_at_the_most_replays() -> None:
+    a, b = _two()
+    race = PlanRace([a, b])
+    records = 0
+    while race.record(1.0, guard_bytes=0) is None:  # equal times: always close
+        records += 1
+        assert records < 2 * MAX_ROUNDS
+    assert records + 1 == 2 * MAX_ROUNDS
+
+
+def test_a_candidate_made_again_races_anew_and_the_others_wait_for_it() -> None:
+    a, b = (dataclasses.replace(_EMPTY_PLAN, recompute=names) for names in (("x",), ()))
+    b_again = dataclasses.replace(b, budget_bytes=b.budget_bytes - 1)
+    race = PlanRace([a, b])
+    assert race.record(1.0, guard_bytes=0) is None and race.current() is b
+    # b's full replay needed the guard: b is made again; that replay's time is not b_again's.
+    assert race.record(0.5, guard_bytes=4096, remade=b_again) is None
+    assert race.plans == [a, b_again] and race.times == [[1.0], []]
+    assert race.current() is a and race.lean()  # a's full replay needed no guard
+    assert race.record(3.0, lean=True) is None and race.current() is b_again
+    assert not race.lean()  # the new form replays in full first
+    assert race.record(1.2, guard_bytes=0) is None and race.current() is b_again  # a is done
+    assert race.lean()
+    assert race.record(0.9, lean=True) is None  # 0.9 beats a's 3.0 as it runs, lean: confirmed
+    assert race.record(1.0, lean=True) is None and race.current() is b_again
+    assert race.record(0.8, lean=True) is b_again
+    assert race.medians() == [3.0, 0.9] and race.winner_clean()
