@@ -190,14 +190,13 @@ class ResNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-class EncoderViT(nn.Module):
-    def __init__(self, d: int = 128, depth: int = 4) -> None:
+class Tokens(nn.Module):
+    """Patches embedded as a sequence of tokens, a stack of blocks, mean-pooled into the head."""
+
+    def __init__(self, patch: int, d: int, block: Callable[[], nn.Module], depth: int) -> None:
         super().__init__()
-        self.embed = nn.Conv2d(3, d, 8, 8)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.1, batch_first=True)
-            for _ in range(depth)
-        )
+        self.embed = nn.Conv2d(3, d, patch, patch)
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
         self.head = nn.Linear(d, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +204,13 @@ class EncoderViT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x.mean(1))
+
+
+def encoder_vit(d: int = 128, depth: int = 4) -> nn.Module:
+    """torch's own encoder layers: its fused path, with dropout."""
+    return Tokens(
+        8, d, lambda: nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.1, batch_first=True), depth
+    )
 
 
 class MixerBlock(nn.Module):
@@ -221,18 +227,9 @@ class MixerBlock(nn.Module):
         return x + self.channels(self.n2(x))
 
 
-class Mixer(nn.Module):
-    def __init__(self, d: int = 96, depth: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Conv2d(3, d, 4, 4)
-        self.blocks = nn.ModuleList(MixerBlock(256, d) for _ in range(depth))  # 64 px: 16x16
-        self.head = nn.Linear(d, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x).flatten(2).transpose(1, 2)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.mean(1))
+def mixer(d: int = 96, depth: int = 4) -> nn.Module:
+    """An MLP-Mixer over a 64 px image's 16x16 patches of 4 px."""
+    return Tokens(4, d, lambda: MixerBlock(256, d), depth)
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
@@ -243,6 +240,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gru": GRUNet,
     "unet": UNet,
     "resnet": ResNet,
-    "encoder_vit": EncoderViT,
-    "mixer": Mixer,
+    "encoder_vit": encoder_vit,
+    "mixer": mixer,
 }
