@@ -120,8 +120,10 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     manager's hooks, so a plan may swap them between its forward and its backward; its backward
     holds them from its first step to its last (the second forward runs on them, and the
     rebuilt graph saves them again). Pinned for the whole iteration, as checkpointing's are, a
-    small ConvNeXt's four blocks recomputed were judged 1.5 MB above their floor, more than its
-    budget at half its peak, so what checkpointing every block does never got a trial.
+    small ConvNeXt's four blocks recomputed were judged to need 13.7 MB, 1.5 MB more than with
+    their inputs free to move and more than the 12.6 MB its budget at half its peak leaves a
+    plan, so what checkpointing every block does never got a trial (benchmarks/README.md,
+    ``held_out``).
 
     NOTE [recomputed lifetimes]
     Recomputation runs the unit's forward again at the first unpack of anything it saved, so
