@@ -14,7 +14,8 @@ fractions of each model's unmanaged tracked peak, with these variants:
 - ``lgm-tensor``: the same planner at ``granularity="tensor"`` (whole tensors, the prior-work
   baseline);
 - ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
-  (NOTE [hybrid plan]); a second iteration is profiled with the chosen ones recomputed;
+  (NOTE [hybrid plan]); each candidate recomputation is tried in an iteration of its own, then
+  the candidates' plans and the swap-only one race (NOTE [plan race]) and the fastest is kept;
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
 - ``lgm-chunk+masks``, ``lgm-hybrid+masks``: those with ``encode_masks=True`` (clamps save
   their output instead of their input; NOTE [mask encoding]); ``lgm-chunk+auto``,
@@ -29,12 +30,16 @@ fractions of each model's unmanaged tracked peak, with these variants:
 
 Per variant it measures the median step time over round-robin interleaved rounds after the
 profiling round, its kernel time, minor page faults and heap-counter readings (count and time)
-per step, bytes moved, stall, the tracked peak and the independent ones (RSS, and a
+per step, bytes moved, the kept plan's recomputation (its units' cost as the profile measured
+it), stall, the tracked peak and the independent ones (RSS, and a
 ``LiveStorageTracker`` on one extra step, which counts live storages and reads the page tables
 for the pages released in place), the planner's predicted peak and stall, the planning time,
 the time to load the plan from the plan cache, and whether the gradients are bit-identical to
 the unmanaged run on every round. A planner micro-benchmark times ``plan_lgm`` on a synthetic
-1000-step trace. Infeasible budgets become rows with the stated minimum budget.
+1000-step trace. Infeasible budgets become rows with the stated minimum budget. The comparison
+lines set LGM-chunk against LGM-tensor and checkpointing, and each hybrid variant against
+unmanaged, LGM-chunk with the same encoding, checkpointing, ``torch.compile`` and the fastest
+alternative whose peak fits its budget.
 
 Run from the repository root::
 
@@ -64,7 +69,13 @@ import torch
 from torch import nn
 
 import vtensor
-from benchmarks.activation_tables import comparisons, median_or_none, print_comparisons, table
+from benchmarks.activation_tables import (
+    comparisons,
+    median_or_none,
+    print_comparisons,
+    recomputed_seconds,
+    table,
+)
 from benchmarks.common import (
     add_default_malloc,
     add_out,
@@ -310,7 +321,10 @@ def _reference(
         for _ in range(2):
             _run_step(probe, w, x, y)
             rep = probe.manager.report()
-            tracked, rss = max(tracked, rep.peak_device_bytes), max(rss, rep.peak_independent_bytes)
+            tracked, rss = (
+                max(tracked, rep.peak_device_bytes),
+                max(rss, rep.peak_independent_bytes),
+            )
     finally:
         probe.manager.close()
     return {"tracked": tracked, "rss": rss, "dispatch": dispatch}
@@ -448,9 +462,20 @@ def _after_rounds(
             if hit:
                 v.extra["cache_entry_bytes"] = cache.path_for(key).stat().st_size
         v.extra["recomputed_modules"] = len(v.reports[-1].recomputed) if v.reports else 0
+        if v.manager.trace is not None and v.reports:
+            units = {u.name: (u.forward_s, u.selective_s) for u in v.manager.trace.units}
+            last = v.reports[-1]
+            v.extra["recomputed_s"] = recomputed_seconds(
+                units, list(last.recomputed), list(last.selective)
+            )
         if v.manager.trace is not None:
             v.extra["trace_steps"] = len(v.manager.trace.steps)
             v.extra["trace_tensors"] = len(v.manager.trace.tensors)
+
+
+def _short_of_timed(variants: list[Variant], count: int) -> bool:
+    """Whether a variant still running has fewer than ``count`` timed rounds."""
+    return any(v.error is None and len(v.step_s) < count for v in variants)
 
 
 def run_model(
@@ -458,7 +483,11 @@ def run_model(
 ) -> list[dict[str, Any]]:
     """Every variant and budget of one workload; returns the JSON rows."""
     torch.manual_seed(0)
-    load_before, ticks_before, started = os.getloadavg(), _cpu_ticks(), time.perf_counter()
+    load_before, ticks_before, started = (
+        os.getloadavg(),
+        _cpu_ticks(),
+        time.perf_counter(),
+    )
     print(f"# {w.name}: {w.describe}", flush=True)
     base = w.build()
     refs = {
@@ -474,10 +503,14 @@ def run_model(
         flush=True,
     )
     variants = _make_variants(w, base, p0, args, storage_dir, cache_root)
-    for r in range(args.steps + 1):
+    # Round 0 profiles; then --steps rounds, and more (at most twice as many) while a live
+    # variant has fewer than --min-timed timed rounds: a hybrid's trials and race are not timed.
+    r, last = 0, args.steps * (3 if args.min_timed else 1)
+    while r <= args.steps or (r <= last and _short_of_timed(variants, args.min_timed)):
         _timed_round(variants, w, r)
         print(f"#   round {r} done at {time.perf_counter() - started:.0f} s", flush=True)
-    _after_rounds(variants, w, refs, args.steps + 1)
+        r += 1
+    _after_rounds(variants, w, refs, r)
     for v in variants:
         if v.manager is not None:
             v.manager.close()
@@ -570,7 +603,8 @@ def _row(
             None,
         ),
         predicted_stall_s=next(
-            (rep.predicted_stall_s for rep in timed if rep.predicted_stall_s is not None), None
+            (rep.predicted_stall_s for rep in timed if rep.predicted_stall_s is not None),
+            None,
         ),
         min_budget_seen_bytes=max((rep.min_budget_bytes for rep in v.reports), default=None),
     )
@@ -592,6 +626,13 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="timed rounds after the profiling round (default 5; quick: 1)",
+    )
+    p.add_argument(
+        "--min-timed",
+        type=int,
+        default=0,
+        help="after --steps rounds, run more (at most twice --steps) until every variant has "
+        "this many timed rounds (a hybrid's trial and race rounds are not timed); default 0",
     )
     p.add_argument("--batch-scale", type=float, default=1.0, help="scale every batch size")
     p.add_argument(
@@ -660,7 +701,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n## {name}: {model_rows[0]['model_description']}\n")
             print(table(model_rows) + "\n", flush=True)
     print_comparisons(comps, rows)
-    end = {"kind": "end", "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - started}
+    end = {
+        "kind": "end",
+        "load_avg": os.getloadavg(),
+        "wall_s": time.perf_counter() - started,
+    }
     print(
         f"# load average at start {load[0]:.2f}, at end {end['load_avg'][0]:.2f}; "
         f"total {end['wall_s']:.0f} s"

@@ -22,6 +22,17 @@ def _num(n: float | None, fmt: str) -> str:
     return "-" if n is None else format(n, fmt)
 
 
+def recomputed_seconds(
+    units: dict[str, tuple[float, float]], whole: list[str], selective: list[str]
+) -> float:
+    """What the kept plan's recomputation costs a step, as the profile measured it.
+
+    ``units``: unit name -> (forward alone, selective recomputation's cost), from the trace;
+    ``whole`` and ``selective``: the units the plan recomputes, and those of them selectively.
+    """
+    return sum(units[n][1] if n in selective else units[n][0] for n in whole if n in units)
+
+
 def _replayed(r: dict[str, Any]) -> str:
     timed = r.get("policies", [])[1:]
     if "plan_sources" not in r or not timed:
@@ -39,6 +50,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "RSS peak MiB",
         "predicted peak MiB",
         "MiB moved/step",
+        "recomputed s (profiled)",
         "prefix copies MiB/step",
         "stall s (pred.)",
         "step s",
@@ -79,6 +91,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                     _mib(r["rss_peak_bytes"]),
                     _mib(r.get("predicted_peak_bytes")),
                     _mib(moved),
+                    _num(r["extra"].get("recomputed_s"), ".3f"),
                     _mib(r.get("copied_bytes_per_step")),
                     stall,
                     _num(r["step_s_median"], ".2f"),
@@ -95,7 +108,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """LGM chunked vs whole-tensor at each budget, measured in the same run, and vs checkpoint."""
+    """LGM chunked vs whole-tensor at each budget, measured in the same run, and vs checkpoint;
+    then one entry per hybrid variant and budget (``hybrid`` names it)."""
     by = {(r["variant"], r["budget_frac"]): r for r in rows}
     ckpt = by.get(("checkpoint", None))
     out = []
@@ -116,43 +130,82 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
                 chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"],
             )
-        hybrid = by.get(("lgm-hybrid", frac))
-        if hybrid and not hybrid["error"] and hybrid["step_s_median"] is not None:
-            unmanaged = by[("unmanaged", None)]["step_s_median"]
-            c.update(
-                hybrid_vs_unmanaged=hybrid["step_s_median"] / unmanaged,
-                hybrid_recomputed=hybrid["extra"].get("recomputed_modules", 0),
-            )
-            if chunk and not chunk["error"]:
-                c["hybrid_vs_chunk"] = hybrid["step_s_median"] / chunk["step_s_median"]
-            if ckpt and ckpt["tracked_peak_bytes"] <= hybrid["budget_bytes"]:
-                c["hybrid_vs_checkpoint"] = hybrid["step_s_median"] / ckpt["step_s_median"]
-            # The fastest alternative whose peak fits the same budget.
-            fitting = [
-                r
-                for r in rows
-                if r["variant"] in ("checkpoint", "selective", "micro-2", "micro-4")
-                and r["tracked_peak_bytes"] <= hybrid["budget_bytes"]
-            ]
-            compiled = by.get(("compile", frac))
-            unmanaged_rss = by[("unmanaged", None)]["extra"].get("rss_step_peak_bytes")
-            honest = compiled is not None and compiled["machine"]["rss_honest"]
-            if compiled and honest and compiled["rss_peak_bytes"] is not None and unmanaged_rss:
-                # Not bit-identical, and an RSS peak: reported apart from the fastest that fits.
-                # It fits when its peak is the budget's fraction of the unmanaged step's peak
-                # measured the same way (that one reads 5-10 % under the tracked peak).
-                c["compile_peak_frac"] = compiled["rss_peak_bytes"] / unmanaged_rss
-                c["compile_fits"] = c["compile_peak_frac"] <= frac
-                c["hybrid_vs_compile"] = hybrid["step_s_median"] / compiled["step_s_median"]
-            tensor = by.get(("lgm-tensor", frac))
-            if tensor and not tensor["error"] and tensor["step_s_median"] is not None:
-                fitting.append(tensor)
-            if fitting:
-                best = min(fitting, key=lambda r: r["step_s_median"])
-                c["best_baseline"] = best["variant"]
-                c["hybrid_vs_best_baseline"] = hybrid["step_s_median"] / best["step_s_median"]
         out.append(c)
+        hybrids = {r["variant"] for r in rows if r["variant"].startswith("lgm-hybrid")}
+        for name in sorted(hybrids):
+            hybrid = by.get((name, frac))
+            if hybrid and not hybrid["error"] and hybrid["step_s_median"] is not None:
+                out.append(_hybrid_comparison(rows, by, hybrid))
     return out
+
+
+def _hybrid_comparison(
+    rows: list[dict[str, Any]],
+    by: dict[tuple[str, float | None], dict[str, Any]],
+    hybrid: dict[str, Any],
+) -> dict[str, Any]:
+    """One hybrid variant at one budget against the rest of the same run."""
+    frac, name = hybrid["budget_frac"], hybrid["variant"]
+    ckpt = by.get(("checkpoint", None))
+    c: dict[str, Any] = {
+        "model": rows[0]["model"],
+        "budget_frac": frac,
+        "hybrid": name,
+        "hybrid_vs_unmanaged": hybrid["step_s_median"] / by[("unmanaged", None)]["step_s_median"],
+        "hybrid_recomputed": hybrid["extra"].get("recomputed_modules", 0),
+    }
+    # Paired over the hybrid's own timed rounds (its last ones: the decision's are not timed),
+    # so that the machine's drift over the run does not enter the ratio.
+    paired = _paired(hybrid, by[("unmanaged", None)])
+    if paired is not None:
+        c["hybrid_vs_unmanaged_paired"] = paired
+    # LGM-chunk alone with the same encoding ("lgm-hybrid+masks" against "lgm-chunk+masks").
+    for chunk_name in (name.replace("lgm-hybrid", "lgm-chunk"), "lgm-chunk"):
+        chunk = by.get((chunk_name, frac))
+        if chunk and not chunk["error"] and chunk["step_s_median"] is not None:
+            c["chunk_variant"] = chunk_name
+            c["hybrid_vs_chunk"] = hybrid["step_s_median"] / chunk["step_s_median"]
+            paired = _paired(hybrid, chunk)
+            if paired is not None:
+                c["hybrid_vs_chunk_paired"] = paired
+            break
+    if ckpt and ckpt["tracked_peak_bytes"] <= hybrid["budget_bytes"]:
+        c["hybrid_vs_checkpoint"] = hybrid["step_s_median"] / ckpt["step_s_median"]
+    # The fastest alternative whose peak fits the same budget.
+    fitting = [
+        r
+        for r in rows
+        if r["variant"] in ("checkpoint", "selective", "micro-2", "micro-4")
+        and r["tracked_peak_bytes"] <= hybrid["budget_bytes"]
+    ]
+    compiled = by.get(("compile", frac))
+    unmanaged_rss = by[("unmanaged", None)]["extra"].get("rss_step_peak_bytes")
+    honest = compiled is not None and compiled["machine"]["rss_honest"]
+    if compiled and honest and compiled["rss_peak_bytes"] is not None and unmanaged_rss:
+        # Not bit-identical, and an RSS peak: reported apart from the fastest that fits.
+        # It fits when its peak is the budget's fraction of the unmanaged step's peak
+        # measured the same way (that one reads 5-10 % under the tracked peak).
+        c["compile_peak_frac"] = compiled["rss_peak_bytes"] / unmanaged_rss
+        c["compile_fits"] = c["compile_peak_frac"] <= frac
+        c["hybrid_vs_compile"] = hybrid["step_s_median"] / compiled["step_s_median"]
+    tensor = by.get(("lgm-tensor", frac))
+    if tensor and not tensor["error"] and tensor["step_s_median"] is not None:
+        fitting.append(tensor)
+    if fitting:
+        best = min(fitting, key=lambda r: r["step_s_median"])
+        c["best_baseline"] = best["variant"]
+        c["hybrid_vs_best_baseline"] = hybrid["step_s_median"] / best["step_s_median"]
+    return c
+
+
+def _paired(row: dict[str, Any], other: dict[str, Any]) -> float | None:
+    """The median of ``row``'s step ÷ ``other``'s over ``row``'s timed rounds, the last of the
+    run; None where ``other`` was not timed in all of them."""
+    mine = row["step_s_all"]
+    theirs = other["step_s_all"][-len(mine) :] if mine else []
+    if not mine or len(theirs) != len(mine):
+        return None
+    return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
 
 
 def print_comparisons(comps: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
@@ -164,8 +217,9 @@ def print_comparisons(comps: list[dict[str, Any]], rows: list[dict[str, Any]]) -
                 f"{r['vs_unmanaged']:.3f}x unmanaged"
             )
     for c in comps:
-        parts = [*_chunk_parts(c), *_hybrid_parts(c)]
-        print(f"{c['model']} {c['budget_frac']:.0%}: " + ("; ".join(parts) or "nothing to compare"))
+        parts = _hybrid_parts(c) if "hybrid" in c else _chunk_parts(c)
+        if parts:
+            print(f"{c['model']} {c['budget_frac']:.0%}: " + "; ".join(parts))
 
 
 def _chunk_parts(c: dict[str, Any]) -> list[str]:
@@ -189,11 +243,15 @@ def _hybrid_parts(c: dict[str, Any]) -> list[str]:
     if "hybrid_vs_unmanaged" not in c:
         return []
     line = (
-        f"hybrid ({c['hybrid_recomputed']} modules recomputed) "
+        f"{c['hybrid']} ({c['hybrid_recomputed']} modules recomputed) "
         f"{c['hybrid_vs_unmanaged']:.2f}x unmanaged"
     )
+    if "hybrid_vs_unmanaged_paired" in c:
+        line += f" (paired {c['hybrid_vs_unmanaged_paired']:.2f}x)"
     if "hybrid_vs_chunk" in c:
-        line += f", {c['hybrid_vs_chunk']:.2f}x LGM-chunk"
+        line += f", {c['hybrid_vs_chunk']:.2f}x {c['chunk_variant']}"
+    if "hybrid_vs_chunk_paired" in c:
+        line += f" (paired {c['hybrid_vs_chunk_paired']:.2f}x)"
     if "hybrid_vs_checkpoint" in c:
         line += f", {c['hybrid_vs_checkpoint']:.2f}x checkpoint"
     if "hybrid_vs_compile" in c:

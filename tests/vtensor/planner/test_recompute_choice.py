@@ -2,20 +2,13 @@
 
 import dataclasses
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.vtensor.planner.exact import exact_hybrid_cost
+from tests.vtensor.planner.unit_traces import KB, Unit, demand, unit_trace
 from vtensor.planner.belady import plan_lgm
-from vtensor.planner.lgm import (
-    DEFAULT_READ_BYTES_PER_S,
-    DEFAULT_WRITE_BYTES_PER_S,
-    build_lgm,
-    empty_plan,
-    min_budget,
-)
-from vtensor.planner.memory_model import check_plan, simulate
+from vtensor.planner.lgm import build_lgm, min_budget
+from vtensor.planner.memory_model import check_plan
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import (
     ONE_NODE_MAX_TAIL_SHARE,
@@ -29,79 +22,32 @@ from vtensor.planner.recompute import (
 )
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
 
-KB = 1000
-
-
-Unit = tuple[str, float, int, bool] | tuple[str, float, int, bool, float, int]
-
-
-def _trace(units: list[Unit], unmanaged: int = 0) -> Trace:
-    """Forward over units in order, backward in reverse; each unit saves an input and inner.
-
-    ``units``: (name, forward_s, inner bytes, safe), optionally followed by (selective_s,
-    product bytes): the unit then also saves a product output of that size, inner as well,
-    and may be recomputed selectively. Unit i's tensors (its input: 1 KB) are saved at forward
-    step i and used at its backward step.
-    """
-    n = len(units)
-    names = [f"forward:{u[0]}" for u in units] + [f"backward:{u[0]}" for u in reversed(units)]
-    steps = tuple(
-        TraceStep(i, name, Phase(name.split(":")[0]), 0.01, 0, 0, unmanaged)
-        for i, name in enumerate(names)
-    )
-    tensors: list[TraceTensor] = []
-    trace_units = []
-    for i, (name, forward_s, nbytes, safe, *selective) in enumerate(units):
-        back, vid = 2 * n - 1 - i, len(tensors)
-        sizes = [KB, nbytes, *selective[1:]]
-        tensors += [
-            TraceTensor(vid + k, size, ("float32",), i, i + 1, (back,))
-            for k, size in enumerate(sizes)
-        ]
-        unit = TraceUnit(name, i, i, forward_s, (vid + 1,), (vid,), safe, "" if safe else "x")
-        if selective:
-            unit = dataclasses.replace(
-                unit,
-                inner_vids=(vid + 1, vid + 2),
-                selective_safe=safe,
-                why_not_selective="",
-                selective_s=float(selective[0]),
-                selective_vids=(vid + 1,),
-                product_vids=(vid + 2,),
-            )
-        trace_units.append(unit)
-    return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=tuple(trace_units))
-
-
-def _demand(trace: Trace) -> int:
-    return max(simulate(empty_plan(trace, 0, None), trace))
-
 
 def test_nothing_is_recomputed_where_the_budget_does_not_bind() -> None:
-    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 100 * KB, True)])
-    assert choose_recompute(trace, _demand(trace)) == ((), ())
+    trace = unit_trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 100 * KB, True)])
+    assert choose_recompute(trace, demand(trace)) == ((), ())
 
 
 def test_the_cheapest_units_per_byte_cover_the_deficit_and_no_more() -> None:
-    trace = _trace(
+    trace = unit_trace(
         [("a", 0.05, 100 * KB, True), ("b", 0.01, 100 * KB, True), ("c", 0.02, 100 * KB, True)]
     )
-    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("b",), ())
-    assert choose_recompute(trace, _demand(trace) - 150 * KB) == (("b", "c"), ())
+    assert choose_recompute(trace, demand(trace) - 50 * KB) == (("b",), ())
+    assert choose_recompute(trace, demand(trace) - 150 * KB) == (("b", "c"), ())
 
 
 def test_an_unsafe_unit_is_never_recomputed() -> None:
-    trace = _trace(
+    trace = unit_trace(
         [("a", 0.01, 100 * KB, False), ("b", 0.02, 100 * KB, True), ("c", 0.09, 100 * KB, True)]
     )
-    assert choose_recompute(trace, _demand(trace) - 150 * KB) == (("b", "c"), ())
+    assert choose_recompute(trace, demand(trace) - 150 * KB) == (("b", "c"), ())
 
 
 def test_nested_units_are_never_both_recomputed() -> None:
-    trace = _trace(
+    trace = unit_trace(
         [("a", 0.01, 100 * KB, True), ("a.x", 0.001, 100 * KB, True), ("c", 0.05, 100 * KB, True)]
     )
-    assert choose_recompute(trace, _demand(trace) - 150 * KB) == (("a.x", "c"), ())
+    assert choose_recompute(trace, demand(trace) - 150 * KB) == (("a.x", "c"), ())
 
 
 def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
@@ -126,7 +72,7 @@ def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping()
 
 
 def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be() -> None:
-    trace = _trace(
+    trace = unit_trace(
         [
             ("a", 0.01, 100 * KB, True, 0.001, 50 * KB),
             ("a.x", 0.001, 100 * KB, True),
@@ -135,7 +81,7 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
             ("c", 0.2, 100 * KB, True),
         ]
     )
-    budget = _demand(trace) - 150 * KB
+    budget = demand(trace) - 150 * KB
     # Unsafe "b" gives way to its safe child; "a" is recomputed selectively, "c" whole.
     assert recompute_outermost(trace, budget) == (("a", "b.y", "c"), ("a",))
     cheapest = choose_recompute(trace, budget)
@@ -147,13 +93,13 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
     )
     # The fourth: every outermost unit whole, as checkpointing every block would.
     assert recompute_outermost(trace, budget, whole=True) == (("a", "b.y", "c"), ())
-    assert recompute_candidates(trace, _demand(trace)) == ()  # nothing needs to leave
+    assert recompute_candidates(trace, demand(trace)) == ()  # nothing needs to leave
 
 
 def test_the_third_candidate_recomputes_as_few_outermost_units_whole_as_cover_the_deficit() -> None:
     # What checkpointing the cheapest blocks does: no selective unit (no dispatch mode), no
     # unit inside another, and no more than the deficit needs.
-    trace = _trace(
+    trace = unit_trace(
         [
             ("a", 0.01, 100 * KB, True, 0.001, 50 * KB),
             ("a.x", 0.0001, 100 * KB, True),
@@ -162,7 +108,7 @@ def test_the_third_candidate_recomputes_as_few_outermost_units_whole_as_cover_th
             ("c", 0.2, 100 * KB, True),
         ]
     )
-    budget = _demand(trace) - 150 * KB
+    budget = demand(trace) - 150 * KB
     assert choose_recompute(trace, budget) == (("a.x", "b.y"), ())  # cheaper, inside others
     # Outermost: "a" (its inner 150 KB, whole) and "b.y" (its unsafe parent's child); not "c".
     assert choose_recompute(trace, budget, whole_outermost=True) == (("a", "b.y"), ())
@@ -174,7 +120,7 @@ def test_an_outermost_unit_whose_selective_option_does_not_fit_is_tried_whole() 
     # a's product output (300 KB), which selective checkpointing keeps from a's forward through
     # its backward, would sit beside b's tensors in b's backward; whole, a's tensors come back
     # only in its own backward, as checkpointing every block does.
-    trace = _trace([("a", 0.01, 100 * KB, True, 0.001, 300 * KB), ("b", 0.01, 200 * KB, True)])
+    trace = unit_trace([("a", 0.01, 100 * KB, True, 0.001, 300 * KB), ("b", 0.01, 200 * KB, True)])
     budget = 450 * KB
     floor = {
         name: min_budget(build_lgm(with_recompute(trace, ["a"], partial), None))[0]
@@ -224,7 +170,7 @@ def test_the_third_candidate_gives_way_to_the_blocks_of_an_outermost_unit_that_d
 
 
 def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_set() -> None:
-    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
+    trace = unit_trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
     after = with_recompute(trace, ["b"])
     assert [t.nbytes for t in after.tensors] == [KB, 100 * KB, KB]
     assert [t.vid for t in after.tensors] == [0, 1, 2]
@@ -237,7 +183,7 @@ def test_with_recompute_drops_inner_tensors_keeps_inputs_and_holds_the_working_s
 def test_a_unit_recomputed_through_one_node_also_holds_its_output_gradient() -> None:
     # NOTE [one-node recomputation]: the engine keeps the node's incoming gradient until its
     # backward returns; through checkpointing the unit's last op frees it.
-    trace = _trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
+    trace = unit_trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True)])
     b = dataclasses.replace(trace.units[1], output_bytes=50 * KB)
     checkpointed = dataclasses.replace(trace, units=(trace.units[0], b))
     one_node = dataclasses.replace(
@@ -253,7 +199,7 @@ def test_a_unit_recomputed_through_one_node_leaves_its_inputs_free_to_move() -> 
     # NOTE [one node's inputs]: the node saves them through the manager's hooks; checkpointing's
     # frame holds them from the forward to the backward.
     units = [("a", 0.01, 100 * KB, True), ("b", 0.01, 200 * KB, True), ("c", 0.01, KB, True)]
-    trace = _trace(units)
+    trace = unit_trace(units)
     b = dataclasses.replace(trace.units[1], one_node=True)
     one_node = dataclasses.replace(trace, units=(trace.units[0], b, trace.units[2]))
     checkpointed = with_recompute(trace, ["b"])
@@ -296,23 +242,23 @@ def test_a_recomputed_tensor_is_held_from_the_units_backward_to_its_own_last_use
 def test_a_cheap_selective_option_is_taken_and_whole_where_it_frees_more_at_equal_cost() -> None:
     # a: its non-product ops cost a tenth of its forward, selective frees half: selective.
     # b: its non-product ops cost its whole forward: whole frees twice the bytes for the same.
-    trace = _trace(
+    trace = unit_trace(
         [("a", 0.01, 100 * KB, True, 0.001, 100 * KB), ("b", 0.01, 100 * KB, True, 0.01, 100 * KB)]
     )
-    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("a",), ("a",))
-    trace = _trace([("b", 0.01, 100 * KB, True, 0.01, 100 * KB), ("c", 0.05, 100 * KB, True)])
-    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("b",), ())
+    assert choose_recompute(trace, demand(trace) - 50 * KB) == (("a",), ("a",))
+    trace = unit_trace([("b", 0.01, 100 * KB, True, 0.01, 100 * KB), ("c", 0.05, 100 * KB, True)])
+    assert choose_recompute(trace, demand(trace) - 50 * KB) == (("b",), ())
 
 
 def test_a_unit_unsafe_to_recompute_selectively_is_recomputed_whole_or_not_at_all() -> None:
-    trace = _trace([("a", 0.01, 100 * KB, True, 0.001, 100 * KB), ("c", 0.05, 100 * KB, True)])
+    trace = unit_trace([("a", 0.01, 100 * KB, True, 0.001, 100 * KB), ("c", 0.05, 100 * KB, True)])
     unit = dataclasses.replace(trace.units[0], selective_safe=False, why_not_selective="x")
     trace = dataclasses.replace(trace, units=(unit, trace.units[1]))
-    assert choose_recompute(trace, _demand(trace) - 50 * KB) == (("a",), ())
+    assert choose_recompute(trace, demand(trace) - 50 * KB) == (("a",), ())
 
 
 def test_with_recompute_models_a_selective_unit() -> None:
-    trace = _trace(
+    trace = unit_trace(
         [("a", 0.01, 100 * KB, True, 0.001, 30 * KB), ("b", 0.01, 200 * KB, True, 0.002, 50 * KB)]
     )
     trace = dataclasses.replace(
@@ -334,11 +280,11 @@ def after_units(trace: Trace) -> dict[str, TraceUnit]:
 
 
 def test_trace_units_and_plan_recompute_round_trip_through_json() -> None:
-    trace = _trace([("a", 0.01, 100 * KB, True, 0.001, 10 * KB), ("b", 0.02, 200 * KB, False)])
+    trace = unit_trace([("a", 0.01, 100 * KB, True, 0.001, 10 * KB), ("b", 0.02, 200 * KB, False)])
     trace = dataclasses.replace(trace, recomputed=("a",), selective=("a",))
     assert Trace.from_json(trace.to_json()) == trace
     plan = dataclasses.replace(
-        plan_lgm(trace, _demand(trace) - 50 * KB),
+        plan_lgm(trace, demand(trace) - 50 * KB),
         recompute=("a",),
         selective=("a",),
         predicted_step_s=0.5,
@@ -362,9 +308,9 @@ def _unit_traces(draw: st.DrawFn) -> tuple[Trace, int]:
         if draw(st.booleans()):
             unit = (*unit, draw(st.floats(1e-5, 0.1)), draw(st.integers(1, 300)) * KB)
         units.append(unit)
-    trace = _trace(units, draw(st.integers(0, 100)) * KB)
-    demand = _demand(trace)
-    return trace, int(demand * draw(st.floats(0.2, 1.1)))
+    trace = unit_trace(units, draw(st.integers(0, 100)) * KB)
+    full = demand(trace)
+    return trace, int(full * draw(st.floats(0.2, 1.1)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -390,69 +336,3 @@ def _assert_a_fitting_choice(
         assert floor <= budget
         plan = plan_lgm(after, budget)  # every needed tensor present when used, budget kept
         assert check_plan(plan, after, budget) == []
-
-
-# -- against an exact solver -------------------------------------------------------------------
-
-# A byte moved (out or in) costs half a write and half a read at the planner's default
-# bandwidths: the modelled price of swapping that the exact solver weighs against recomputing.
-SWAP_S_PER_BYTE = (1 / DEFAULT_WRITE_BYTES_PER_S + 1 / DEFAULT_READ_BYTES_PER_S) / 2
-HYBRID_GAP_FACTOR = 2.5  # per case, greedy cost <= exact x this (figures in docs/lgm.md)
-HYBRID_MEAN_GAP_FACTOR = 1.15
-
-
-def _hybrid_cost(trace: Trace, budget: int) -> float:
-    """The modelled cost of what the manager keeps: the cheaper of swap-only and the choice."""
-    costs = []
-    for chosen, selective in {((), ()), choose_recompute(trace, budget)}:
-        after = with_recompute(trace, chosen, selective)
-        spent = sum(
-            u.selective_s if u.name in selective else u.forward_s
-            for u in trace.units
-            if u.name in chosen
-        )
-        costs.append(spent + SWAP_S_PER_BYTE * plan_lgm(after, budget).bytes_moved)
-    return min(costs)
-
-
-def _gap_cases(count: int, seed: int) -> list[tuple[Trace, int]]:
-    rng = np.random.default_rng(seed)
-    cases = []
-    while len(cases) < count:
-        units: list[Unit] = []
-        for i in range(int(rng.integers(1, 5))):
-            unit: Unit = (
-                f"u{i}",
-                float(rng.uniform(1e-5, 2e-3)),
-                int(rng.integers(1, 300)) * KB,
-                bool(rng.random() < 0.8),
-            )
-            if rng.random() < 0.5:  # also selectively: its non-product ops a part of its time
-                unit = (
-                    *unit,
-                    unit[1] * float(rng.uniform(0.05, 1.0)),
-                    int(rng.integers(1, 300)) * KB,
-                )
-            units.append(unit)
-        trace = _trace(units, int(rng.integers(0, 100)) * KB)
-        floor = min_budget(build_lgm(trace, None))[0]
-        demand = _demand(trace)
-        if demand <= floor:
-            continue
-        cases.append((trace, int(floor + rng.uniform(0.0, 0.9) * (demand - floor))))
-    return cases
-
-
-def test_the_hybrid_choice_is_near_the_exact_optimum() -> None:
-    ratios = []
-    for trace, budget in _gap_cases(40, seed=3):
-        exact, _, _ = exact_hybrid_cost(trace, budget, SWAP_S_PER_BYTE)
-        greedy = _hybrid_cost(trace, budget)
-        assert exact <= greedy * (1 + 1e-9), (trace, budget)
-        assert greedy <= HYBRID_GAP_FACTOR * exact, (trace, budget, greedy, exact)
-        ratios.append(greedy / exact if exact else 1.0)
-    assert np.mean(ratios) <= HYBRID_MEAN_GAP_FACTOR
-    print(
-        f"hybrid greedy / exact modelled cost: mean {np.mean(ratios):.4f}, "
-        f"max {max(ratios):.4f}, optimal in {sum(r <= 1 + 1e-9 for r in ratios)}/{len(ratios)}"
-    )
