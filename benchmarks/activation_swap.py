@@ -146,6 +146,9 @@ class Variant:
     dispatch_peak: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     micro: int = 1  # micro-batches with gradient accumulation (a baseline)
+    # Unit name -> (forward alone, selective cost), from the first profile that measured them
+    # (a hybrid's later trials profile again, without the units).
+    units: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class HeapReads:
@@ -413,6 +416,9 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
         profiled = False
         if v.manager is not None:
             v.reports.append(v.manager.report())
+            trace = v.manager.trace
+            if not v.units and trace is not None and trace.units:
+                v.units = {u.name: (u.forward_s, u.selective_s) for u in trace.units}
             # A hybrid's trial round is profiled too; its race rounds alternate two plans.
             profiled = v.reports[-1].plan_source in ("profiled", "raced")
         if r > 0 and not profiled:
@@ -462,11 +468,10 @@ def _after_rounds(
             if hit:
                 v.extra["cache_entry_bytes"] = cache.path_for(key).stat().st_size
         v.extra["recomputed_modules"] = len(v.reports[-1].recomputed) if v.reports else 0
-        if v.manager.trace is not None and v.reports:
-            units = {u.name: (u.forward_s, u.selective_s) for u in v.manager.trace.units}
+        if v.reports:
             last = v.reports[-1]
             v.extra["recomputed_s"] = recomputed_seconds(
-                units, list(last.recomputed), list(last.selective)
+                v.units, list(last.recomputed), list(last.selective)
             )
         if v.manager.trace is not None:
             v.extra["trace_steps"] = len(v.manager.trace.steps)

@@ -31,10 +31,16 @@ import matplotlib.pyplot as plt  # after choosing the backend
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
-    """The result rows (not the environment record) of a JSON-lines file."""
+    """The result rows (not the environment record) of a JSON-lines file; a variant that ended
+    in an error is left out, even where it had timed steps before it (a hybrid trying candidates
+    below its floor)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if "variant" in r and r.get("vs_unmanaged") is not None]
+    return [
+        r
+        for r in rows
+        if "variant" in r and r.get("vs_unmanaged") is not None and not r.get("error")
+    ]
 
 
 Point = tuple[float, float]  # (peak / unmanaged peak, step / unmanaged step)

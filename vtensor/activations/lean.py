@@ -28,7 +28,7 @@ replay waits for the writes only where those in flight hold more than that step'
 step then stays within the plan's budget, with the guard's reserve to spare, as a full replay's
 guard would keep it. Waiting at every boundary, lean replays stalled where full replays did
 not (a full replay's guard waits only once the headroom is gone); with this rule MobileNetV2's
-lean replays at 80-50 % stall 0.000 s (benchmarks/README.md, 2026-12-02). Waiting nowhere, the
+lean replays at 80-50 % stall 0.000 s (benchmarks/HISTORY.md, 2026-12-02). Waiting nowhere, the
 main job's two clients sharing two cores, whose writes fell behind compute, went up to 70 %
 over budget in lean replays. A full replay waits by the same rule: its guard sees the writes
 in flight, but keeps only the headroom of the point it acts at (NOTE [step reserve]), while

@@ -76,7 +76,7 @@ class ReactivePolicy:
         the guard's watermark sat below the plan's own peak: the hybrid plan could not be made
         under it, filled the whole budget, and every replay's guard evicted what the plan did
         not, so no replay of it went lean (MobileNetV2 at 50 %: 71 MiB moved a step by the
-        19-module plan, 34 MiB after; benchmarks/README.md).
+        19-module plan, 34 MiB after; benchmarks/HISTORY.md, 2026-12-02).
         """
         self.plan_reserve_bytes = max(self.plan_reserve_bytes, nbytes - recomputed_bytes)
         if not self.early_eviction:

@@ -15,20 +15,20 @@ replays are lean (NOTE [lean replay]), as the kept plan's are from then on, and 
 replays' times no longer count: timed in full replays only, the candidates paid for a heap
 reading at every hook point, whose number (and cost, which grows with the process's heap)
 differs from plan to plan, and the race kept plans whose lean replays were slower
-(benchmarks/README.md). For the same reason a candidate whose full replay needed the guard is
-made again under the guard's margin (NOTE [guard margin] in ``activations/margin.py``), as a
-kept plan would be, and races from then on in that form, its times so far dropped: raced as
-first planned, a swap-only plan whose first replay needed the guard was timed only in full
-replays and lost to hybrid plans whose replays, as kept, were slower than its own
-(MobileNetV2, benchmarks/README.md). Every replay is a real training iteration under the
-budget: the race costs nothing but the slower candidates' extra time, a few iterations once
-per model, input signature and budget.
+(benchmarks/HISTORY.md, 2026-12-02). For the same reason a candidate whose full replay needed the
+guard is made again under the guard's margin (NOTE [guard margin] in ``activations/margin.py``), as
+a kept plan would be, and races from then on in that form, its times so far dropped: raced as first
+planned, a swap-only plan whose first replay needed the guard was timed only in full replays and
+lost to hybrid plans whose replays, as kept, were slower than its own (MobileNetV2,
+benchmarks/HISTORY.md, 2026-12-02). Every replay is a real training iteration under the budget: the
+race costs nothing but the slower candidates' extra time, a few iterations once per model, input
+signature and budget.
 
 NOTE [close race]
 ``ROUNDS`` replays leave a candidate that goes lean one replay in its final form, and one
 replay of a plan on a shared 2-vCPU machine varies by several percent: decided on one lean
 replay each, the race kept a plan 11 % slower than the swap-only one it raced (MobileNetV2
-at 50 %, benchmarks/README.md). So once every candidate has its ``ROUNDS``, those whose
+at 50 %, benchmarks/HISTORY.md, 2026-12-02). So once every candidate has its ``ROUNDS``, those whose
 median lies within ``CLOSE`` of the leader's (the leader among them) are replayed again, in
 turn, up to ``MAX_ROUNDS`` replays each, and the least median then wins. The extra replays
 cost little: the candidates that get them are the ones no slower than the leader by more

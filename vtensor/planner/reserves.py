@@ -24,8 +24,8 @@ step's start, which its full replay kept without needing the guard (NOTE [lean r
 joint plan with parameter offloading and a replay that has left its plan keep the largest rise
 everywhere. Every plan keeps the headroom per point: MobileNetV2's swap plan at 40 % of its
 peak, made under the largest rise, then replays lean (44 heap readings a step instead of 1055;
-benchmarks/README.md, ``activation_swap``). What once broke the budget with it, beside a busy
-loop, was no rise but a plan's restores landing on a step the heap's noise had filled (NOTE
+benchmarks/HISTORY.md, ``activation_swap``, 2026-12-03). What once broke the budget with it, beside
+a busy loop, was no rise but a plan's restores landing on a step the heap's noise had filled (NOTE
 [room for restores] in ``activations/executor.py``).
 
 NOTE [gross rise]
