@@ -291,6 +291,7 @@ class PlanBook:
         min_budget_bytes: int = 0,
         wall_s: float = 0.0,
         guard_bytes: int = 0,
+        state_to_come_bytes: int = 0,
     ) -> PlanSource:
         """Learn from a finished iteration; returns the source to report for it.
 
@@ -299,7 +300,8 @@ class PlanBook:
         ``min_budget_bytes``, the profiled iteration's stated minimum, too, for lean replays.
         ``wall_s`` is the iteration's wall time, which races candidate plans (NOTE [plan race]);
         ``guard_bytes`` what the guard evicted beyond the plan: a full replay that needed none
-        lets the next replays go lean (NOTE [lean replay]).
+        lets the next replays go lean (NOTE [lean replay]); ``state_to_come_bytes`` the
+        optimizer state its update makes, which the later iterations hold (NOTE [state to come]).
         """
         if chosen.key is not None:
             self._keys[chosen.signature] = chosen.key
@@ -323,6 +325,7 @@ class PlanBook:
             # Not a steady-state iteration (it created optimizer state): profile the next one.
             return chosen.source
         if chosen.source is PlanSource.PROFILED and trace is not None:
+            trace = trace.holding(state_to_come_bytes)  # NOTE [state to come]
             begin = time.perf_counter()
             plan = self._choose(chosen, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin

@@ -340,6 +340,7 @@ class MemoryManager:
             iteration.books.min_budget_bytes + pending_state_bytes,
             time.perf_counter() - started,
             self._guard_bytes(chosen, before),
+            pending_state_bytes,
         )
         report = iteration_report(
             len(self._reports),
