@@ -96,6 +96,25 @@ def test_plan_lgm_infeasible_budget_names_the_minimum_that_works(trace: Trace) -
 
 
 @settings(max_examples=100, deadline=None)
+@given(traces(), st.integers(1, 4000))
+def test_a_trace_holding_more_state_is_planned_as_if_the_budget_were_that_much_less(
+    trace: Trace, state_bytes: int
+) -> None:
+    # NOTE [state to come]: the optimizer state a first update makes, held at every step.
+    held = trace.holding(state_bytes)
+    assert trace.holding(0) is trace
+    assert held.tensors == trace.tensors and held.units == trace.units
+    assert held.baseline_bytes == trace.baseline_bytes + state_bytes
+    floor = min_budget(build_lgm(trace, trace.chunk_bytes))[0]
+    assert min_budget(build_lgm(held, held.chunk_bytes))[0] == floor + state_bytes
+    budget = budget_between(trace, 0.5)
+    plan, shifted = plan_lgm(held, budget + state_bytes), plan_lgm(trace, budget)
+    assert plan.moves == shifted.moves
+    assert plan.predicted_peak_bytes == shifted.predicted_peak_bytes + state_bytes
+    assert Trace.from_json(held.to_json()) == held
+
+
+@settings(max_examples=100, deadline=None)
 @given(traces())
 def test_plan_lgm_tensor_granularity_moves_whole_tensors(trace: Trace) -> None:
     plan = plan_lgm(trace, budget_between(trace, 0.3), chunk_bytes=None)
