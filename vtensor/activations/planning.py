@@ -381,8 +381,11 @@ class PlanBook:
         self._candidates[signature] += unencoded
         if trace.units:
             # Judged at the budget the plans are made at: the guard's watermark where the
-            # swap-only plan fits under it, else the whole budget (NOTE [plan within the guard]).
-            judged = plan.budget_bytes if plan is not None else self.budget_bytes
+            # swap-only plan fits under it, else the whole budget (NOTE [plan within the guard]),
+            # never above it (NOTE [floor over the budget] in ``activations/guarded_plan.py``).
+            judged = (
+                self.budget_bytes if plan is None else min(plan.budget_bytes, self.budget_bytes)
+            )
             candidates = recompute_candidates(trace, judged)
             if candidates:
                 growth = unit_regrowth(trace)

@@ -55,6 +55,7 @@ def plan_lgm(
     chunk_bytes: int | Literal[TraceDefault.TRACE] | None = FROM_TRACE,
     write_bytes_per_s: float = DEFAULT_WRITE_BYTES_PER_S,
     read_bytes_per_s: float = DEFAULT_READ_BYTES_PER_S,
+    floors_over: bool = False,
 ) -> Plan:
     """Plan which chunks leave and return at which step so that ``trace`` fits ``budget_bytes``.
 
@@ -67,12 +68,16 @@ def plan_lgm(
         chunk_bytes: unit of eviction; None for whole tensors; default: the trace's.
         write_bytes_per_s: swap-out bandwidth of the slower tier.
         read_bytes_per_s: swap-in bandwidth of the slower tier.
+        floors_over: a step whose floor lies above ``budget_bytes`` is planned at its floor
+            (everything evictable away there), the others at the budget, and the plan's
+            ``budget_bytes`` is the highest of those (NOTE [floor over the budget]).
 
     Returns:
         The plan, with its predicted peak and stall.
 
     Raises:
-        InfeasibleBudgetError: even with every evictable byte away some step exceeds the budget.
+        InfeasibleBudgetError: even with every evictable byte away some step exceeds the budget
+            (never with ``floors_over``).
         ValueError: the trace is inconsistent or a parameter is not positive.
     """
     if budget_bytes < 0:
@@ -80,14 +85,21 @@ def plan_lgm(
     chunk = trace.chunk_bytes if chunk_bytes is FROM_TRACE else chunk_bytes
     lgm = build_lgm(trace, chunk, write_bytes_per_s, read_bytes_per_s)
     floor, step = min_budget(lgm)
-    if budget_bytes < floor:
+    if budget_bytes < floor and not floors_over:
         name = trace.steps[step].name
         raise InfeasibleBudgetError(budget_bytes, floor, name, "planning on the trace")
+    # Per step, the bytes not to exceed: the budget, or a floor above it (``floors_over``).
+    caps = (
+        np.maximum(lgm.floors(), budget_bytes)
+        if floors_over
+        else np.full(lgm.n_steps, budget_bytes)
+    )
+    budget_bytes = int(caps.max(initial=budget_bytes))
     resident = lgm.full_resident()
-    windows = _evict_farthest(lgm, resident, budget_bytes)
-    windows = _trim_overshoot(lgm, windows, resident, budget_bytes)
+    windows = _evict_farthest(lgm, resident, caps)
+    windows = _trim_overshoot(lgm, windows, resident, caps)
     windows = _close_cycles(lgm, windows, resident)
-    _schedule_prefetches(lgm, windows, resident, budget_bytes)
+    _schedule_prefetches(lgm, windows, resident, caps)
     moves = sorted(
         (TensorMove(w.vid, w.nbytes, w.first, w.stop) for w in windows),
         key=lambda m: (m.evict_step, m.vid),
@@ -106,8 +118,8 @@ def plan_lgm(
     return plan
 
 
-def _evict_farthest(lgm: LayeredGraph, resident: Bytes, budget_bytes: int) -> list[_Window]:
-    """Walk the layers; at each over budget, evict exactly the deficit, farthest next use first.
+def _evict_farthest(lgm: LayeredGraph, resident: Bytes, caps: Bytes) -> list[_Window]:
+    """Walk the layers; at each over its cap, evict exactly the deficit, farthest next use first.
 
     Each victim's bytes stay away for the whole gap between its uses that holds the layer
     (they are brought back at its next use; ``_schedule_prefetches`` moves that earlier).
@@ -121,7 +133,7 @@ def _evict_farthest(lgm: LayeredGraph, resident: Bytes, budget_bytes: int) -> li
     never = lgm.n_steps  # sorts after every real use
     for s in range(lgm.n_steps):
         active += starting.get(s, [])
-        deficit = int(resident[s]) - budget_bytes
+        deficit = int(resident[s] - caps[s])
         if deficit <= 0:
             continue
         active = [t for t in active if last_live_step(t, lgm.n_steps) >= s]
@@ -222,7 +234,7 @@ def _chunks_for(lgm: LayeredGraph, t: TraceTensor, nbytes: int) -> int:
 
 
 def _trim_overshoot(
-    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, budget_bytes: int
+    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, caps: Bytes
 ) -> list[_Window]:
     """Bring back whole chunks that no layer of their window needs away any more.
 
@@ -230,7 +242,7 @@ def _trim_overshoot(
     overshoot their deficit. Largest first; windows left empty are dropped.
     """
     for w in sorted(windows, key=lambda w: (-w.nbytes, w.vid, w.first)):
-        slack = budget_bytes - int(resident[w.first : w.stop].max())
+        slack = int((caps[w.first : w.stop] - resident[w.first : w.stop]).min())
         t = lgm.trace.tensors[w.vid]
         k = _chunks_for(lgm, t, w.nbytes - slack)
         if k < w.n_chunks:
@@ -272,7 +284,7 @@ def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) ->
 
 
 def _schedule_prefetches(
-    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, budget_bytes: int
+    lgm: LayeredGraph, windows: list[_Window], resident: Bytes, caps: Bytes
 ) -> None:
     """Issue each restore as early as memory allows, scanning back from its use.
 
@@ -282,7 +294,7 @@ def _schedule_prefetches(
     for w in windows:
         if w.stop >= lgm.n_steps:
             continue
-        fits = resident[w.first + 1 : w.stop] + w.nbytes <= budget_bytes
+        fits = resident[w.first + 1 : w.stop] + w.nbytes <= caps[w.first + 1 : w.stop]
         blocked = np.flatnonzero(~fits)
         start = w.first + 1 + (int(blocked[-1]) + 1 if blocked.size else 0)
         resident[start : w.stop] += w.nbytes

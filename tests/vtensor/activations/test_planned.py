@@ -279,3 +279,43 @@ def test_a_full_replay_makes_room_for_each_restore_of_its_plan_before_it_starts(
     assert restores, full
     assert all(i > 0 and full[i - 1] == ("room", full[i][1]) for i in restores), full
     assert events and all(what == "restore" for what, _ in events), events  # lean: no room
+
+
+def test_a_trace_whose_floor_is_over_a_budget_the_run_meets_is_planned_at_that_floor(tmp_path):
+    # NOTE [floor over the budget]: the LSTM's trace puts its floor at its forward (its saved
+    # workspace with the step's largest unmanaged bytes), about twice what the iteration
+    # states; between the two, the manager ran reactively where it now replays a plan.
+    from benchmarks.zoo import ZOO
+    from vtensor.planner.lgm import build_lgm, min_budget
+
+    entry, chunk = ZOO["lstm"], 64 * 1024
+
+    def train(mm: vtensor.MemoryManager | None, steps: int) -> list[list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = entry.build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        grads = []
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with mm.step(model, opt) if mm is not None else torch.enable_grad():
+                inputs, targets = entry.make_batch(entry.batch_size, seed=step)
+                entry.loss(model(inputs), targets).backward()
+            grads.append(_grads(model))
+            opt.step()
+        return grads
+
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path, chunk_bytes=chunk) as probe:
+        train(probe, 2)  # the second iteration holds the momentum
+        assert probe.trace is not None
+        floor = min_budget(build_lgm(probe.trace, chunk))[0]
+        stated = probe.report().min_budget_bytes
+    assert stated < floor, "the trace's floor is no longer over the stated minimum"
+    budget = (stated + floor) // 2
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, chunk_bytes=chunk) as mm:
+        grads = train(mm, 4)
+    plan = mm.plan_for(entry.build())
+    assert [r.plan_source.value for r in mm.reports[1:]] == ["planned"] * 3
+    assert plan is not None and plan.budget_bytes > budget  # at the floor where it is over
+    assert all(r.peak_device_bytes <= budget + chunk for r in mm.reports)
+    for want, got in zip(train(None, 4), grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

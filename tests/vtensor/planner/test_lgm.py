@@ -95,6 +95,23 @@ def test_plan_lgm_infeasible_budget_names_the_minimum_that_works(trace: Trace) -
     assert check_plan(plan, trace, floor) == []
 
 
+@settings(max_examples=200, deadline=None)
+@given(traces(), st.floats(0.0, 1.0))
+def test_plan_lgm_plans_a_step_whose_floor_is_over_the_budget_at_its_floor(
+    trace: Trace, fraction: float
+) -> None:
+    # NOTE [floor over the budget]: each step at the budget, or at its floor where that is more.
+    lgm = build_lgm(trace, trace.chunk_bytes)
+    floors, floor = lgm.floors(), min_budget(lgm)[0]
+    budget = int(floor * fraction)
+    plan = plan_lgm(trace, budget, floors_over=True)
+    assert plan.budget_bytes == max(budget, floor)
+    assert check_plan(plan, trace, plan.budget_bytes) == []
+    for resident, step_floor in zip(simulate(plan, trace), floors, strict=True):
+        assert resident <= max(budget, int(step_floor))
+    assert plan_lgm(trace, floor, floors_over=True) == plan_lgm(trace, floor)
+
+
 @settings(max_examples=100, deadline=None)
 @given(traces(), st.integers(1, 4000))
 def test_a_trace_holding_more_state_is_planned_as_if_the_budget_were_that_much_less(
