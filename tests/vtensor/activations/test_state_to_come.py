@@ -64,8 +64,9 @@ def _floor_and_peak(tmp_path: Path) -> tuple[int, int, int]:
 def test_the_first_plan_needs_no_guard_once_the_state_is_there(tmp_path: Path) -> None:
     # Planned as the first iteration ran, the plan was short of the momentum: its first replay
     # needed the guard, and the plan went lean only after being made again under a margin (on
-    # the char GPT at half its peak it never did, and ran 1.28x the unmanaged step, 1.07x
-    # planned with the state). Planned with it, the first replay needs no guard.
+    # the char GPT at half its peak, whose plan fills the budget, the guard evicted at every
+    # replay: 1.28x the unmanaged step, 1.07x planned with the state). Planned with it, the
+    # first replay needs no guard.
     floor, peak, state_bytes = _floor_and_peak(tmp_path)
     budget = floor + state_bytes + (peak - floor) * 3 // 10
     with vtensor.MemoryManager(budget, storage_dir=tmp_path, chunk_bytes=CHUNK) as mm:
