@@ -240,10 +240,8 @@ class PlanBook:
             return True
         if not self.abandon_trial(chosen):
             return False
-        logger.warning(
-            "recomputing %d modules broke the budget: that candidate is dropped",
-            len(chosen.recompute),
-        )
+        n = len(chosen.recompute)
+        logger.warning("recomputing %d modules broke the budget: that candidate is dropped", n)
         return True
 
     def _plan_with_margin(self, chosen: IterationPlan, plan: Plan, guard_bytes: int) -> None:
@@ -300,8 +298,8 @@ class PlanBook:
         ``min_budget_bytes``, the profiled iteration's stated minimum, too, for lean replays.
         ``wall_s`` is the iteration's wall time, which races candidate plans (NOTE [plan race]);
         ``guard_bytes`` what the guard evicted beyond the plan: a full replay that needed none
-        lets the next replays go lean (NOTE [lean replay]); ``state_to_come_bytes`` the
-        optimizer state its update makes, which the later iterations hold (NOTE [state to come]).
+        lets the next replays go lean (NOTE [lean replay]); ``state_to_come_bytes`` the state
+        its update makes, held by later iterations (NOTE [state to come]).
         """
         if chosen.key is not None:
             self._keys[chosen.signature] = chosen.key
@@ -380,13 +378,10 @@ class PlanBook:
         self._candidates[signature] = [] if plan is None else [(plan, profile)]
         self._candidates[signature] += unencoded
         if trace.units:
-            # Judged at the budget the plans are made at: the guard's watermark where the
-            # swap-only plan fits under it, else the whole budget (NOTE [plan within the guard]),
-            # never above it (NOTE [floor over the budget] in ``activations/guarded_plan.py``).
-            judged = (
-                self.budget_bytes if plan is None else min(plan.budget_bytes, self.budget_bytes)
-            )
-            candidates = recompute_candidates(trace, judged)
+            # Judged where the plans are made: the guard's watermark where the swap-only plan fits
+            # under it, else the budget (NOTE [plan within the guard], [floor over the budget]).
+            made_at = self.budget_bytes if plan is None else plan.budget_bytes
+            candidates = recompute_candidates(trace, min(made_at, self.budget_bytes))
             if candidates:
                 growth = unit_regrowth(trace)
                 whole = tuple(u.name for u in trace.units if through_one_node(u))
