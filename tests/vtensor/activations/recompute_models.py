@@ -138,9 +138,11 @@ def train(model: nn.Module, manager: vtensor.MemoryManager | None) -> list[list[
     return grads
 
 
-def managed_steps(mm: vtensor.MemoryManager, model: nn.Module, count: int) -> None:
-    """``count`` plain SGD steps of ``model`` under ``mm``, on ``batch(step)``."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def managed_steps(
+    mm: vtensor.MemoryManager, model: nn.Module, count: int, momentum: float = 0.0
+) -> None:
+    """``count`` SGD steps of ``model`` under ``mm``, on ``batch(step)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
     for step in range(count):
         x, y = batch(step)
         opt.zero_grad(set_to_none=True)

@@ -4,9 +4,7 @@
 from pathlib import Path
 
 import pytest
-import torch
-from recompute_models import Block, batch, model_with
-from torch import nn
+from recompute_models import Block, managed_steps, model_with
 
 import vtensor
 from vtensor.planner.lgm import build_lgm, min_budget
@@ -16,14 +14,7 @@ CHUNK = 64 * 1024
 
 def _momentum_steps(mm: vtensor.MemoryManager, count: int) -> None:
     """``count`` steps of the recomputation tests' blocks with SGD and momentum under ``mm``."""
-    model = model_with(Block)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for step in range(count):
-        x, y = batch(step)
-        opt.zero_grad(set_to_none=True)
-        with mm.step(model, opt, inputs=(x, y)):
-            nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    managed_steps(mm, model_with(Block), count, momentum=0.9)
 
 
 def test_the_first_iteration_is_planned_with_the_optimizer_state_its_update_makes(
