@@ -8,8 +8,8 @@ from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.memory_model import step_headroom, watched_events, watched_steps
 from vtensor.planner.plan import Plan
-from vtensor.planner.reserves import step_reserves
-from vtensor.planner.trace import Trace
+from vtensor.planner.reserves import planned_headroom, step_reserves
+from vtensor.planner.trace import TensorKind, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,13 @@ def plan_within_guard(
     None if there is none. ``min_budget_bytes`` (the profiled iteration's stated minimum) and
     ``reserve_bytes`` travel with the plan.
 
-    NOTE [plan within the guard]: the plan leaves the guard ``reserve_bytes`` (the largest
-    growth between two hook points) free, so that the guard moves no bytes of its own and the
-    bytes an iteration moves are the plan's. Where that is infeasible the plan fills the whole
-    budget and the guard keeps its headroom as it can. ``margin_bytes`` more are left free
-    first where a replay showed the guard still had to act (NOTE [guard margin]).
+    NOTE [plan within the guard]: the plan leaves the guard its headroom free (its one chunk
+    where the guard keeps each point's own rise; ``reserve_bytes``, the largest growth between
+    two hook points, where it keeps that everywhere: NOTE [planned headroom] in
+    ``planner/reserves.py``), so that the guard moves no bytes of its own and the bytes an
+    iteration moves are the plan's. Where that is infeasible the plan fills the whole budget and
+    the guard keeps its headroom as it can. ``margin_bytes`` more are left free first where a
+    replay showed the guard still had to act (NOTE [guard margin]).
 
     NOTE [floor over the budget]
     The trace's floor of a step (its largest unmanaged bytes, plus every tensor the step uses)
@@ -44,7 +46,9 @@ def plan_within_guard(
     instead, the manager ran reactively at 1.48x the unmanaged step.
     """
     plan: Plan | None = None
-    under_guard = max(0, budget_bytes - reserve_bytes)
+    joint = any(t.kind is not TensorKind.ACTIVATION for t in trace.tensors)
+    reserves = () if joint else step_reserves(trace)
+    under_guard = max(0, budget_bytes - planned_headroom(reserves, reserve_bytes, chunk_bytes))
     margined = max(0, under_guard - margin_bytes)
     for planned_bytes in dict.fromkeys((margined, under_guard, budget_bytes)):
         try:

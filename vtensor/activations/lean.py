@@ -23,10 +23,10 @@ No guard reads the bytes between a lean replay's boundaries, so the boundaries a
 compute from running ahead of the writes: an eviction's bytes count as gone from its step on
 (NOTE [eviction timing]), and a write still in flight holds them. The plan knows, per step, how
 far under its budget it predicts the step (``Plan.step_headroom_bytes``), and its budget is
-itself the guard's reserve under the manager's (``replays_lean``). So as a step begins, a lean
+itself the guard's headroom under the manager's (``replays_lean``). So as a step begins, a lean
 replay waits for the writes only where those in flight hold more than that step's headroom: the
-step then stays within the plan's budget, with the guard's reserve to spare, as a full replay's
-guard would keep it. Waiting at every boundary, lean replays stalled where full replays did
+step then stays within the plan's budget, with the guard's headroom to spare, as a full
+replay's guard would keep it. Waiting at every boundary, lean replays stalled where full replays did
 not (a full replay's guard waits only once the headroom is gone); with this rule MobileNetV2's
 lean replays at 80-50 % stall 0.000 s (benchmarks/HISTORY.md, 2026-12-02). Waiting nowhere, the
 main job's two clients sharing two cores, whose writes fell behind compute, went up to 70 %
@@ -66,6 +66,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.store import ChunkStore
 from vtensor.planner.plan import Plan
+from vtensor.planner.reserves import planned_headroom
 
 
 class Passing:
@@ -146,17 +147,27 @@ def replays_lean(
 ) -> bool:
     """Whether an iteration replays ``executor``'s plan lean (``asked``: its plan book allows).
 
-    Only a plan that leaves the guard its headroom under ``budget_bytes`` (NOTE [plan within
-    the guard] in ``activations/planning.py``): where the plan fills the whole budget, the guard
-    acts between boundaries as well. Or a plan that moves nothing and whose guard kept each
-    point's own headroom (NOTE [step reserve] in ``planner/reserves.py``): a full replay of it
-    that needed no guard (``asked``) is the same computation as its lean replays, and the guard
-    would have nothing to move. Never under a joint plan with parameter offloading, with op
-    workspaces counted, or while profiling: those read the tracked bytes at every point.
+    Only a plan that leaves the guard its headroom under ``budget_bytes`` (``leaves_headroom``):
+    where the plan fills the whole budget, the guard acts between boundaries as well. Or a plan
+    that moves nothing and whose guard kept each point's own headroom (NOTE [step reserve] in
+    ``planner/reserves.py``): a full replay of it that needed no guard (``asked``) is the same
+    computation as its lean replays, and the guard would have nothing to move. Never under a
+    joint plan with parameter offloading, with op workspaces counted, or while profiling: those
+    read the tracked bytes at every point.
     """
     if not asked or executor is None or joint or count_workspaces or record_trace:
         return False
     plan = executor.plan
     if not plan.moves and plan.step_reserve_bytes:
         return plan.budget_bytes <= budget_bytes
-    return plan.budget_bytes + plan.reserve_bytes <= budget_bytes
+    return leaves_headroom(plan, budget_bytes)
+
+
+def leaves_headroom(plan: Plan, budget_bytes: int) -> bool:
+    """Whether ``plan`` leaves the guard its headroom under ``budget_bytes``.
+
+    NOTE [plan within the guard] in ``activations/guarded_plan.py``, NOTE [planned headroom] in
+    ``planner/reserves.py``.
+    """
+    headroom = planned_headroom(plan.step_reserve_bytes, plan.reserve_bytes, plan.chunk_bytes)
+    return plan.budget_bytes + headroom <= budget_bytes

@@ -378,10 +378,10 @@ class PlanBook:
         self._candidates[signature] = [] if plan is None else [(plan, profile)]
         self._candidates[signature] += unencoded
         if trace.units:
-            # Judged where the plans are made: the guard's watermark where the swap-only plan fits
-            # under it, else the budget (NOTE [plan within the guard], [floor over the budget]).
-            made_at = self.budget_bytes if plan is None else plan.budget_bytes
-            candidates = recompute_candidates(trace, min(made_at, self.budget_bytes))
+            # Judged where a trial runs them: under the reactive guard's reserve where the swap
+            # plan leaves the guard headroom, else at the budget (NOTE [plan within the guard]).
+            reserve = plan.reserve_bytes if plan and plan.budget_bytes < self.budget_bytes else 0
+            candidates = recompute_candidates(trace, max(0, self.budget_bytes - reserve))
             if candidates:
                 growth = unit_regrowth(trace)
                 whole = tuple(u.name for u in trace.units if through_one_node(u))

@@ -4,6 +4,7 @@ import logging
 
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.planner.plan import Plan
+from vtensor.planner.reserves import GUARD_MIN_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,12 @@ class ReactivePolicy:
         self.store = store
         self.budget_bytes = budget_bytes
         self.reserve_bytes = 0
-        # The largest growth outside recomputations: the headroom a plan leaves the guard
-        # (NOTE [recomputed growth]).
+        # The largest growth outside recomputations: the headroom a plan leaves a guard that
+        # keeps it everywhere (NOTE [recomputed growth], NOTE [planned headroom]).
         self.plan_reserve_bytes = 0
         self.transient_bytes = 0  # the largest workspace seen inside one op (profiling)
-        self.guard_bytes = store.chunk_bytes or 64 * 1024  # headroom kept while replaying a plan
+        # Headroom kept while replaying a plan (NOTE [planned headroom] in planner/reserves.py).
+        self.guard_bytes = store.chunk_bytes or GUARD_MIN_BYTES
         self.prefetch_depth = prefetch_depth
         # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
         self.early_eviction = True
