@@ -169,5 +169,6 @@ def leaves_headroom(plan: Plan, budget_bytes: int) -> bool:
     NOTE [plan within the guard] in ``activations/guarded_plan.py``, NOTE [planned headroom] in
     ``planner/reserves.py``.
     """
-    headroom = planned_headroom(plan.step_reserve_bytes, plan.reserve_bytes, plan.chunk_bytes)
+    reserves = () if plan.tensor_names else plan.step_reserve_bytes  # joint: the one reserve
+    headroom = planned_headroom(reserves, plan.reserve_bytes, plan.chunk_bytes)
     return plan.budget_bytes + headroom <= budget_bytes

@@ -160,6 +160,9 @@ def test_a_plan_leaves_the_guard_its_chunk_where_the_guard_keeps_each_points_ris
         filled = plan_within_guard(other, budget, chunk, 40 * KIB, 0)
         assert filled is not None and filled.budget_bytes == budget
         assert not leaves_headroom(filled, budget)
+        under = dataclasses.replace(filled, budget_bytes=budget - 40 * KIB + 1)
+        assert not leaves_headroom(under, budget)  # a chunk is not the one reserve
+        assert leaves_headroom(dataclasses.replace(under, budget_bytes=budget - 40 * KIB), budget)
 
 
 def test_the_guard_keeps_what_followed_each_hook_event_while_the_plan_is_followed(
