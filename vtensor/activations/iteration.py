@@ -18,6 +18,7 @@ from vtensor.activations.rebuild import Boundaries
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
+from vtensor.measure.clock import device_now
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
 
@@ -241,9 +242,8 @@ class Iteration:
         self.step_index += 1
         epoch = self.store.memory_epoch
         live = self.live_bytes()
-        self._open = OpenStep(
-            self.step_index, name, time.perf_counter(), live, live, copy.copy(self.store.stats)
-        )
+        now = device_now(self.device) if self.record_trace else time.perf_counter()
+        self._open = OpenStep(self.step_index, name, now, live, live, copy.copy(self.store.stats))
         if self.rss is not None:
             self.rss.reset_peak()
             self._open.rss_start = self.rss.current_rss_bytes()
@@ -300,12 +300,12 @@ class Iteration:
         budget breaks it like any other sample; its floor is judged against what was evictable
         at the previous hook point, which is what could have made room.
         """
+        self.store.collect()  # frees deferred on autograd's device thread (CUDA)
         self._next_event()
         live = self.live_bytes()
         self._sample(live)
         self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
-        # The budget breaks here as at any sample (more than one chunk over, ``_sample``): the
-        # policy had no chance to act since the last hook point.
+        # The budget breaks here as at any sample (``_sample``): the policy could not act.
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
         self.meter.note(live)
 

@@ -10,9 +10,10 @@ from vtensor.measure.trackers import DeviceTracker
 class LiveBytes:
     """Reads the tracked bytes of one iteration and the growth between two readings.
 
-    On CUDA the allocator counts every tensor; on CPU the heap counter is process-wide, so the
-    growth since entry is counted on top of ``baseline_bytes``, the tensors known to exist at
-    entry.
+    The counters are process-wide (the heap counter on CPU; on CUDA the allocator's count of
+    every tensor on the device: other models, other managers' steps, cuBLAS's workspaces), so
+    the growth since entry is counted on top of ``baseline_bytes``, the tensors known to exist
+    at entry: the budget means the same on both devices.
     """
 
     def __init__(
@@ -27,7 +28,6 @@ class LiveBytes:
         self.store = store
         self.baseline_bytes = baseline_bytes
         self.params = params
-        self._absolute = device.type == "cuda"
         self._entry_counter = tracker.current_bytes()
         self._entry_released = store.released_bytes
         self._last_live = 0
@@ -40,8 +40,6 @@ class LiveBytes:
     def read(self) -> int:
         """Tracked device bytes now."""
         now = self.tracker.current_bytes()
-        if self._absolute:
-            return now
         # Pages released in place are still allocated for the heap counter (NOTE [release in
         # place] in io/pages.py). Frees of memory allocated before the step (a previous loss,
         # say) lower the counter below its entry value; never report less than nothing.

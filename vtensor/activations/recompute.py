@@ -41,6 +41,7 @@ class RecomputeTarget(Protocol):
     """What is told that a forward is being run again (the iteration)."""
 
     recomputing: int
+    device: torch.device  # whose work a profile's clock waits for (``device_now``)
 
 
 class RecomputeHost(RecomputeTarget, RebuildHost, Protocol):

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vtensor.activations.recompute import RecomputeTarget
 from vtensor.activations.selective import is_product
 from vtensor.activations.store import VTensor
+from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
 from vtensor.planner.trace import TraceUnit
 
@@ -149,9 +150,9 @@ def profile_selective(
     args, kwargs = call
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never)
     with replaying(module, start, target), torch.enable_grad(), hooks, recorder:
-        began = time.perf_counter()
+        began = device_now(target.device)
         again = tensors_in(module.forward(*args, **kwargs))
-        wall_s = time.perf_counter() - began
+        wall_s = device_now(target.device) - began
     outputs = {t.untyped_storage()._cdata for t in again}
     known = {r.storage._cdata: v for v, r in records.items() if r.storage is not None}
     mapped = {c: known[c] for c in saved if c in known}  # the same storage: an input

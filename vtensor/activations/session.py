@@ -3,7 +3,6 @@
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from os import PathLike
@@ -26,6 +25,7 @@ from vtensor.activations.wiring import instrumented
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import engine_for
+from vtensor.measure.clock import device_now
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, make_device_tracker, quiet_heap
@@ -303,7 +303,7 @@ class MemoryManager:
             if joint is not None:
                 stack.enter_context(joint.connected_to(iteration))
             stack.enter_context(instrumented(model, scan, iteration, chosen))
-            started = time.perf_counter()
+            started = device_now(device)
             stats_before = StoreCounters.of(store)
             self._active = True
             stack.callback(setattr, self, "_active", False)
@@ -338,7 +338,7 @@ class MemoryManager:
             trace,
             self._policy.plan_reserve_bytes,
             iteration.books.min_budget_bytes + pending_state_bytes,
-            time.perf_counter() - started,
+            device_now(device) - started,
             self._guard_bytes(chosen, before),
             pending_state_bytes,
         )

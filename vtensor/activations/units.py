@@ -63,6 +63,7 @@ from vtensor.activations.selective_profile import (
     with_selective,
 )
 from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
 from vtensor.planner.trace import TraceTensor, TraceUnit
 
@@ -146,7 +147,7 @@ class UnitRecorder:
             _Open(
                 first_step=self.target.step_index,
                 first_vid=self.target.store.next_vid,
-                started=time.perf_counter(),
+                started=device_now(self.target.device),
                 input_storages={t.untyped_storage().data_ptr() for t in inputs},
                 versions=[(t, t._version) for t in inputs],
                 input_nodes={id(t.grad_fn) for t in inputs if t.grad_fn is not None},
@@ -162,7 +163,7 @@ class UnitRecorder:
         if self.target.recomputing:
             return
         opened = self._open[id(module)].pop()
-        forward_s = time.perf_counter() - opened.started
+        forward_s = device_now(self.target.device) - opened.started
         vids = list(range(opened.first_vid, self.target.store.next_vid))
         inputs = [
             v
@@ -304,9 +305,9 @@ def _reproduces(
     start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
     args, kwargs = opened.call.copy()
     with replaying(module, start, target), torch.no_grad():
-        began = time.perf_counter()
+        began = device_now(target.device)
         again = tensors_in(module.forward(*args, **kwargs))
-        again_s = time.perf_counter() - began
+        again_s = device_now(target.device) - began
     same = len(again) == len(outputs) and all(
         _same_bits(a, b) for a, b in zip(again, outputs, strict=True)
     )

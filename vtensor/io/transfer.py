@@ -63,6 +63,7 @@ class CudaTransfer:
     start: torch.cuda.Event
     end: torch.cuda.Event
     nbytes: int
+    device: torch.device
     keepalive: list[torch.Tensor] = field(default_factory=list)
 
     def done(self) -> bool:  # noqa: D102
@@ -73,7 +74,7 @@ class CudaTransfer:
 
     def wait(self) -> None:  # noqa: D102
         # Wait-on-use without blocking the host: the compute stream waits for the side stream.
-        torch.cuda.current_stream().wait_event(self.end)
+        torch.cuda.current_stream(self.device).wait_event(self.end)
 
     def busy_s(self) -> float:  # noqa: D102
         return float(self.start.elapsed_time(self.end)) / 1000.0 if self.done() else 0.0
@@ -311,11 +312,16 @@ class CudaTransferEngine:
     """Host-tier transfers on a side CUDA stream into a pool of pinned buffers.
 
     NOTE [cuda transfers]
-    Copies are ordered after the compute stream's pending work (``wait_stream``), fenced by an
-    event, and the operands are held by the transfer until its event has completed, instead of
-    ``record_stream``, whose deferred frees make allocation non-deterministic. A restore waits on
-    the compute stream (``wait_event``), so an unpack never sees partial data and the host never
-    blocks.
+    Copies are ordered after the compute stream's pending work (``wait_stream``) and fenced by
+    an event. The store waits on every transfer (``wait``: the compute stream waits on the
+    event) before it shrinks, grows or frees the storage, so the allocator, which orders reuse
+    on the compute stream, never hands the bytes out under a copy; this is used instead of
+    ``record_stream``, whose deferred frees make allocation non-deterministic. The transfer
+    holds no reference to the storage itself: the store counts the storage's references to know
+    that no one else holds it (``ChunkStore._finish``). A restore waits on the compute stream,
+    so an unpack never sees partial data and the host never blocks. Pinned buffers are only
+    taken and copied on the one side stream, so one given back is reused by a later copy on the
+    same stream: no host synchronisation.
     """
 
     def __init__(self, device: torch.device, tier: HostTier) -> None:
@@ -324,7 +330,6 @@ class CudaTransferEngine:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._buffers: dict[int, torch.Tensor] = {}
         self._next_slot = 0
-        self._retiring: list[tuple[CudaTransfer, list[torch.Tensor]]] = []
 
     def _bytes_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
@@ -336,7 +341,7 @@ class CudaTransferEngine:
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        keep = [flat]
+        keep = []  # the pinned buffers; never the storage (NOTE [cuda transfers])
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             for chunk in chunks:
@@ -353,7 +358,7 @@ class CudaTransferEngine:
                     window.copy_(buffer, non_blocking=True)
                 keep.append(buffer)
             end.record(self.stream)
-        return CudaTransfer(start, end, sum(c.nbytes for c in chunks), keep)
+        return CudaTransfer(start, end, sum(c.nbytes for c in chunks), self.device, keep)
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         return self._copy(storage, chunks, out=True)
@@ -365,9 +370,7 @@ class CudaTransferEngine:
         held = [chunk for chunk in chunks if chunk.slot is not None]
         if not held:
             return
-        # The copies that used these pinned buffers were issued on the side stream; they may be
-        # reused once it has passed them.
-        self.stream.synchronize()
+        # Reused only by later copies on the same side stream (NOTE [cuda transfers]).
         for chunk in held:
             assert chunk.slot is not None
             self.tier.give_back(self._buffers.pop(chunk.slot))

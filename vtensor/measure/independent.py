@@ -41,13 +41,17 @@ class IndependentPeak:
             return
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
             return
         assert self.rss is not None
         self.rss.reset_peak()
         self._start = self.rss.current_rss_bytes()
 
     def peak(self, baseline_bytes: int, seen_peak_bytes: int) -> int | None:
-        """The iteration's peak: ``baseline_bytes`` plus the RSS rise (CPU), or CUDA's max.
+        """The iteration's peak: ``baseline_bytes`` plus the rise of RSS (CPU) or CUDA's count.
+
+        On CUDA the rise is the allocator's high-water mark over its level at the start, as the
+        tracked readings count (``LiveBytes``).
 
         ``seen_peak_bytes`` is the highest RSS a profiling iteration read per step (it resets
         the high-water mark at every step and keeps the maximum).
@@ -55,7 +59,8 @@ class IndependentPeak:
         if not self.enabled:
             return None
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+            peak = torch.cuda.max_memory_allocated(self.device)
+            return baseline_bytes + max(0, peak - self._start)
         assert self.rss is not None
         peak = max(self.rss.peak_rss_bytes(), seen_peak_bytes)
         return baseline_bytes + max(0, peak - self._start)

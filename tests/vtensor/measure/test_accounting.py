@@ -133,8 +133,10 @@ def test_cuda_tracker_counts_allocation() -> None:
     tracker = make_device_tracker(torch.device("cuda"))
     assert isinstance(tracker, CudaTracker)
     before = tracker.current_bytes()
-    t = torch.empty(50 * MB, dtype=torch.uint8, device="cuda")
-    assert tracker.current_bytes() - before == 50 * MB  # a multiple of the 512 B block size
+    # A whole number of MiB over 10 MiB: the allocator's block is exactly its size (blocks round
+    # to 512 B, segments of large tensors to 2 MiB, and a remainder under 1 MiB is not split).
+    t = torch.empty(50 * MIB, dtype=torch.uint8, device="cuda")
+    assert tracker.current_bytes() - before == 50 * MIB
     del t
     assert tracker.current_bytes() == before
 
@@ -145,8 +147,8 @@ def test_cuda_tracker_peak_and_reset() -> None:
     tracker = CudaTracker(torch.device("cuda"))
     tracker.reset_peak()
     base = tracker.current_bytes()
-    torch.empty(40 * MB, dtype=torch.uint8, device="cuda")
-    assert tracker.peak_bytes() - base == 40 * MB
+    torch.empty(40 * MIB, dtype=torch.uint8, device="cuda")
+    assert tracker.peak_bytes() - base == 40 * MIB
     tracker.reset_peak()
     assert tracker.peak_bytes() == tracker.current_bytes() == base
 
