@@ -16,11 +16,14 @@ On CUDA the script turns on torch's deterministic algorithms (``CUBLAS_WORKSPACE
 of the same step differ in their last bits, and no variant can be bit-identical to another.
 Rounds are interleaved round-robin; each step is timed between two ``torch.cuda.synchronize``
 calls (forward and backward; the optimizer step is untimed). Profiled and raced rounds are not
-timed. Per row: median step time and its ratio to unmanaged, the tracked peak (the manager's
-reading of ``torch.cuda.memory_allocated``) and the allocator's peak
-(``torch.cuda.max_memory_allocated``, the manager's independent figure), both as fractions of
-the budget, bytes moved per step, the stall, and whether the gradients were bit-identical to
-the unmanaged run's on every round.
+timed. Per row: median step time and its ratio to unmanaged; the tracked peak over every
+round, profiling and trials included (the manager's reading: ``torch.cuda.memory_allocated``'s
+rise over the step's entry, on top of the state known at entry) and the allocator's peak over
+the timed rounds (``torch.cuda.max_memory_allocated``, the manager's independent figure, which
+also sees the memory inside ops), both as fractions of the budget; bytes moved per step; the
+stall the host waited (on CUDA the host rarely waits: the compute stream does); and whether the
+gradients were bit-identical to the unmanaged run's on every round. The JSON rows add each
+round's plan source and the number of modules it recomputed.
 
 Run from the repository root on a machine with a CUDA device::
 
@@ -30,6 +33,7 @@ Run from the repository root on a machine with a CUDA device::
 
 import argparse
 import copy
+import logging
 import os
 import statistics
 import time
@@ -66,6 +70,7 @@ class Run:
     error: str | None = None
     step_s: list[float] = field(default_factory=list)
     reports: list[vtensor.IterationReport] = field(default_factory=list)
+    timed_reports: list[vtensor.IterationReport] = field(default_factory=list)
     grads_identical: list[bool] = field(default_factory=list)
 
 
@@ -145,7 +150,7 @@ def _round(runs: list[Run], w: Workload, r: int) -> None:
             _sync()
         except vtensor.InfeasibleBudgetError as exc:
             run.error = f"infeasible in round {r}: min budget {exc.min_budget_bytes / MIB:.1f} MiB"
-            print(f"#   {run.name} at {run.budget_frac:.0%}: {run.error}", flush=True)
+            print(f"#   {run.name} at {run.budget_frac:.0%}: {exc}", flush=True)
             continue
         dt = time.perf_counter() - t0
         if run.name == "unmanaged":
@@ -159,6 +164,7 @@ def _round(runs: list[Run], w: Workload, r: int) -> None:
             timed = timed and run.reports[-1].plan_source not in ("profiled", "raced")
         if timed:
             run.step_s.append(dt)
+            run.timed_reports += run.reports[-1:]
 
 
 def _row(run: Run, w: Workload, p0: int, unmanaged_s: float | None) -> dict[str, Any]:
@@ -179,10 +185,14 @@ def _row(run: Run, w: Workload, p0: int, unmanaged_s: float | None) -> dict[str,
         budget = run.manager.budget_bytes if run.manager is not None else None
         tracked = max(rep.peak_device_bytes for rep in run.reports)
         allocator = max((rep.peak_independent_bytes or 0) for rep in run.reports)
+        timed_alloc = max((rep.peak_independent_bytes or 0 for rep in run.timed_reports), default=0)
         row |= {
             "plan_source": str(last.plan_source),
             "tracked_peak_bytes": tracked,
-            "allocator_peak_bytes": allocator,
+            "allocator_peak_bytes": allocator,  # every round's, profiling and trials included
+            "timed_allocator_peak_bytes": timed_alloc or None,  # the timed rounds'
+            "sources": [str(rep.plan_source) for rep in run.reports],
+            "recomputed_per_round": [len(rep.recomputed) for rep in run.reports],
             "tracked_vs_budget": tracked / budget if budget and budget < HUGE_BUDGET else None,
             "bytes_out_per_step": last.bytes_out,
             "bytes_in_per_step": last.bytes_in,
@@ -224,7 +234,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         budget = row["budget_frac"]
         b = 1 / (budget * row["unmanaged_peak_bytes"]) if budget else None
-        tracked, alloc = row.get("tracked_peak_bytes"), row.get("allocator_peak_bytes")
+        tracked, alloc = row.get("tracked_peak_bytes"), row.get("timed_allocator_peak_bytes")
         print(
             f"{row['model']:10} {row['variant']:11} {_fmt(budget, '.0%'):>6} "
             f"{_fmt(row['step_s_median'], '.1f', 1e3):>8} {_fmt(row['vs_unmanaged'], '.2f'):>6} "
@@ -246,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-scale", type=float, default=4.0, help="scales every batch")
     add_out(parser)
     parser.add_argument("--device", default="cuda", help="cpu: check the script without a GPU")
+    parser.add_argument("--log-level", default="WARNING", help="vtensor's log level (INFO: races)")
     args = parser.parse_args(argv)
+    logging.basicConfig(format="#   %(name)s: %(message)s")
+    logging.getLogger("vtensor").setLevel(args.log_level)
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():

@@ -64,8 +64,7 @@ class PlanBook:
         self.chunk_bytes = chunk_bytes
         self.cache = PlanCache(cache_dir) if cache_dir is not None else None
         self.planned = planned
-        # Plans that budget op workspaces, recompute, or see clamps' bits (NOTE [mask encoding])
-        # differ from plans that do not: keep them apart.
+        # Plans of each kind (workspaces, recompute, clamps' bits: NOTE [mask encoding]) apart.
         masks = {True: "+masks", "auto": "+masks-auto"}.get(encode_masks, "")
         kinds = {"+workspaces": count_workspaces, "+recompute": recompute, masks: bool(masks)}
         self.planner_version = PLANNER_VERSION + "".join(k for k, on in kinds.items() if on)
@@ -75,8 +74,7 @@ class PlanBook:
         self.recompute = recompute
         if recompute:
             load_sac()  # NOTE [SAC's imports]: before any step of this manager
-        # Signatures whose next iterations are profiled with modules recomputed, one candidate
-        # each (NOTE [hybrid plan]).
+        # Signatures whose next iterations are trials, one candidate each (NOTE [hybrid plan]).
         self._trial: dict[str, Trials] = {}
         # Signatures whose cached plan broke the budget in a lean replay: profile them again.
         self._reprofile: set[str] = set()
@@ -163,21 +161,15 @@ class PlanBook:
             if undecided is not None:
                 self._take(signature, key, undecided)
                 return self.for_iteration(model, scan, inputs, device, store, params)
-        # Recomputing is planned for activations alone, not with parameter offloading.
-        find_units = self.recompute and not params
-        return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=find_units)
+        units = self.recompute and not params  # activations alone, not with parameter offloading
+        return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=units)
 
     def _plan(
-        self, trace: Trace, reserve_bytes: int, min_budget_bytes: int, margin_bytes: int = 0
+        self, trace: Trace, reserve_bytes: int, min_bytes: int, margin_bytes: int = 0
     ) -> Plan | None:
         """The plan of ``trace`` that leaves the guard its headroom; None if there is none."""
         return plan_within_guard(
-            trace,
-            self.budget_bytes,
-            self.chunk_bytes,
-            reserve_bytes,
-            min_budget_bytes,
-            margin_bytes,
+            trace, self.budget_bytes, self.chunk_bytes, reserve_bytes, min_bytes, margin_bytes
         )
 
     def plan_for(
@@ -233,16 +225,24 @@ class PlanBook:
         """An iteration broke the budget: whether it is excused (else the step raises).
 
         A lean replay's plan is profiled again (NOTE [lean replay]: its minimum would not work);
-        a trial drops its candidate (its gradients are right, its working set did not fit).
+        a trial drops its candidate, a racing one leaves the race (NOTE [disqualified] in
+        ``activations/race.py``): their gradients are right, their working set did not fit.
         """
         if was_lean:
             self.forget(chosen)
             return True
-        if not self.abandon_trial(chosen):
-            return False
-        n = len(chosen.recompute)
-        logger.warning("recomputing %d modules broke the budget: that candidate is dropped", n)
-        return True
+        if chosen.racing and (race := self._race.get(chosen.signature)) is not None:
+            logger.warning("a candidate plan broke the budget in its race: it is dropped")
+            chosen.abandoned = True
+            if (winner := race.disqualify()) is not None:
+                del self._race[chosen.signature]
+                self._store(chosen, winner)
+            elif not race.plans:
+                self.forget(chosen)  # none left: profile again
+            return True
+        if abandoned := self.abandon_trial(chosen):
+            logger.warning("recomputing %s broke the budget: dropped", chosen.recompute)
+        return abandoned
 
     def _plan_with_margin(self, chosen: IterationPlan, plan: Plan, guard_bytes: int) -> None:
         """Plan ``chosen``'s signature again under the guard's margin, once per decision."""

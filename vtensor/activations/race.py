@@ -46,6 +46,13 @@ cache as well as by the cores. So the leader is replayed
 until it has ``CONFIRM`` times in the form it will run (or ``max_rounds`` replays), and a
 leader those replays slow down gives way to the next. What confirming costs is nothing where
 the leader stays ahead: those iterations run the plan that is then kept.
+
+NOTE [disqualified]
+A candidate races in replays under the guard, which acts at hook points only: an op that
+allocates more than the headroom between two of them breaks the budget. Such a candidate
+leaves the race, as a trial whose working set did not fit drops its candidate, and the others
+race on; the last one left wins, and with none left the iteration is profiled again. Before,
+the step raised, although other candidates fitted.
 """
 
 import statistics
@@ -111,6 +118,24 @@ class PlanRace:
         if not waiting:
             return self.plans[self._best()]
         self.turn = self._next_turn(waiting)
+        return None
+
+    def disqualify(self) -> Plan | None:
+        """Drop the current candidate: its replay broke the budget (NOTE [disqualified]).
+
+        Returns the winner where one candidate is left, whatever its replays (nothing to race);
+        None while the race goes on, or where none is left (``plans`` is then empty).
+        """
+        for column in (self.plans, self.times, self.clean, self.leans):
+            del column[self.turn]
+        if len(self.plans) <= 1:
+            return self.plans[0] if self.plans else None
+        self.turn %= len(self.plans)
+        waiting = self._waiting()
+        if not waiting:
+            return self.plans[self._best()]
+        if self.turn not in waiting:
+            self.turn = self._next_turn(waiting)
         return None
 
     def winner_clean(self) -> bool:

@@ -352,3 +352,25 @@ def test_a_trial_that_breaks_the_budget_gives_way_to_the_next_candidate_then_to_
     assert second.recompute == ("b",) and book.excuse(second, was_lean=False)
     assert "sig" not in book._trial and book._plans["sig"] is swap_only  # swapping only
     assert not book.excuse(IterationPlan("sig", PlanSource.PLANNED, None, False, None), False)
+
+
+def test_a_racing_candidate_that_breaks_the_budget_is_dropped_and_the_last_one_wins() -> None:
+    from vtensor.activations.iteration_plan import IterationPlan
+    from vtensor.activations.planning import PlanBook
+    from vtensor.activations.race import PlanRace
+    from vtensor.activations.report import PlanSource
+
+    book = PlanBook(1 << 20, None, None, recompute=True)
+    hybrid, swap_only = (dataclasses.replace(_EMPTY_PLAN, planner=p) for p in ("hybrid", "swap"))
+    book._race["sig"] = PlanRace([hybrid, swap_only])
+
+    def replay() -> IterationPlan:
+        return IterationPlan("sig", PlanSource.PLANNED, None, False, None, racing=True, lean=False)
+
+    first = replay()
+    assert book.excuse(first, was_lean=False) and first.abandoned  # the hybrid is dropped
+    assert "sig" not in book._race and book._plans["sig"] is swap_only  # the one left wins
+    # With none left, the signature is profiled again.
+    book._race["sig"] = PlanRace([hybrid])
+    assert book.excuse(replay(), was_lean=False)
+    assert "sig" not in book._race and "sig" not in book._plans and "sig" in book._reprofile

@@ -101,3 +101,16 @@ def test_a_candidate_made_again_races_anew_and_the_others_wait_for_it() -> None:
     assert race.record(1.0, lean=True) is None and race.current() is b_again
     assert race.record(0.8, lean=True) is b_again
     assert race.medians() == [3.0, 0.9] and race.winner_clean()
+
+
+def test_a_candidate_that_breaks_the_budget_leaves_the_race() -> None:
+    a, b = _two()
+    c = dataclasses.replace(_EMPTY_PLAN, recompute=("y",))
+    race = PlanRace([a, b, c])
+    assert race.record(1.0, guard_bytes=0) is None and race.current() is b
+    assert race.disqualify() is None  # b broke the budget: c replays next, a keeps its time
+    assert race.plans == [a, c] and race.current() is c and race.times == [[1.0], []]
+    assert race.record(2.0, guard_bytes=0) is None and race.current() is a
+    assert race.disqualify() is c  # the one left, whatever its replays
+    assert race.plans == [c]
+    assert PlanRace([a]).disqualify() is None and not PlanRace([a]).plans[1:]
