@@ -221,20 +221,21 @@ class PlanBook:
                 self._store(chosen, plan)
         return True
 
-    def excuse(self, chosen: IterationPlan, was_lean: bool) -> bool:
-        """An iteration broke the budget: whether it is excused (else the step raises).
+    def excuse(self, chosen: IterationPlan, was_lean: bool, over_bytes: int = 0) -> bool:
+        """An iteration broke the budget by ``over_bytes``: whether it is excused (else it raises).
 
         A lean replay's plan is profiled again (NOTE [lean replay]: its minimum would not work);
-        a trial drops its candidate, a racing one leaves the race (NOTE [disqualified] in
-        ``activations/race.py``): their gradients are right, their working set did not fit.
+        a trial drops its candidate, a racing one is made again lower or leaves the race (NOTE
+        [disqualified] in ``activations/race.py``): their gradients are right, their peak was not.
         """
         if was_lean:
             self.forget(chosen)
             return True
         if chosen.racing and (race := self._race.get(chosen.signature)) is not None:
-            logger.warning("a candidate plan broke the budget in its race: it is dropped")
-            chosen.abandoned = True
-            if (winner := race.disqualify()) is not None:
+            chosen.abandoned = True  # ``over_bytes`` over: made again that much lower, once
+            candidates = self._candidates.get(chosen.signature, [])
+            remade = remake(candidates, race.current(), self._plan, over_bytes)
+            if (winner := race.broke_budget(remade)) is not None:
                 del self._race[chosen.signature]
                 self._store(chosen, winner)
             elif not race.plans:

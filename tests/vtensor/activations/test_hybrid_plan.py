@@ -374,3 +374,33 @@ def test_a_racing_candidate_that_breaks_the_budget_is_dropped_and_the_last_one_w
     book._race["sig"] = PlanRace([hybrid])
     assert book.excuse(replay(), was_lean=False)
     assert "sig" not in book._race and "sig" not in book._plans and "sig" in book._reprofile
+
+
+def test_a_racing_candidate_over_the_budget_is_made_again_under_that_margin_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import vtensor.activations.planning as planning
+    from vtensor.activations.iteration_plan import IterationPlan
+    from vtensor.activations.race import PlanRace
+    from vtensor.activations.report import PlanSource
+
+    book = planning.PlanBook(1 << 20, None, None, recompute=True)
+    hybrid, swap_only, lower = (
+        dataclasses.replace(_EMPTY_PLAN, planner=p) for p in ("hybrid", "swap", "lower")
+    )
+    book._race["sig"] = PlanRace([hybrid, swap_only])
+    margins = []
+
+    def remake(candidates, plan, make_plan, margin_bytes):  # the tested margin.remake's part
+        margins.append(margin_bytes)
+        return lower if plan is hybrid else None
+
+    monkeypatch.setattr(planning, "remake", remake)
+    replay = IterationPlan("sig", PlanSource.PLANNED, None, False, None, racing=True, lean=False)
+    assert book.excuse(replay, was_lean=False, over_bytes=6 * MIB) and replay.abandoned
+    race = book._race["sig"]
+    assert race.plans == [lower, swap_only] and margins == [6 * MIB]  # made again, times anew
+    race.turn = 0
+    again = IterationPlan("sig", PlanSource.PLANNED, None, False, None, racing=True, lean=False)
+    assert book.excuse(again, was_lean=False, over_bytes=MIB)  # over again: dropped
+    assert "sig" not in book._race and book._plans["sig"] is swap_only
