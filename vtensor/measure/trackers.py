@@ -157,8 +157,13 @@ class CudaTracker:
         self.device = torch.device("cuda", index)
 
     def current_bytes(self) -> int:
-        """Returns the bytes currently allocated to tensors on the device."""
-        return torch.cuda.memory_allocated(self.device)
+        """Returns the bytes currently allocated to tensors on the device.
+
+        ``torch.cuda.memory_allocated``'s figure, read from the allocator's nested statistics:
+        that function flattens and sorts every statistic into string keys for each call, and a
+        full replay or a profile reads at every hook point.
+        """
+        return _allocated(self.device, "current")
 
     def pool_bytes(self) -> int:
         """Nothing is left out of the allocator's count of tensor bytes."""
@@ -166,11 +171,17 @@ class CudaTracker:
 
     def peak_bytes(self) -> int:
         """Returns the most bytes allocated to tensors on the device since the last reset."""
-        return torch.cuda.max_memory_allocated(self.device)
+        return _allocated(self.device, "peak")
 
     def reset_peak(self) -> None:
         """Starts a new peak window at the current allocation (resets all the device's peaks)."""
         torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def _allocated(device: torch.device, which: str) -> int:
+    """``allocated_bytes.all.<which>`` of ``torch.cuda.memory_stats``, without the flattening."""
+    stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
+    return int(stats.get("allocated_bytes", {}).get("all", {}).get(which, 0))
 
 
 def make_device_tracker(device: torch.device) -> DeviceTracker:

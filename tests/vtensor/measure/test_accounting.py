@@ -121,6 +121,20 @@ def test_cuda_tracker_rejects_cpu_device() -> None:
         CudaTracker(torch.device("cpu"))
 
 
+def test_cuda_tracker_reads_what_torch_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tracker reads the allocator's nested statistics, which torch's own memory_allocated
+    # and max_memory_allocated flatten: fed the same statistics, both agree (the GPU tests
+    # compare them on a device).
+    stats = {"allocated_bytes": {"all": {"current": 7 * MIB, "peak": 9 * MIB}}, "num_ooms": 0}
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda *_, **__: stats)
+    tracker = object.__new__(CudaTracker)
+    tracker.device = torch.device("cuda", 0)
+    assert tracker.current_bytes() == torch.cuda.memory_allocated(0) == 7 * MIB
+    assert tracker.peak_bytes() == torch.cuda.max_memory_allocated(0) == 9 * MIB
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda *_, **__: {})
+    assert tracker.current_bytes() == torch.cuda.memory_allocated(0) == 0  # not initialized
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_cuda_tracker_rejects_missing_cuda() -> None:
     with pytest.raises(VTensorError, match="not available"):
@@ -137,6 +151,8 @@ def test_cuda_tracker_counts_allocation() -> None:
     # to 512 B, segments of large tensors to 2 MiB, and a remainder under 1 MiB is not split).
     t = torch.empty(50 * MIB, dtype=torch.uint8, device="cuda")
     assert tracker.current_bytes() - before == 50 * MIB
+    assert tracker.current_bytes() == torch.cuda.memory_allocated()
+    assert tracker.peak_bytes() == torch.cuda.max_memory_allocated()
     del t
     assert tracker.current_bytes() == before
 
