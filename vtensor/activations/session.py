@@ -71,9 +71,9 @@ class MemoryManager:
             in this manager).
         count_workspaces: also budget the memory that ops allocate internally (convolution
             workspaces, short-lived tensors between hook points), measured per step from the
-            process's RSS while profiling (CPU). The budget then holds for the process's RSS,
-            at the price of smaller usable budgets; off, it holds for the tracked tensor bytes.
-            It measures with the process's peak RSS, so it turns ``measure_peaks`` on.
+            process's peak RSS while profiling (CPU only), so it turns ``measure_peaks`` on.
+            The budget then holds for the process's RSS, at the price of smaller usable budgets;
+            off, it holds for the tracked tensor bytes.
         measure_peaks: measure an independent peak per iteration
             (``report().peak_independent_bytes``; on CPU also each profiled step's transient
             bytes). It resets process-wide high-water marks that other tools read: VmHWM
@@ -261,9 +261,9 @@ class MemoryManager:
         scan = ModelScan.of(model)
         protected, state_bytes = state_storages(scan, optimizer, inputs, device)
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
-        if self._peaks is None:
-            self._peaks = IndependentPeak(device, enabled=self.measure_peaks)
-        peaks = self._peaks
+        peaks = self._peaks = self._peaks or IndependentPeak(
+            device, enabled=self.measure_peaks, rss=self.count_workspaces
+        )
         with contextlib.ExitStack() as stack:
             if device.type == "cpu":
                 stack.enter_context(quiet_heap())  # NOTE [quiet heap]

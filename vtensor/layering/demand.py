@@ -148,6 +148,7 @@ class DemandLayering:
             if unit not in resident:
                 self._add_layer(make_layer(unit, modules[unit], slots, self._direct))
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            _check_host(f"{name!r}", tensor, "cpu", "meta")  # meta: the placeholders
             if tensor.device.type == "meta" and id(tensor) not in found.placeholder_ids:
                 raise LayeringError(
                     f"{name!r} is on the meta device and not in the weight file (a non-persistent "
@@ -180,7 +181,10 @@ class DemandLayering:
 
     # -- one forward ---------------------------------------------------------------------------
 
-    def _start(self, *_: object) -> None:
+    def _start(self, _: nn.Module, args: tuple[Any, ...]) -> None:
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                _check_host(f"input {i}", arg, "cpu")
         if torch.is_grad_enabled():
             raise LayeringError(
                 "demand layering runs inference only: call the model under torch.no_grad() or "
@@ -353,3 +357,13 @@ class DemandLayering:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _check_host(what: str, tensor: torch.Tensor, *allowed: str) -> None:
+    """Demand layering reads weights into host memory: the model and its inputs are on the CPU."""
+    if tensor.device.type not in allowed:
+        raise LayeringError(
+            f"{what} is on {tensor.device}: demand layering streams weights from the file into "
+            "host memory and runs on the CPU only; move the model and its inputs to the CPU "
+            "(model.cpu(), x.cpu())"
+        )

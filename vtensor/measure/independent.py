@@ -4,6 +4,7 @@ from enum import StrEnum
 
 import torch
 
+from vtensor.errors import VTensorError
 from vtensor.measure.rss import RssMeter
 
 
@@ -22,7 +23,15 @@ class IndependentPeak:
     touches nothing and every peak is None.
     """
 
-    def __init__(self, device: torch.device, *, enabled: bool) -> None:
+    def __init__(self, device: torch.device, *, enabled: bool, rss: bool = False) -> None:
+        """``rss``: the caller measures with the process's RSS (``count_workspaces``)."""
+        if rss and device.type != "cpu":
+            raise VTensorError(
+                f"count_workspaces=True measures op workspaces with the process's RSS, which the "
+                f"memory of a {device.type} device is not in: use it on a cpu device; on "
+                f"{device.type}, measure_peaks=True reports the allocator's peak, workspaces "
+                "included"
+            )
         self.device = device
         self.enabled = enabled
         self.rss = RssMeter() if enabled and device.type == "cpu" else None

@@ -259,6 +259,16 @@ def test_layering_refuses_training_and_autograd(tmp_path: Path) -> None:
         assert torch.equal(layered(x), resident(x).detach())
 
 
+def test_layering_refuses_inputs_off_the_cpu_and_names_the_fix(tmp_path: Path) -> None:
+    # A GPU input is refused the same way (no GPU here: the meta device stands in for it).
+    resident = _resident_and_file(Reversed, tmp_path / "w.vtw")
+    with DemandLayering(_meta(Reversed), tmp_path / "w.vtw") as layered:
+        with pytest.raises(LayeringError, match=r"input 0 is on meta.*x\.cpu\(\)"):
+            layered(torch.randn(2, 8, device="meta"))
+        x = torch.randn(2, 8)
+        assert torch.equal(layered(x), resident(x).detach())
+
+
 def test_layering_reports_a_file_truncated_while_open(tmp_path: Path) -> None:
     build = ZOO["cnn"].build
     _resident_and_file(build, tmp_path / "w.vtw")

@@ -19,6 +19,7 @@ import vtensor
 from vtensor.errors import VTensorError
 from vtensor.io.pages import PAGE_BYTES, release
 from vtensor.measure.dispatch import LiveStorageTracker
+from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
 from vtensor.measure.trackers import (
     CudaTracker,
@@ -133,6 +134,14 @@ def test_cuda_tracker_reads_what_torch_reports(monkeypatch: pytest.MonkeyPatch) 
     assert tracker.peak_bytes() == torch.cuda.max_memory_allocated(0) == 9 * MIB
     monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda *_, **__: {})
     assert tracker.current_bytes() == torch.cuda.memory_allocated(0) == 0  # not initialized
+
+
+def test_workspaces_are_counted_on_a_cpu_device_only() -> None:
+    # count_workspaces measures with the process's RSS, which a GPU's memory is not in.
+    with pytest.raises(VTensorError, match=r"count_workspaces=True .* use it on a cpu device"):
+        IndependentPeak(torch.device("cuda"), enabled=True, rss=True)
+    IndependentPeak(torch.device("cuda"), enabled=False)  # measured with the allocator's peak
+    IndependentPeak(torch.device("cpu"), enabled=False, rss=True).close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
