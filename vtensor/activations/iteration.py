@@ -300,7 +300,7 @@ class Iteration:
         budget breaks it like any other sample; its floor is judged against what was evictable
         at the previous hook point, which is what could have made room.
         """
-        self.store.collect()  # frees deferred on autograd's device thread (CUDA)
+        self.store.collect_off_owner()  # frees deferred on autograd's device thread (CUDA)
         self._next_event()
         live = self.live_bytes()
         self._sample(live)

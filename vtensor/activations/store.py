@@ -125,6 +125,16 @@ class ChunkStore:
                 self._finish(record)
             self._free(record)
 
+    def collect_off_owner(self) -> None:
+        """``collect`` on a thread other than the owner's, where ``drop_handle`` defers frees.
+
+        On CUDA backward runs on autograd's device thread while the owner waits in
+        ``backward()``; on CPU it runs on the owner's, whose deferrals (transfers in flight)
+        wait for ``reap`` as before.
+        """
+        if threading.get_ident() != self._owner:
+            self.collect()
+
     # -- queries ------------------------------------------------------------------------------
     @property
     def next_vid(self) -> int:
