@@ -75,10 +75,11 @@ class IterationReport:
         device: "cpu" or "cuda".
         budget_bytes: the budget.
         chunk_bytes: chunk size (None at tensor granularity).
-        peak_device_bytes: tracked peak (allocator statistics: glibc mallinfo2 on CPU,
-            ``torch.cuda.memory_allocated`` on CUDA), sampled at every hook point.
-        peak_independent_bytes: independent peak: on CPU, baseline + growth of the process's
-            peak RSS (VmHWM) over the iteration; on CUDA, ``torch.cuda.max_memory_allocated``.
+        peak_device_bytes: tracked peak: the state known at entry plus the growth since entry of
+            the allocator's count (glibc mallinfo2 on CPU, ``torch.cuda.memory_allocated`` on
+            CUDA), sampled at every hook point.
+        peak_independent_bytes: independent peak: baseline + growth of the process's peak RSS
+            (VmHWM) over the iteration on CPU, of ``torch.cuda.max_memory_allocated`` on CUDA.
             None unless the manager measures peaks (``measure_peaks``: it resets those
             process-wide counters).
         independent_kind: how the independent figure was measured (None: not measured).
