@@ -97,7 +97,10 @@ def test_the_guard_moves_what_the_plan_leaves_to_it_not_what_the_largest_growth_
         reports = mm.reports
     assert plan is not None and plan.budget_bytes == budget - CHUNK
     growths = sorted(g for step in plan.step_reserve_bytes for g in step)
-    assert plan.reserve_bytes == growths[-1] > 2 * CHUNK
+    # The one reserve is the largest growth between two readings; the rises per point are gross
+    # (NOTE [gross rise]), so the largest of them is at least that (in one CI run it was 64 KiB
+    # more). Either is more than the chunk the plan leaves.
+    assert 2 * CHUNK < plan.reserve_bytes <= growths[-1]
     assert leaves_headroom(plan, budget) and not leaves_headroom(plan, budget - 1)
     replays = [r for r in reports if r.plan_source == "planned"]
     planned_out = sum(m.evict_bytes for m in plan.moves)
