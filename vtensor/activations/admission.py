@@ -2,6 +2,8 @@
 
 import torch
 
+from vtensor.activations.model_state import on_device_type
+
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -19,18 +21,28 @@ class Admission:
         self, device: torch.device, protected_storages: set[int], min_tensor_bytes: int
     ) -> None:
         self.device = device
+        self._on_device = on_device_type(device)
         self.protected = protected_storages
         self.min_tensor_bytes = min_tensor_bytes
 
-    def plain(self, tensor: torch.Tensor) -> bool:
-        """A strided, unquantized, not nested tensor of the device, not a protected storage."""
-        if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
-            return False
-        if tensor.device.type != self.device.type or tensor.is_quantized or tensor.is_nested:
-            return False
-        return tensor.untyped_storage()._cdata not in self.protected
+    def storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        """The storage of a plain tensor, else None.
 
-    def big_enough(self, tensor: torch.Tensor) -> bool:
-        """Its storage is large enough, and resizable (it can be released in place)."""
+        Plain: strided, unquantized, not nested, of the device, and not a protected storage. The
+        pack hook runs this for every saved tensor: one call that fetches the storage once.
+        """
+        if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
+            return None
+        if not self._on_device(tensor) or tensor.is_quantized or tensor.is_nested:
+            return None
         storage = tensor.untyped_storage()
+        return None if storage._cdata in self.protected else storage
+
+    def big_enough(self, storage: torch.UntypedStorage) -> bool:
+        """``storage`` is large enough, and resizable (it can be released in place)."""
         return storage.nbytes() >= self.min_tensor_bytes and storage.resizable()
+
+    def manages(self, tensor: torch.Tensor) -> bool:
+        """Plain, with a storage that is big enough: a saved ``tensor`` becomes a vTensor."""
+        storage = self.storage(tensor)
+        return storage is not None and self.big_enough(storage)

@@ -68,24 +68,22 @@ class PlanExecutor:
         """A vTensor was saved for the first time in this iteration."""
         self._place(record, record.nbytes)
 
-    def on_pass(self, nbytes: int) -> bool:
-        """A storage the plan never moves was saved and left to autograd (NOTE [passed]).
+    def passes_next(self, nbytes: int) -> bool:
+        """Whether the next storage saved for the first time, of ``nbytes``, is left to autograd.
 
-        Returns whether the run still follows the plan.
+        It is where the plan never moves it (NOTE [passed]) and the run still follows the plan
+        once it is placed; where the plan moves it, it is not placed here (it becomes a vTensor).
         """
+        if len(self.records) in self._moved:
+            return False
         self._place(None, nbytes)
         return self.active
-
-    def moves_next(self) -> bool:
-        """Whether the plan moves the next storage saved for the first time."""
-        return len(self.records) in self._moved
 
     def _place(self, record: VTensor | None, nbytes: int) -> None:
         position = len(self.records)
         self.records.append(record)
-        expected = self.plan.tensor_bytes[: self._count]
-        if position >= len(expected) or expected[position] != nbytes:
-            want = expected[position] if position < len(expected) else "none"
+        if position >= self._count or self.plan.tensor_bytes[position] != nbytes:
+            want = self.plan.tensor_bytes[position] if position < self._count else "none"
             self._diverge(f"saved tensor {position} has {nbytes} bytes, plan: {want}")
 
     def on_step(

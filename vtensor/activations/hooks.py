@@ -24,8 +24,8 @@ class HookTarget(Protocol):
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
     admission: Admission  # which saved tensors are activations, and which of them it manages
 
-    def accepts(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``, plain for ``admission``, may be virtualized."""
+    def accepts(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether ``tensor``, plain for ``admission`` with ``storage``, may be virtualized."""
         ...
 
     @property
@@ -82,19 +82,20 @@ def make_saved_tensor_hooks(
     """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
     def pack(tensor: torch.Tensor) -> Any:
-        if not target.admission.plain(tensor):
+        storage = target.admission.storage(tensor)
+        if storage is None:
             # Parameters and buffers (changed in place by the optimizer, or by a parameter
             # offloading's restores), and tensors of other devices, are left as they are.
             return tensor
-        if not target.accepts(tensor):
+        if not target.accepts(tensor, storage):
             # Saved-tensor hooks switch autograd's own check of in-place changes off: a tiny
             # activation keeps its version, checked at unpack.
             return (tensor, tensor._version, None)
         passing = target.passing
-        position = passing.passes(tensor) if passing is not None else None
+        position = passing.passes(storage) if passing is not None else None
         if position is not None:
             return (tensor, tensor._version, position)  # NOTE [passed] in activations/lean.py
-        record = target.store.adopt(tensor.untyped_storage(), step=target.step_index)
+        record = target.store.adopt(storage, step=target.step_index)
         if not record.fully_resident():
             target.store.ensure_resident(record)
         handle = SavedHandle(target.store, record, tensor)
@@ -106,9 +107,10 @@ def make_saved_tensor_hooks(
             return packed
         if isinstance(packed, tuple):
             passed, version, position = packed
-            _check_version(passed, version)
+            if passed._version != version:
+                _check_version(passed, version)
             passing = target.passing
-            if passing is not None and position is not None:
+            if passing is not None and passing.reading and position is not None:
                 passing.unpacked(position)
             return passed  # type: ignore[no-any-return]
         handle: SavedHandle = packed

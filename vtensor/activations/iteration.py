@@ -77,7 +77,7 @@ class Iteration:
         self._event = 0  # hook events of the open step so far (NOTE [step reserve])
         self._guarded_at: tuple[int, int] | None = None  # (step, event) the guard last acted at
         self._open: OpenStep | None = None
-        self.meter.note(self.live_bytes())
+        self.meter.note(baseline_bytes)  # what a reading now gives: the entry reading is new
         self._backward_done_queued = False
         self.lean = replays_lean(  # NOTE [lean replay] in activations/lean.py
             lean,
@@ -151,16 +151,16 @@ class Iteration:
             self._recompute_from = None
 
     # -- hook target --------------------------------------------------------------------------
-    def accepts(self, tensor: torch.Tensor) -> bool:
-        """Whether a plain saved tensor (``admission.plain``) becomes a vTensor: not tiny."""
-        if not self.admission.big_enough(tensor):
+    def accepts(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether a plain saved tensor (``admission.storage``) becomes a vTensor: not tiny."""
+        if not self.admission.big_enough(storage):
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False
         return True
 
     def manages(self, tensor: torch.Tensor) -> bool:
         """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""
-        return self.admission.plain(tensor) and self.admission.big_enough(tensor)
+        return self.admission.manages(tensor)
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """Account a newly saved tensor and keep the budget."""

@@ -81,35 +81,36 @@ class Passing:
         # NOTE [hookless replay]: without module hooks, the bytes are read at these events.
         self._read = read
         self._events = set(executor.plan.watched_events) if read is not None else set()
+        self.reading = bool(self._events)  # readings left to take
 
     def _at(self, event: tuple[int, int]) -> None:
         if event in self._events and self._read is not None:
             self._events.discard(event)  # a storage's first save or unpack only
+            self.reading = bool(self._events)
             self._read()
 
     def unpacked(self, position: int) -> None:
         """Backward has the tensor at ``position``, left to autograd."""
         self._at((position, 1))
 
-    def passes(self, tensor: torch.Tensor) -> int | None:
-        """The plan position of ``tensor``'s storage if it is left to autograd, else None.
+    def passes(self, storage: torch.UntypedStorage) -> int | None:
+        """The plan position of a saved ``storage`` if it is left to autograd, else None.
 
         A storage seen for the first time is placed in the plan. None once the run has left
         the plan.
         """
-        if not self.executor.active:
-            return None
-        storage = tensor.untyped_storage()
-        if self.store.known(storage):
+        executor = self.executor
+        if not executor.active or (self.store.records and self.store.known(storage)):
             return None
         seen = self._seen.get(storage._cdata)
         if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
             return seen[1]
-        position = len(self.executor.records)
-        if self.executor.moves_next() or not self.executor.on_pass(storage.nbytes()):
+        position = len(executor.records)
+        if not executor.passes_next(storage.nbytes()):
             return None  # a vTensor; past a divergence the iteration leaves the lean replay
         self._seen[storage._cdata] = (StorageWeakRef(storage), position)  # type: ignore[no-untyped-call]
-        self._at((position, 0))
+        if self.reading:
+            self._at((position, 0))
         return position
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from vtensor.activations.hooks import make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
-from vtensor.activations.model_state import ModelScan, check_start, device_of, state_storages
+from vtensor.activations.model_state import ScanCache, check_start, device_of, state_storages
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.report import Granularity, IterationReport, Policy
@@ -94,8 +94,7 @@ class MemoryManager:
             the plan acts (NOTE [lean replay] in ``vtensor/activations/lean.py``); its
             report then has no per-step statistics and states the profiled iteration's minimum.
         encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save their output, which the next layer
-            saves too, instead of their input; gradients stay bit-identical (NOTE [mask
-            encoding] in ``encodings.py``).
+            saves too, instead of their input, bit-identically (NOTE [mask encoding]);
             ``"auto"``: as the plans decide (NOTE [encoding decided] in ``encoding_choice.py``).
     """
 
@@ -162,6 +161,7 @@ class MemoryManager:
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
         self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
+        self._scans = ScanCache()  # NOTE [scan once]
         self._tracker: DeviceTracker  # made with the store, once: it holds no state of a step
         self._active = False
 
@@ -258,7 +258,7 @@ class MemoryManager:
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
-        scan = ModelScan.of(model)
+        scan = self._scans.of(model)
         protected, state_bytes = state_storages(scan, optimizer, inputs, device)
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         peaks = self._peaks = self._peaks or IndependentPeak(

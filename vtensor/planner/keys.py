@@ -1,5 +1,6 @@
 """Cache keys for plans: an architecture fingerprint of a model, an input signature, a PlanKey."""
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
@@ -116,7 +117,7 @@ def parameter_dtype(model: nn.Module) -> str:
 
 def dtype_of(parameters: Iterable[torch.Tensor]) -> str:
     """:func:`parameter_dtype` of a model whose parameters are ``parameters``."""
-    dtypes = sorted({str(p.dtype) for p in parameters})
+    dtypes = sorted(str(dtype) for dtype in {p.dtype for p in parameters})
     return "+".join(dtypes) if dtypes else "none"
 
 
@@ -163,8 +164,15 @@ class PlanKey:
 
     def digest(self) -> str:
         """SHA-256 hex digest of all fields: stable across processes, usable as a file name."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        return _digest(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _digest(key: PlanKey) -> str:
+    # Cached: a manager makes its key at every step, and rendering it costs more than the
+    # lookup of an equal key (every field is a string or a number).
+    text = json.dumps(asdict(key), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def plan_key(

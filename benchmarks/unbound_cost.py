@@ -1,0 +1,169 @@
+"""What a manager whose budget never binds adds to a short step: the manager's own cost.
+
+The three workloads in their small sizes at small batches, so that a step is short, as on a
+GPU, and the manager's per-step and per-tensor Python work shows. MobileNetV2 and ResNet-18
+have every module of their full sizes (narrower), the char GPT two of its four layers. Two
+copies of each model from the same weights train side by side in one process: one unmanaged,
+one under a manager whose budget is far above its peak (its plan moves nothing and replays
+lean, without module hooks: NOTE [hookless replay] in ``vtensor/activations/lean.py``). After
+the warm-up rounds (profiling and the first replays), the two take turns, each round in the
+other order, and every round checks that their gradients are bit-identical. Per model: the
+median step (forward and backward, ``time.perf_counter``), the median overhead and ratio, and
+the median time spent entering and leaving ``mm.step`` (the plan key, the model's state, the
+hooks). Run from the repository root::
+
+    python -m benchmarks.unbound_cost --rounds 60 --out unbound_cost.jsonl
+    python -m benchmarks.unbound_cost --quick    # 4 rounds: checks the script, not results
+"""
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import vtensor
+from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
+from benchmarks.zoo.workloads import Workload, workloads
+
+UNBOUND_BYTES = 1 << 50
+
+
+def _opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _plain(w: Workload, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float:
+    opt.zero_grad(set_to_none=True)
+    begin = time.perf_counter()
+    w.loss(model, *batch).backward()  # type: ignore[no-untyped-call]
+    return time.perf_counter() - begin
+
+
+def _managed(
+    w: Workload,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Any,
+    mm: vtensor.MemoryManager,
+) -> tuple[float, float, float]:
+    """(step, entering, leaving) seconds of one managed step."""
+    opt.zero_grad(set_to_none=True)
+    begin = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mm.step(model, opt, inputs=batch))
+        entered = time.perf_counter()
+        w.loss(model, *batch).backward()  # type: ignore[no-untyped-call]
+        body_end = time.perf_counter()
+    end = time.perf_counter()
+    return end - begin, entered - begin, end - body_end
+
+
+def _same_grads(a: nn.Module, b: nn.Module) -> bool:
+    return all(
+        (p.grad is None and q.grad is None)
+        or (p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad))
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def run_model(w: Workload, rounds: int, warmup: int) -> dict[str, Any]:
+    """One model's rounds; its row."""
+    torch.manual_seed(0)
+    plain = w.build()
+    managed = copy.deepcopy(plain)
+    opt_plain, opt_managed = _opt(plain), _opt(managed)
+    saved = 0
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += 1
+        return tensor
+
+    batch = w.batch(0)
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        w.loss(plain, *batch).backward()  # type: ignore[no-untyped-call]
+    times: dict[str, list[float]] = {"unmanaged": [], "unbound": [], "enter": [], "exit": []}
+    identical = True
+    with vtensor.MemoryManager(UNBOUND_BYTES) as mm:
+        for r in range(warmup + rounds):
+            batch = w.batch(r)
+            first_plain = r % 2 == 0
+            if first_plain:
+                plain_s = _plain(w, plain, opt_plain, batch)
+            step_s, enter_s, exit_s = _managed(w, managed, opt_managed, batch, mm)
+            if not first_plain:
+                plain_s = _plain(w, plain, opt_plain, batch)
+            identical = identical and _same_grads(plain, managed)
+            opt_plain.step()
+            opt_managed.step()
+            if r >= warmup:
+                times["unmanaged"].append(plain_s)
+                times["unbound"].append(step_s)
+                times["enter"].append(enter_s)
+                times["exit"].append(exit_s)
+        report = mm.report()
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    overheads = [b - a for a, b in zip(times["unmanaged"], times["unbound"], strict=True)]
+    return {
+        "model": w.name,
+        "describe": w.describe,
+        "saved_tensors": saved,
+        "unmanaged_ms": ms["unmanaged"],
+        "unbound_ms": ms["unbound"],
+        "overhead_ms": 1e3 * statistics.median(overheads),
+        "ratio": ms["unbound"] / ms["unmanaged"],
+        "enter_ms": ms["enter"],
+        "exit_ms": ms["exit"],
+        "lean": report.lean,
+        "plan_source": report.plan_source,
+        "grads_identical": identical,
+        "rounds": rounds,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["mobilenet", "resnet", "gpt"])
+    p.add_argument("--rounds", type=int, default=60, help="timed rounds per model")
+    p.add_argument("--warmup", type=int, default=6, help="untimed rounds first (profiling)")
+    p.add_argument(
+        "--batch-scale", type=float, default=0.25, help="scale the workloads' small batches"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    add_quick(p, "4 rounds")
+    add_out(p)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rounds = 4 if args.quick else args.rounds
+    env = environment(script="unbound_cost", rounds=rounds, batch_scale=args.batch_scale)
+    print(describe(env), flush=True)
+    zoo = workloads(quick=True, batch_scale=args.batch_scale)
+    rows = []
+    print(
+        "| model | saved tensors | unmanaged ms | unbound ms | overhead ms | ratio "
+        "| entering ms | leaving ms | lean | gradients identical |"
+    )
+    print("|---" * 10 + "|")
+    for name in args.models:
+        row = run_model(zoo[name], rounds, 2 if args.quick else args.warmup)
+        rows.append(row)
+        print(
+            f"| {row['describe']} | {row['saved_tensors']} | {row['unmanaged_ms']:.2f} "
+            f"| {row['unbound_ms']:.2f} | {row['overhead_ms']:.2f} | {row['ratio']:.3f}x "
+            f"| {row['enter_ms']:.2f} | {row['exit_ms']:.2f} | {row['lean']} "
+            f"| {row['grads_identical']} |",
+            flush=True,
+        )
+    write_json_lines(args.out, env, tagged("model", rows))
+    if not all(r["grads_identical"] for r in rows):
+        sys.exit("gradients differ between the unmanaged and the managed copy")
+
+
+if __name__ == "__main__":
+    main()

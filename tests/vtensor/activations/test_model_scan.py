@@ -1,0 +1,90 @@
+"""A manager walks a model again only when its scan may be stale (NOTE [scan once])."""
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+from vtensor.activations.admission import Admission
+from vtensor.activations.model_state import ModelScan, ScanCache, on_device_type, state_storages
+
+CPU = torch.device("cpu")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def test_unchanged_model_is_not_walked_again() -> None:
+    model, cache = _model(), ScanCache()
+    first = cache.of(model)
+    assert cache.of(model) is first
+    assert first == ModelScan.of(model)
+
+
+def test_a_parameter_registered_since_is_scanned_and_protected() -> None:
+    model, cache = _model(), ScanCache()
+    first = cache.of(model)
+    model[3].extra = nn.Parameter(torch.ones(4))
+    scan = cache.of(model)
+    assert scan is not first
+    assert any(p is model[3].extra for p in scan.parameters)
+    protected, _ = state_storages(scan, None, (), CPU)
+    assert _storage(model[3].extra) in protected
+
+
+def test_a_replaced_submodule_and_buffer_are_scanned() -> None:
+    model, cache = _model(), ScanCache()
+    cache.of(model)
+    model[2] = nn.Tanh()
+    assert cache.of(model).names[id(model[2])] == "2"
+    model[1].running_mean = torch.zeros(8)  # an existing buffer assigned, not registered anew
+    scan = cache.of(model)
+    assert any(b is model[1].running_mean for b in scan.buffers)
+
+
+def test_a_change_of_shape_or_requires_grad_walks_again() -> None:
+    model, cache = _model(), ScanCache()
+    first = cache.of(model)
+    model[0].weight.requires_grad_(False)
+    frozen = cache.of(model)
+    assert frozen is not first and frozen.structure != first.structure
+    model[0].weight.data = torch.zeros(8, 4)
+    assert cache.of(model).structure != frozen.structure
+
+
+def test_a_replaced_storage_is_protected_without_a_new_walk() -> None:
+    model, cache = _model(), ScanCache()
+    scan = cache.of(model)
+    model[0].weight.data = torch.ones(8, 8)  # same shape: the scan holds
+    assert cache.of(model) is scan
+    protected, _ = state_storages(scan, None, (), CPU)
+    assert _storage(model[0].weight) in protected
+
+
+def test_another_model_is_walked_and_the_cache_keeps_no_model_alive() -> None:
+    cache = ScanCache()
+    model = _model()
+    cache.of(model)
+    other = _model()
+    assert cache.of(other).names[id(other)] == "model"
+    ref = weakref.ref(other)
+    del other
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_device_test_matches_the_device_type() -> None:
+    on_cpu = on_device_type(CPU)
+    assert on_cpu(torch.ones(2))
+    assert not on_cpu(torch.ones(2, device="meta"))
+    assert on_device_type(torch.device("meta"))(torch.ones(2, device="meta"))
+    admission = Admission(CPU, set(), 0)
+    assert admission.storage(torch.ones(2)) is not None
+    assert admission.storage(torch.ones(2, device="meta")) is None
