@@ -125,7 +125,7 @@ class Iteration:
                 unmanaged = live - self.store.device_bytes()
                 if self.params is not None:
                     unmanaged -= self.params.resident_bytes()  # the plan places them
-                self._open.unmanaged_peak = max(self._open.unmanaged_peak, unmanaged)
+                self._open.note_unmanaged(unmanaged)  # and its part's (NOTE [backward parts])
 
     def _next_event(self) -> None:
         """A hook event of the open step: the guard keeps what followed it in the profile."""
@@ -181,6 +181,8 @@ class Iteration:
         if self.lean:
             self.store.reap(block=False, block_restores=False)
             return  # the plan has made room (NOTE [lean replay])
+        if self._open is not None:
+            self._open.begin_part()  # where a backward node ended before (NOTE [backward parts])
         self._next_event()
         incoming = sum(c.nbytes for c in record.offloaded_chunks())
         resident = record.storage.nbytes() if record.storage is not None else 0
@@ -204,6 +206,7 @@ class Iteration:
             return  # the plan prefetches (NOTE [lean replay])
         if self.step_index not in record.uses:
             record.uses.append(self.step_index)
+        self.books.unpacked(record.vid, self.step_index, self._open)
         self._next_event()
         live = self.live_bytes()
         self._sample(live)
@@ -298,8 +301,11 @@ class Iteration:
         No eviction here: the node's bytes are already allocated. What grew since the last
         hook point is headroom the policy must keep (``reserve``), and a working set above the
         budget breaks it like any other sample; its floor is judged against what was evictable
-        at the previous hook point, which is what could have made room.
+        at the previous hook point, which is what could have made room. The next unpack begins
+        a part of the step (NOTE [backward parts]).
         """
+        if self._open is not None:
+            self._open.node_ended = True
         self.store.collect_off_owner()  # frees deferred on autograd's device thread (CUDA)
         self._next_event()
         live = self.live_bytes()
@@ -336,15 +342,7 @@ class Iteration:
         ``live_hint`` is a reading of the tracked bytes taken since the store last moved
         memory; it is used instead of a new reading while nothing moves (NOTE [reused readings]).
         """
-        # NOTE [deterministic reaping]: while profiling or reacting, every eviction started
-        # before this point completes here (it has had at least one op of compute to overlap
-        # with), so the memory it frees, and the decisions that follow (the trace, the plan),
-        # depend on the sequence of hook events rather than on disk speed. While a plan is
-        # replayed, the decisions are the plan's: evictions still in flight are left to run
-        # (their bytes count as live until they complete) and are waited for only when the
-        # headroom below needs them, so the writes overlap the following ops instead of
-        # stalling at the next hook. Restores are never waited for here: their bytes are
-        # allocated when they start, and backward waits on them only when it uses them.
+        # NOTE [deterministic reaping] in activations/policy.py: wait here unless replaying.
         replaying = self.executor is not None and self.executor.active
         epoch = self.store.memory_epoch
         self.store.reap(block=not replaying, block_restores=False)

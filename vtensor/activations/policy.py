@@ -19,6 +19,17 @@ def prefetch_order(records: list[VTensor], before_vid: int) -> list[VTensor]:
     return sorted((r for r in records if r.vid < before_vid), key=lambda r: -r.vid)
 
 
+# NOTE [deterministic reaping]: while profiling or reacting, every eviction started before a hook
+# point completes at that point (``Iteration.enforce``; it has had at least one op of compute to
+# overlap with), so the memory it frees, and the decisions that follow (the trace, the plan),
+# depend on the sequence of hook events rather than on disk speed. While a plan is replayed, the
+# decisions are the plan's: evictions still in flight are left to run (their bytes count as live
+# until they complete) and are waited for only when the headroom below needs them, so the writes
+# overlap the following ops instead of stalling at the next hook. Restores are never waited for
+# there: their bytes are allocated when they start, and backward waits on them only when it
+# uses them.
+
+
 class ReactivePolicy:
     """Keeps the tracked device bytes under a budget by evicting exactly the deficit.
 

@@ -21,6 +21,21 @@ class OpenStep:
     stats_at_start: StoreStats
     unmanaged_peak: int = 0
     rss_start: int = 0
+    # NOTE [backward parts] in planner/memory_model.py: the unmanaged peak of each part so far,
+    # and whether a backward node ended since the part's last unpack.
+    parts: list[int] = field(default_factory=lambda: [0])
+    node_ended: bool = False
+
+    def note_unmanaged(self, nbytes: int) -> None:
+        """A sample of ``nbytes`` not in vTensors: the step's and its part's peak."""
+        self.unmanaged_peak = max(self.unmanaged_peak, nbytes)
+        self.parts[-1] = max(self.parts[-1], nbytes)
+
+    def begin_part(self) -> None:
+        """A saved tensor is unpacked: a new part begins if a backward node ended since."""
+        if self.node_ended:
+            self.parts.append(0)
+            self.node_ended = False
 
     def transient_bytes(self, rss_high_water: int, rss_now: int, live_now: int) -> int:
         """How far the step's peak rose above its end level, in RSS beyond what samples saw.
@@ -57,6 +72,12 @@ class IterationBooks:
     violated: bool = False
     # per (step, hook event) where the guard acted: the largest rise after it (NOTE [step reserve])
     growth: dict[tuple[int, int], int] = field(default_factory=dict)
+    # per vTensor, the step and part it was last unpacked in (NOTE [backward parts])
+    last_part: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def unpacked(self, vid: int, step_index: int, step: OpenStep | None) -> None:
+        """The vTensor ``vid`` was unpacked at step ``step_index``, running as ``step``."""
+        self.last_part[vid] = (step_index, len(step.parts) - 1 if step is not None else -1)
 
     def note_growth(self, at: tuple[int, int], nbytes: int) -> None:
         """The bytes rose ``nbytes`` above where the guard acted, at (step, hook event) ``at``."""
@@ -105,8 +126,16 @@ class IterationBooks:
                 step.peak,
                 max(step.unmanaged_peak, 0) + (transient if counted else 0),
                 transient,
+                part_peak_bytes=tuple(max(p, 0) + (transient if counted else 0) for p in step.parts)
+                if len(step.parts) > 1
+                else (),
             )
         )
+
+    def _last_part(self, record: VTensor, parted: set[int]) -> int:
+        """The part of its last use step ``record`` was last unpacked in; -1: one part, unknown."""
+        step, part = self.last_part.get(record.vid, (-1, -1))
+        return part if record.uses and step == max(record.uses) and step in parted else -1
 
     def trace(
         self,
@@ -118,6 +147,7 @@ class IterationBooks:
     ) -> Trace:
         """The iteration as a ``Trace``; ``extra`` are the parameter side's tensors."""
         ordered = sorted(self.tensors.values(), key=lambda r: r.vid)
+        parted = {s.index for s in self.trace_steps if s.part_peak_bytes}
         tensors = tuple(
             TraceTensor(
                 vid=position,  # position in order of first save: stable across iterations
@@ -127,6 +157,7 @@ class IterationBooks:
                 # First step at whose start it could go: it became evictable during this one.
                 evictable_step=self.evictable_step.get(r.vid, -2) + 1,
                 use_steps=tuple(u for u in r.uses),
+                last_part=self._last_part(r, parted),
             )
             for position, r in enumerate(ordered)
         )

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from vtensor.planner.memory_model import chunk_of, last_live_step, simulate
+from vtensor.planner.memory_model import chunk_of, last_live_step, simulate, step_unmanaged
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace, TraceTensor
 
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 # Measured on the development machine: swap-file writes with fdatasync, cold reads.
 DEFAULT_WRITE_BYTES_PER_S = 0.3e9
 DEFAULT_READ_BYTES_PER_S = 1.2e9
-PLANNER_VERSION = "lgm-belady/7"  # name/version; bump when plans change meaning
+PLANNER_VERSION = "lgm-belady/8"  # name/version; bump when plans change meaning
 
 Bytes = npt.NDArray[np.int64]
 
@@ -71,9 +71,6 @@ class LayeredGraph:
         """Bytes per layer that no plan can swap out (NOTE [memory model], docs/lgm.md)."""
         n = self.n_steps
         delta = np.zeros(n + 1, dtype=np.int64)
-        for s in self.trace.steps:
-            delta[s.index] += s.unmanaged_peak_bytes
-            delta[s.index + 1] -= s.unmanaged_peak_bytes
         for t in self.trace.tensors:
             stop = last_live_step(t, n) + 1
             pinned_to = stop if t.evictable_step < 0 else min(t.evictable_step, stop)
@@ -83,7 +80,7 @@ class LayeredGraph:
                 if u >= pinned_to:
                     delta[u] += t.nbytes
                     delta[u + 1] -= t.nbytes
-        return np.cumsum(delta[:n])
+        return step_unmanaged(self.trace) + np.cumsum(delta[:n])
 
 
 def evictable_at(t: TraceTensor, step: int) -> bool:

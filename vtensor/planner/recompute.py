@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate
 from vtensor.planner.plan import Plan
-from vtensor.planner.trace import TensorKind, Trace, TraceUnit
+from vtensor.planner.trace import TensorKind, Trace, TraceStep, TraceUnit
 
 
 def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
@@ -143,6 +143,7 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     kept = {v for u in units if u.name not in one_node for v in u.input_vids}
     held_by_node: dict[int, set[int]] = {}  # NOTE [one node's inputs]
     extra = [0] * len(trace.steps)
+    part_extra: dict[int, list[int]] = {}  # by step, per part: tensors freed in a part
     for unit in units:
         backward = [s.index for s in trace.steps if _in_backward(s.name, unit.name)]
         first, last = min(backward, default=unit.last_step), max(backward, default=unit.last_step)
@@ -153,8 +154,16 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
         for v in recomputed:  # NOTE [recomputed lifetimes]
             tensor = trace.tensors[v]
             freed = max((s for s in tensor.use_steps if s >= first), default=last)
-            for index in range(first, freed + 1):
+            for index in range(first, freed):
                 extra[index] += tensor.nbytes
+            parts = len(trace.steps[freed].part_peak_bytes)
+            if freed == max(tensor.use_steps, default=-1) and 0 <= tensor.last_part < parts:
+                # Freed in the part that used it last (NOTE [backward parts] in memory_model.py).
+                by_part = part_extra.setdefault(freed, [0] * parts)
+                for j in range(tensor.last_part + 1):
+                    by_part[j] += tensor.nbytes
+            else:
+                extra[freed] += tensor.nbytes
         if unit.name not in partial:
             if through_one_node(unit):
                 # Its output's gradient stays until its backward ends (NOTE [one-node
@@ -166,10 +175,7 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
         for first, nbytes in [*held, (unit.first_step, unit.product_bytes)]:
             for index in range(first, last + 1):
                 extra[index] += nbytes
-    steps = tuple(
-        dataclasses.replace(s, unmanaged_peak_bytes=s.unmanaged_peak_bytes + extra[s.index])
-        for s in trace.steps
-    )
+    steps = tuple(_with_extra(s, extra[s.index], part_extra.get(s.index)) for s in trace.steps)
     tensors = tuple(
         dataclasses.replace(
             t,
@@ -182,6 +188,17 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
     return dataclasses.replace(
         trace, steps=steps, tensors=tensors, units=(), recomputed=(), selective=()
     )
+
+
+def _with_extra(step: TraceStep, extra: int, part_extra: list[int] | None) -> TraceStep:
+    """``step`` holding ``extra`` more throughout and ``part_extra`` more in each of its parts."""
+    if part_extra is None:
+        parts = tuple(p + extra for p in step.part_peak_bytes)
+        return dataclasses.replace(
+            step, unmanaged_peak_bytes=step.unmanaged_peak_bytes + extra, part_peak_bytes=parts
+        )
+    parts = tuple(p + extra + e for p, e in zip(step.part_peak_bytes, part_extra, strict=True))
+    return dataclasses.replace(step, unmanaged_peak_bytes=max(parts), part_peak_bytes=parts)
 
 
 def choose_recompute(

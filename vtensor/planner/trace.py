@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 12
+TRACE_SCHEMA_VERSION = 13
 
 
 class TensorKind(StrEnum):
@@ -48,6 +48,9 @@ class TraceStep:
             acted there before it could act again, less the manager's own restores, parameter
             reads and recomputations (NOTE [step reserve] in ``planner/reserves.py``); 0 where
             it did not act; trailing events without a rise left out.
+        part_peak_bytes: a backward step's unmanaged peak per part, in order: a part begins
+            at the first unpack after a backward node ended (NOTE [backward parts] in
+            ``planner/memory_model.py``); empty where the step is one part.
     """
 
     index: int
@@ -59,6 +62,7 @@ class TraceStep:
     unmanaged_peak_bytes: int
     transient_bytes: int = 0
     growth_bytes: tuple[int, ...] = ()
+    part_peak_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class TraceTensor:
         whole: it moves as one piece whatever the chunk size (parameter-side tensors).
         dirty_step: the last step at which it was changed (an update, an accumulation), -1 if
             it was not: an eviction before that step and after a write-back needs no write.
+        last_part: the part of its last use step (``TraceStep.part_peak_bytes``) in which it
+            was last unpacked; -1 where that step is one part or it is not known.
     """
 
     vid: int
@@ -98,6 +104,7 @@ class TraceTensor:
     persistent: bool = False
     whole: bool = False
     dirty_step: int = -1
+    last_part: int = -1
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,7 @@ class Trace:
                 live_bytes_start=s.live_bytes_start + state_bytes,
                 peak_live_bytes=s.peak_live_bytes + state_bytes,
                 unmanaged_peak_bytes=s.unmanaged_peak_bytes + state_bytes,
+                part_peak_bytes=tuple(p + state_bytes for p in s.part_peak_bytes),
             )
             for s in self.steps
         )
@@ -242,7 +250,14 @@ class Trace:
                 f"{TRACE_SCHEMA_VERSION}; re-profile the model"
             )
         steps = tuple(
-            TraceStep(**{**s, "phase": Phase(s["phase"]), "growth_bytes": tuple(s["growth_bytes"])})
+            TraceStep(
+                **{
+                    **s,
+                    "phase": Phase(s["phase"]),
+                    "growth_bytes": tuple(s["growth_bytes"]),
+                    "part_peak_bytes": tuple(s["part_peak_bytes"]),
+                }
+            )
             for s in raw.pop("steps")
         )
         tensors = tuple(

@@ -309,7 +309,9 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     # choices, the fewest outermost blocks whole that cover the deficit and every block whole.
     (cheapest, whole), (outermost, selective), *rest = found[0]
     assert (cheapest, whole) != (outermost, selective)
-    assert set(selective) == set(outermost) - {"0", "7"}
+    # Selectively where that fits (a block's product outputs are held through its backward),
+    # else whole: every block but the two linear layers is selective-safe.
+    assert selective and set(selective) <= set(outermost) - {"0", "7"}
     assert all(not s and n for n, s in rest)  # whole units only
     names = [cheapest, outermost, *(n for n, _ in rest)]
     trials = len(names)
