@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import vtensor
+from benchmarks.floors import without_parts
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate, step_unmanaged
 from vtensor.planner.trace import Trace
@@ -83,7 +84,7 @@ def test_a_budget_under_the_step_floor_trains_bit_identically(tmp_path: Path) ->
     x, y = _batch()
     _loss(reference, x, y).backward()  # type: ignore[no-untyped-call]
     trace = _profile(copy.deepcopy(model), 1 << 40, tmp_path)
-    coarse = dataclass_without_parts(trace)
+    coarse = without_parts(trace)
     floor = min_budget(build_lgm(trace, trace.chunk_bytes))[0]
     coarse_floor = min_budget(build_lgm(coarse, coarse.chunk_bytes))[0]
     assert floor < coarse_floor - 2 * MIB
@@ -99,12 +100,3 @@ def test_a_budget_under_the_step_floor_trains_bit_identically(tmp_path: Path) ->
                 assert p.grad is not None and q.grad is not None
                 assert torch.equal(p.grad, q.grad)
     assert report.plan_source != "reactive"
-
-
-def dataclass_without_parts(trace: Trace) -> Trace:
-    """``trace`` as a profile without parts would have recorded it."""
-    import dataclasses
-
-    steps = tuple(dataclasses.replace(s, part_peak_bytes=()) for s in trace.steps)
-    tensors = tuple(dataclasses.replace(t, last_part=-1) for t in trace.tensors)
-    return dataclasses.replace(trace, steps=steps, tensors=tensors)
