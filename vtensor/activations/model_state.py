@@ -128,7 +128,8 @@ def _count_registrations() -> None:
 class ScanCache:
     """A manager's last :class:`ModelScan`, walked again only when it may be stale.
 
-    NOTE [scan once]. Holds the model weakly, so the scan never keeps it alive.
+    NOTE [scan once]. Holds the model weakly and drops the scan when the model goes, so neither
+    the model nor its parameters outlive their last reference for the manager's sake.
     """
 
     def __init__(self) -> None:
@@ -150,8 +151,11 @@ class ScanCache:
             return scan
         self._registrations = _registrations
         self._scan = scan = ModelScan.of(model)
-        self._model = weakref.ref(model)
+        self._model = weakref.ref(model, self._dropped)
         return scan
+
+    def _dropped(self, _: "weakref.ref[nn.Module]") -> None:
+        self._scan = None
 
 
 def _tensors_structure(scan: ModelScan) -> tuple[object, ...]:

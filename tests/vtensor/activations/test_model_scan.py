@@ -74,10 +74,10 @@ def test_another_model_is_walked_and_the_cache_keeps_no_model_alive() -> None:
     cache.of(model)
     other = _model()
     assert cache.of(other).names[id(other)] == "model"
-    ref = weakref.ref(other)
+    refs = [weakref.ref(other), *(weakref.ref(p) for p in other.parameters())]
     del other
     gc.collect()
-    assert ref() is None
+    assert all(ref() is None for ref in refs)  # neither the model nor its parameters
 
 
 def test_the_device_test_matches_the_device_type() -> None:
