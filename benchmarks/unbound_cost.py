@@ -8,11 +8,12 @@ one under a manager whose budget is far above its peak (its plan moves nothing a
 lean, without module hooks: NOTE [hookless replay] in ``vtensor/activations/lean.py``). After
 the warm-up rounds (profiling and the first replays), the two take turns, each round in the
 other order, and every round checks that their gradients are bit-identical. Per model: the
-median step (forward and backward, ``time.perf_counter``), the median overhead and ratio, and
-the median time spent entering and leaving ``mm.step`` (the plan key, the model's state, the
-hooks). Run from the repository root::
+median step (forward and backward, ``time.perf_counter``; on CUDA after waiting for the
+device), the median overhead and ratio, and the median host time spent entering ``mm.step``
+(the plan key, the model's state, the hooks) and leaving it. Run from the repository root::
 
     python -m benchmarks.unbound_cost --rounds 60 --out unbound_cost.jsonl
+    python -m benchmarks.unbound_cost --device cuda --batch-scale 4   # on a GPU
     python -m benchmarks.unbound_cost --quick    # 4 rounds: checks the script, not results
 """
 
@@ -38,11 +39,19 @@ def _opt(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
+def _now(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done (CUDA queues it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _plain(w: Workload, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float:
+    device = batch[0].device
     opt.zero_grad(set_to_none=True)
-    begin = time.perf_counter()
+    begin = _now(device)
     w.loss(model, *batch).backward()  # type: ignore[no-untyped-call]
-    return time.perf_counter() - begin
+    return _now(device) - begin
 
 
 def _managed(
@@ -53,15 +62,16 @@ def _managed(
     mm: vtensor.MemoryManager,
 ) -> tuple[float, float, float]:
     """(step, entering, leaving) seconds of one managed step."""
+    device = batch[0].device
     opt.zero_grad(set_to_none=True)
-    begin = time.perf_counter()
+    begin = _now(device)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mm.step(model, opt, inputs=batch))
-        entered = time.perf_counter()
+        entered = time.perf_counter()  # host time: what entering costs the host
         w.loss(model, *batch).backward()  # type: ignore[no-untyped-call]
         body_end = time.perf_counter()
-    end = time.perf_counter()
-    return end - begin, entered - begin, end - body_end
+    left = time.perf_counter()
+    return _now(device) - begin, entered - begin, left - body_end
 
 
 def _same_grads(a: nn.Module, b: nn.Module) -> bool:
@@ -72,10 +82,10 @@ def _same_grads(a: nn.Module, b: nn.Module) -> bool:
     )
 
 
-def run_model(w: Workload, rounds: int, warmup: int) -> dict[str, Any]:
-    """One model's rounds; its row."""
+def run_model(w: Workload, rounds: int, warmup: int, device: torch.device) -> dict[str, Any]:
+    """One model's rounds on ``device``; its row."""
     torch.manual_seed(0)
-    plain = w.build()
+    plain = w.build().to(device)
     managed = copy.deepcopy(plain)
     opt_plain, opt_managed = _opt(plain), _opt(managed)
     saved = 0
@@ -85,14 +95,14 @@ def run_model(w: Workload, rounds: int, warmup: int) -> dict[str, Any]:
         saved += 1
         return tensor
 
-    batch = w.batch(0)
+    batch = tuple(t.to(device) for t in w.batch(0))
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         w.loss(plain, *batch).backward()  # type: ignore[no-untyped-call]
     times: dict[str, list[float]] = {"unmanaged": [], "unbound": [], "enter": [], "exit": []}
     identical = True
     with vtensor.MemoryManager(UNBOUND_BYTES) as mm:
         for r in range(warmup + rounds):
-            batch = w.batch(r)
+            batch = tuple(t.to(device) for t in w.batch(r))
             first_plain = r % 2 == 0
             if first_plain:
                 plain_s = _plain(w, plain, opt_plain, batch)
@@ -136,14 +146,18 @@ def main(argv: list[str] | None = None) -> None:
         "--batch-scale", type=float, default=0.25, help="scale the workloads' small batches"
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU")
     add_quick(p, "4 rounds")
     add_out(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rounds = 4 if args.quick else args.rounds
-    env = environment(script="unbound_cost", rounds=rounds, batch_scale=args.batch_scale)
+    env = environment(
+        script="unbound_cost", rounds=rounds, batch_scale=args.batch_scale, device=args.device
+    )
     print(describe(env), flush=True)
     zoo = workloads(quick=True, batch_scale=args.batch_scale)
+    device = torch.device(args.device)
     rows = []
     print(
         "| model | saved tensors | unmanaged ms | unbound ms | overhead ms | ratio "
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---" * 10 + "|")
     for name in args.models:
-        row = run_model(zoo[name], rounds, 2 if args.quick else args.warmup)
+        row = run_model(zoo[name], rounds, 2 if args.quick else args.warmup, device)
         rows.append(row)
         print(
             f"| {row['describe']} | {row['saved_tensors']} | {row['unmanaged_ms']:.2f} "
