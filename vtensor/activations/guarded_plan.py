@@ -39,7 +39,8 @@ def plan_within_guard(
     The trace's floor of a step (its largest unmanaged bytes, plus every tensor the step uses)
     can lie above what the step really needed: the step's unmanaged peak and its tensors' uses
     need not coincide. On the char GPT at 40 % of its peak the model's floor, the backward of
-    the first attention's projection with the momentum, was 97.6 MiB, where the iteration
+    the first attention's projection with the momentum, was 97.6 MiB (93.7 MiB with backward
+    steps in parts, NOTE [backward parts] in ``planner/memory_model.py``), where the iteration
     stated 90.4 MiB and ran within the 93.4 MiB budget. Where the iteration's stated minimum
     fits the budget, such steps are planned at their floor and the rest at the budget, and the
     guard keeps the budget at runtime; a plan over the budget is never replayed lean. Refused
