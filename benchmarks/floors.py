@@ -1,14 +1,15 @@
 """The planner's floors of one profile, backward steps in parts and whole: swapping, recomputing.
 
 One workload is profiled on this machine under a manager with recomputation at each budget (a
-fraction of its unmanaged peak), and its trace is planned two ways: as recorded, each backward
-step in parts (NOTE [backward parts] in ``vtensor/planner/memory_model.py``), and with the parts
-removed, as a step-level model sees it. Per budget and way: the smallest budget the model
-states for swapping alone and for every outermost unit recomputed whole (what checkpointing
-every block does), and the recomputation candidates found at the budget and at the budget less
-the reactive guard's reserve, where a trial judges them (NOTE [plan within the guard]). Bytes,
-not times: the figures are the same on any machine for the same batch, so the GPU benchmark's
-batch (``--batch-scale 4``) can be profiled here. Run from the repository root::
+fraction of its unmanaged peak), and its trace is planned two ways: as recorded, each backward step
+in parts (NOTE [backward parts] in ``vtensor/planner/memory_model.py``), and with the parts
+removed, as a step-level model sees it. Per budget and way: the smallest budget the model states
+for swapping alone and for every outermost unit recomputed whole (what checkpointing every block
+does), the latter also without the units' working sets (NOTE [recomputation's working set] in
+``vtensor/activations/recorder.py``), and how many recomputation candidates the planner finds at
+the budget, where it judges them. Bytes, not times: the figures are the same on any machine for the
+same batch, so the GPU benchmark's batch (``--batch-scale 4``) can be profiled here. Run from the
+repository root::
 
     python -m benchmarks.floors --model gpt --batch-scale 0.5 --budgets 0.5 0.4
     python -m benchmarks.floors --quick    # CI-sized; its rows are not results
@@ -24,7 +25,8 @@ import vtensor
 from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
 from benchmarks.zoo.workloads import workloads
 from vtensor.planner.lgm import build_lgm, min_budget
-from vtensor.planner.recompute import recompute_candidates, recompute_outermost, with_recompute
+from vtensor.planner.recompute import recompute_candidates, recompute_outermost
+from vtensor.planner.recomputed import with_recompute
 from vtensor.planner.trace import Trace
 
 MIB = 2**20
@@ -37,11 +39,17 @@ def without_parts(trace: Trace) -> Trace:
     return dataclasses.replace(trace, steps=steps, tensors=tensors)
 
 
+def without_working(trace: Trace) -> Trace:
+    """``trace`` as a profile that did not note its units' working sets would have recorded it."""
+    units = tuple(dataclasses.replace(u, working_bytes=0) for u in trace.units)
+    return dataclasses.replace(trace, units=units)
+
+
 def _floor(trace: Trace) -> int:
     return min_budget(build_lgm(trace, trace.chunk_bytes))[0]
 
 
-def rows_for(trace: Trace, budget: int, reserve: int) -> list[dict[str, Any]]:
+def rows_for(trace: Trace, budget: int) -> list[dict[str, Any]]:
     """One row per way of modelling ``trace``'s backward steps."""
     blocks = recompute_outermost(trace, 1 << 62, whole=True)[0]  # every outermost unit
     rows = []
@@ -50,12 +58,14 @@ def rows_for(trace: Trace, budget: int, reserve: int) -> list[dict[str, Any]]:
             {
                 "model": way,
                 "budget_mib": budget / MIB,
-                "reserve_mib": reserve / MIB,
                 "swap_floor_mib": _floor(modelled) / MIB,
                 "blocks": blocks,
                 "blocks_floor_mib": _floor(with_recompute(modelled, blocks)) / MIB,
+                "blocks_floor_without_working_mib": _floor(
+                    with_recompute(without_working(modelled), blocks)
+                )
+                / MIB,
                 "candidates": len(recompute_candidates(modelled, budget)),
-                "candidates_under_reserve": len(recompute_candidates(modelled, budget - reserve)),
             }
         )
     return rows
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {w.describe}: unmanaged peak {peak / MIB:.1f} MiB")
     print(
         "| budget | MiB | steps modelled | swap floor MiB | every block recomputed, floor MiB "
-        "| candidates at the budget | under the guard's reserve (MiB) |"
+        "| the same without working sets | candidates at the budget |"
     )
     print("|---" * 7 + "|")
     rows = []
@@ -102,15 +112,12 @@ def main(argv: list[str] | None = None) -> None:
             with mm.step(model, opt, inputs=(x, y)):
                 w.loss(model, x, y).backward()  # type: ignore[no-untyped-call]
             assert mm.trace is not None
-            plan = mm.plan_for(model, inputs=(x, y))  # the swap plan: its reserve, as planning
-            reserve = plan.reserve_bytes if plan and plan.budget_bytes < budget else 0
-            for row in rows_for(mm.trace, budget, reserve):
+            for row in rows_for(mm.trace, budget):
                 rows.append({"fraction": fraction, **row})
                 print(
                     f"| {fraction:.0%} | {row['budget_mib']:.1f} | {row['model']} "
                     f"| {row['swap_floor_mib']:.1f} | {row['blocks_floor_mib']:.1f} "
-                    f"| {row['candidates']} | {row['candidates_under_reserve']} "
-                    f"({row['reserve_mib']:.1f}) |",
+                    f"| {row['blocks_floor_without_working_mib']:.1f} | {row['candidates']} |",
                     flush=True,
                 )
     write_json_lines(args.out, env, tagged("floors", rows))

@@ -50,7 +50,7 @@ class Iteration:
         # module hooks then ignore it. ``units`` records the candidates while profiling.
         self.recomputing = 0
         self.boundaries: Boundaries | None = None  # None: a replay without module hooks
-        self._recompute_from: int | None = None  # the reading the outermost one began at
+        self._recompute_from: tuple[int, int] | None = None  # outermost: (reading, regrowth)
         self.units: UnitRecorder | None = None
         self.recomputed: tuple[str, ...] = ()
         self.selective: tuple[str, ...] = ()  # of those, recomputed selectively
@@ -125,7 +125,7 @@ class Iteration:
                 unmanaged = live - self.store.device_bytes()
                 if self.params is not None:
                     unmanaged -= self.params.resident_bytes()  # the plan places them
-                self._open.note_unmanaged(unmanaged)  # and its part's (NOTE [backward parts])
+                self.books.note_unmanaged(self._open, unmanaged)
 
     def _next_event(self) -> None:
         """A hook event of the open step: the guard keeps what followed it in the profile."""
@@ -138,16 +138,19 @@ class Iteration:
         if self.recomputing != 1 or self.lean:
             return
         if regrowth_bytes and not (self.executor is not None and self.executor.active):
-            # A bound, not a need (NOTE [regrowth bound]): the reading after it judges the budget.
+            # NOTE [regrowth bound]: the reading after it judges the budget.
             self.enforce(incoming_bytes=regrowth_bytes, judge=False)
-        self._recompute_from = self.live_bytes()
+        self._recompute_from = (self.live_bytes(), regrowth_bytes)
 
     def recompute_ended(self) -> None:
         """Its growth is the plan's to place, not headroom (NOTE [recomputed growth])."""
         if self.recomputing == 1 and self._recompute_from is not None:
+            began, regrowth = self._recompute_from
             live = self.live_bytes()
-            self.meter.announce_recomputed(live - self._recompute_from)
-            self._sample(live)
+            self.meter.announce_recomputed(live - began)
+            # No hook reads inside it: a profile reads its peak as where it began plus its
+            # working set (NOTE [recomputation's working set] in activations/recorder.py).
+            self._sample(max(live, began + regrowth) if self.record_trace else live)
             self._recompute_from = None
 
     # -- hook target --------------------------------------------------------------------------
@@ -165,7 +168,7 @@ class Iteration:
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """Account a newly saved tensor and keep the budget."""
         if record.vid not in self.books.tensors:
-            self.books.tensors[record.vid] = record
+            self.books.book(record)
             if self.executor is not None:
                 self.executor.on_record(record)
         if self.lean:
@@ -321,10 +324,7 @@ class Iteration:
 
     # -- the budget ---------------------------------------------------------------------------
     def make_room(self, nbytes: int) -> None:
-        """Evict activations so that ``nbytes`` about to be allocated elsewhere fit the budget.
-
-        The parameter offloading that shares the budget calls this before each read.
-        """
+        """Evict activations so that ``nbytes`` a parameter offloading is about to read fit."""
         self.enforce(incoming_bytes=nbytes, judge=False)
 
     def enforce(

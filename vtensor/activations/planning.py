@@ -25,12 +25,8 @@ from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import PlanKey, dtype_of, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import (
-    predicted_step_s,
-    recompute_candidates,
-    through_one_node,
-    unit_regrowth,
-)
+from vtensor.planner.recompute import predicted_step_s, recompute_candidates, unit_regrowth
+from vtensor.planner.recomputed import through_one_node
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -379,10 +375,9 @@ class PlanBook:
         self._candidates[signature] = [] if plan is None else [(plan, profile)]
         self._candidates[signature] += unencoded
         if trace.units:
-            # Judged where a trial runs them: under the reactive guard's reserve where the swap
-            # plan leaves the guard headroom, else at the budget (NOTE [plan within the guard]).
-            reserve = plan.reserve_bytes if plan and plan.budget_bytes < self.budget_bytes else 0
-            candidates = recompute_candidates(trace, max(0, self.budget_bytes - reserve))
+            # Judged at the budget: the model holds what a trial's recomputations hold (NOTE
+            # [recomputation's working set] in activations/recorder.py).
+            candidates = recompute_candidates(trace, self.budget_bytes)
             if candidates:
                 growth = unit_regrowth(trace)
                 whole = tuple(u.name for u in trace.units if through_one_node(u))

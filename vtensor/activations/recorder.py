@@ -57,6 +57,49 @@ class OpenStep:
 
 
 @dataclass
+class UnitHighs:
+    """How far each unit's forward took the bytes (NOTE [recomputation's working set]).
+
+    NOTE [recomputation's working set]
+    Recomputing a unit runs its forward again at the first unpack of anything it saved. The
+    model holds the saved tensors it brings back from then on (NOTE [recomputed lifetimes] in
+    ``planner/recomputed.py``), but while the forward runs it holds more: outputs no op saves (an
+    attention's scores and masked scores, T x T each, beside the probabilities), its own output,
+    tensors too small to manage. Left out, the model put the first backward step of a small
+    ResNet's block, recomputed selectively, 1.0 MiB under the 4.4 MiB its trial held there, so
+    candidates were judged under the reactive guard's whole reserve, which on the char GPT at
+    the GPU benchmark's batch left none (benchmarks/README.md, "Backward steps in parts"). So
+    the profile notes, for each unit, how far the bytes its forward made rose above where they
+    stood as it began: each reading outside vTensors plus every byte saved into them so far, so
+    that a tensor being saved or swapped changes nothing (``TraceUnit.working_bytes``). What of
+    it the model does not hold already is held while the unit runs again. The unit's own checks
+    run its forward again without readings, so they count for no unit
+    (``tests/vtensor/activations/test_working_set.py``).
+    """
+
+    now: int = 0  # the last reading outside vTensors plus the bytes saved into them so far
+    saved: int = 0
+    open: list[list[int]] = field(default_factory=list)  # [at its start, highest] per unit
+
+    def note(self, unmanaged: int) -> None:
+        """A reading of ``unmanaged`` bytes outside vTensors."""
+        self.now = unmanaged + self.saved
+        for watch in self.open:
+            watch[1] = max(watch[1], self.now)
+
+    def begin(self) -> list[int]:
+        """A unit's forward begins: its watch, for :meth:`end`."""
+        watch = [self.now, self.now]
+        self.open.append(watch)
+        return watch
+
+    def end(self, watch: list[int]) -> int:
+        """The unit of ``watch`` returned: how far the bytes rose inside it."""
+        self.open.remove(watch)
+        return max(0, watch[1] - watch[0])
+
+
+@dataclass
 class IterationBooks:
     """What an iteration measured, for its report and trace."""
 
@@ -74,6 +117,17 @@ class IterationBooks:
     growth: dict[tuple[int, int], int] = field(default_factory=dict)
     # per vTensor, the step and part it was last unpacked in (NOTE [backward parts])
     last_part: dict[int, tuple[int, int]] = field(default_factory=dict)
+    highs: UnitHighs = field(default_factory=UnitHighs)
+
+    def book(self, record: VTensor) -> None:
+        """A vTensor saved for the first time this iteration."""
+        self.tensors[record.vid] = record
+        self.highs.saved += record.nbytes
+
+    def note_unmanaged(self, step: OpenStep, nbytes: int) -> None:
+        """An unmanaged reading of ``nbytes`` in ``step``: its peaks, and the open units'."""
+        step.note_unmanaged(nbytes)  # and its part's (NOTE [backward parts])
+        self.highs.note(nbytes)
 
     def unpacked(self, vid: int, step_index: int, step: OpenStep | None) -> None:
         """The vTensor ``vid`` was unpacked at step ``step_index``, running as ``step``."""

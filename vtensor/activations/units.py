@@ -54,6 +54,7 @@ from vtensor.activations.encodings import side_effect_free
 from vtensor.activations.hooks import Removable
 from vtensor.activations.rebuild import one_node
 from vtensor.activations.recompute import CallSnapshot, RecomputeTarget
+from vtensor.activations.recorder import UnitHighs
 from vtensor.activations.selective_profile import (
     ProfileTarget,
     SelectiveProfile,
@@ -95,6 +96,7 @@ class _Open:
     buffers: list[torch.Tensor]
     attributes: dict[tuple[int, str], object]
     call: CallSnapshot  # what a recomputation would run from (NOTE [call snapshot])
+    watch: list[int]  # NOTE [recomputation's working set] in activations/recorder.py
 
 
 @dataclass
@@ -110,6 +112,7 @@ class _Seen:
     selective: SelectiveProfile | None = None
     output_bytes: int = 0
     one_node: bool = False
+    working_bytes: int = 0
 
 
 @dataclass
@@ -119,6 +122,7 @@ class UnitRecorder:
     model: nn.Module
     target: UnitTarget
     records: dict[int, VTensor]
+    highs: UnitHighs = field(default_factory=UnitHighs)
     seen: dict[str, _Seen] = field(default_factory=dict)
     _open: dict[int, list[_Open]] = field(default_factory=dict)
 
@@ -156,6 +160,7 @@ class UnitRecorder:
                 buffers=[b.detach().clone() for b in module.buffers()],
                 attributes=_attributes(module),
                 call=CallSnapshot(args, kwargs),
+                watch=self.highs.begin(),
             )
         )
 
@@ -164,6 +169,7 @@ class UnitRecorder:
             return
         opened = self._open[id(module)].pop()
         forward_s = device_now(self.target.device) - opened.started
+        working = self.highs.end(opened.watch)
         vids = list(range(opened.first_vid, self.target.store.next_vid))
         inputs = [
             v
@@ -195,6 +201,7 @@ class UnitRecorder:
         self.seen[name].selective = selective
         self.seen[name].output_bytes = sum(returned.values())
         self.seen[name].one_node = whole
+        self.seen[name].working_bytes = working
 
     def units(
         self, position: dict[int, int], tensors: Sequence[TraceTensor], step_names: Sequence[str]
@@ -234,6 +241,7 @@ class UnitRecorder:
                 why_not_selective=seen.why_unsafe or "not profiled",
                 output_bytes=seen.output_bytes,
                 one_node=seen.one_node,
+                working_bytes=seen.working_bytes,
             )
             if seen.selective is not None:
                 unit = with_selective(unit, seen.selective, position)

@@ -47,7 +47,8 @@ def instrumented(
                 )
             )
         elif chosen.find_units:
-            iteration.units = UnitRecorder(model, iteration, iteration.books.tensors)
+            books = iteration.books
+            iteration.units = UnitRecorder(model, iteration, books.tensors, books.highs)
             for hook in iteration.units.install():
                 stack.callback(hook.remove)
         if chosen.encode and scan.maskable:

@@ -10,11 +10,12 @@ recomputes only the rest: it frees the inner tensors no product op made, at the 
 non-product ops' time, and holds its product outputs, unswappable, from their making through its
 backward. Either way recomputation brings the freed tensors back all at once, at the start of the
 unit's backward, where swapping would bring them back one by one (each then leaves after its last
-use: NOTE [recomputed lifetimes]). The options cheapest per freed byte are taken first until they
-cover the deficit (the peak over the budget), never two nested units nor both options of one, and an
-option is taken only if the iteration with it (``with_recompute``) still has a feasible floor; where
-the deficit is still not covered, selective units are recomputed whole instead, those adding the
-most bytes per second first. What remains is left to the swap planner. No bandwidth model decides
+use: NOTE [recomputed lifetimes] in ``recomputed.py``). The options cheapest per freed byte are
+taken first until they cover the deficit (the peak over the budget), never two nested units nor
+both options of one, and an option is taken only if the iteration with it (``with_recompute``)
+still has a feasible floor; where the deficit is still not covered, selective units are recomputed
+whole instead, those adding the most bytes per second first. What remains is left to the swap
+planner. No bandwidth model decides
 between the two: on a CPU the swap engine's work (sealing, system calls, page faults on return)
 takes cores from compute even where the planner hides the transfer, which a model of the disk alone
 does not see. So the choice is tested, not trusted, and is not the only one tried: every outermost
@@ -34,13 +35,13 @@ of its own, its trace planned by ``plan_lgm``, and the hybrid plans and the swap
 replayed in turn and the fastest replay kept (NOTE [plan race] in ``activations/race.py``).
 """
 
-import dataclasses
 from collections.abc import Sequence
 
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate
 from vtensor.planner.plan import Plan
-from vtensor.planner.trace import TensorKind, Trace, TraceStep, TraceUnit
+from vtensor.planner.recomputed import with_recompute
+from vtensor.planner.trace import TensorKind, Trace, TraceUnit
 
 
 def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
@@ -49,7 +50,7 @@ def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
 
 
 def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
-    """Per safe unit, a bound of what recomputing it holds at once: (whole, selectively).
+    """Per safe unit, what recomputing it holds at once: (whole, selectively).
 
     NOTE [regrowth bound]
     A trial of recomputation makes room for each unit before it runs again (NOTE [recomputed
@@ -59,14 +60,23 @@ def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
     it ends. A small ResNet's blocks held 1.0-1.5 times every tensor saved inside them (the
     unit's inputs aside), up to 3 times their inner bytes, and a selective recomputation of its
     stem, whose estimate had been its non-product tensors (none), held 1.06 MB; a trial then
-    broke the budget by 250 KB beside a busy loop. So the bound is twice every tensor saved
+    broke the budget by 250 KB beside a busy loop. So the bound was twice every tensor saved
     inside the unit but its inputs, the same whole or selectively (a selective one may make all
-    but the product outputs afresh, and those are no larger). A trial's trace samples what each
-    recomputation really held, and its plan places that (NOTE [recomputed lifetimes]).
+    but the product outputs afresh, and those are no larger). The profile now measures it: the
+    unit's working set (NOTE [recomputation's working set] in ``activations/recorder.py``),
+    less, selectively, the product outputs SAC's cache already holds. No hook reads inside a
+    recomputation, so a trial reads its peak as where it began plus this figure, and its trace,
+    and the plan made from it, hold what the recomputation held at once: without that, a plan
+    made from the char GPT's trial at the GPU benchmark's batch and 40 % filled the budget at
+    the attention's backward, where a count of live storages found 815 MiB of 670. Where the
+    profile measured nothing (no reading inside the unit's forward), the bound stands.
     """
     bounds = {}
     for unit in trace.units:
-        if unit.safe:
+        if unit.safe and unit.working_bytes:
+            products = unit.product_bytes + sum(trace.tensors[v].nbytes for v in unit.product_vids)
+            bounds[unit.name] = (unit.working_bytes, max(0, unit.working_bytes - products))
+        elif unit.safe:
             inputs = set(unit.input_vids)
             inside = sum(
                 t.nbytes
@@ -83,124 +93,6 @@ def selective_bytes(trace: Trace, unit: TraceUnit) -> int:
     """Bytes recomputing ``unit`` selectively frees, less the product outputs it newly holds."""
     freed = sum(trace.tensors[v].nbytes for v in unit.selective_vids)
     return freed - unit.product_bytes
-
-
-# NOTE [one node or checkpointing]: one node saves a unit's graph in forward and
-# checkpointing's hook per saved tensor (11-16 % of the blocks' recomputation on the main job's
-# CNN, benchmarks/README.md, ``recompute_cost``), but runs the whole forward again, where
-# checkpointing stops after the last tensor the unit saves. A unit whose ops after its last save
-# take more than this share of its forward (a DenseNet layer's last convolution: 32-45 %) is
-# cheaper through checkpointing.
-ONE_NODE_MAX_TAIL_SHARE = 0.1
-
-
-def through_one_node(unit: TraceUnit) -> bool:
-    """Whether ``unit``, recomputed whole, goes behind one autograd node.
-
-    Where one can stand for it and its forward's tail is short (NOTE [one node or
-    checkpointing]).
-    """
-    return unit.one_node and unit.tail_s <= ONE_NODE_MAX_TAIL_SHARE * unit.forward_s
-
-
-def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] = ()) -> Trace:
-    """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
-
-    ``selective``: those of ``names`` recomputed selectively. A whole unit's inner tensors are
-    gone; a selective unit's inner tensors leave the trace too, and its product outputs'
-    bytes are held, as unmanaged bytes, from their save (the others from its first step)
-    through its last backward step. Each tensor recomputation brings back is held, as
-    unmanaged bytes, from the unit's first backward step through its own last use (NOTE
-    [recomputed lifetimes]). The unit's inputs cannot move where checkpointing recomputes it
-    (its frame holds them); behind one node they move like any saved tensor until its backward
-    (NOTE [one node's inputs]). Vids are renumbered in order.
-
-    NOTE [one node's inputs]
-    A unit recomputed behind one node (``activations/rebuild.py``) saves its inputs through the
-    manager's hooks, so a plan may swap them between its forward and its backward; its backward
-    holds them from its first step to its last (the second forward runs on them, and the
-    rebuilt graph saves them again). Pinned for the whole iteration, as checkpointing's are, a
-    small ConvNeXt's four blocks recomputed were judged to need 13.7 MB, 1.5 MB more than with
-    their inputs free to move and more than the 12.6 MB its budget at half its peak leaves a
-    plan, so what checkpointing every block does never got a trial (benchmarks/README.md,
-    ``held_out``).
-
-    NOTE [recomputed lifetimes]
-    Recomputation runs the unit's forward again at the first unpack of anything it saved, so
-    every tensor it brings back appears at once, at the start of the unit's backward. It does
-    not stay there: torch's checkpoint keeps a recomputed tensor only under a weak reference
-    keyed by the handle its saved-tensor hook packed, and drops the handle when the tensor is
-    unpacked, so each one is freed once the backward node that used it is done with it. Held
-    through the whole of the unit's backward instead, the bytes used early in it counted at
-    every later step too, and the floor judged with them was higher than the one recomputing
-    the unit leaves. Within its last step, it is held through the part that used it last (NOTE
-    [backward parts] in ``memory_model.py``): every block of the char GPT recomputed was judged
-    to need 589 MiB at the GPU benchmark's batch, 557 MiB with parts.
-    """
-    chosen, partial = set(names), set(selective)
-    units = [u for u in trace.units if u.name in chosen]
-    gone = {v for u in units for v in u.inner_vids}
-    gone |= {v for u in units if u.name in partial for v in (*u.selective_vids, *u.product_vids)}
-    one_node = {u.name for u in units if u.name not in partial and through_one_node(u)}
-    kept = {v for u in units if u.name not in one_node for v in u.input_vids}
-    held_by_node: dict[int, set[int]] = {}  # NOTE [one node's inputs]
-    extra = [0] * len(trace.steps)
-    part_extra: dict[int, list[int]] = {}  # by step, per part: tensors freed in a part
-    for unit in units:
-        backward = [s.index for s in trace.steps if _in_backward(s.name, unit.name)]
-        first, last = min(backward, default=unit.last_step), max(backward, default=unit.last_step)
-        if unit.name in one_node:
-            for v in unit.input_vids:
-                held_by_node.setdefault(v, set()).update(range(first, last + 1))
-        recomputed = unit.selective_vids if unit.name in partial else unit.inner_vids
-        for v in recomputed:  # NOTE [recomputed lifetimes]
-            tensor = trace.tensors[v]
-            freed = max((s for s in tensor.use_steps if s >= first), default=last)
-            for index in range(first, freed):
-                extra[index] += tensor.nbytes
-            parts = len(trace.steps[freed].part_peak_bytes)
-            if freed == max(tensor.use_steps, default=-1) and 0 <= tensor.last_part < parts:
-                # Freed in the part that used it last (NOTE [backward parts] in memory_model.py).
-                by_part = part_extra.setdefault(freed, [0] * parts)
-                for j in range(tensor.last_part + 1):
-                    by_part[j] += tensor.nbytes
-            else:
-                extra[freed] += tensor.nbytes
-        if unit.name not in partial:
-            if through_one_node(unit):
-                # Its output's gradient stays until its backward ends (NOTE [one-node
-                # recomputation] in activations/rebuild.py).
-                for index in range(first, last + 1):
-                    extra[index] += unit.output_bytes
-            continue
-        held = [(trace.tensors[v].saved_step, trace.tensors[v].nbytes) for v in unit.product_vids]
-        for first, nbytes in [*held, (unit.first_step, unit.product_bytes)]:
-            for index in range(first, last + 1):
-                extra[index] += nbytes
-    steps = tuple(_with_extra(s, extra[s.index], part_extra.get(s.index)) for s in trace.steps)
-    tensors = tuple(
-        dataclasses.replace(
-            t,
-            vid=i,
-            evictable_step=-1 if t.vid in kept else t.evictable_step,
-            use_steps=tuple(sorted({*t.use_steps, *held_by_node.get(t.vid, ())})),
-        )
-        for i, t in enumerate(t for t in trace.tensors if t.vid not in gone)
-    )
-    return dataclasses.replace(
-        trace, steps=steps, tensors=tensors, units=(), recomputed=(), selective=()
-    )
-
-
-def _with_extra(step: TraceStep, extra: int, part_extra: list[int] | None) -> TraceStep:
-    """``step`` holding ``extra`` more throughout and ``part_extra`` more in each of its parts."""
-    if part_extra is None:
-        parts = tuple(p + extra for p in step.part_peak_bytes)
-        return dataclasses.replace(
-            step, unmanaged_peak_bytes=step.unmanaged_peak_bytes + extra, part_peak_bytes=parts
-        )
-    parts = tuple(p + extra + e for p, e in zip(step.part_peak_bytes, part_extra, strict=True))
-    return dataclasses.replace(step, unmanaged_peak_bytes=max(parts), part_peak_bytes=parts)
 
 
 def choose_recompute(
@@ -349,10 +241,6 @@ def predicted_step_s(trace: Trace, plan: Plan | None) -> float:
     if plan is None:
         return float("inf")
     return sum(s.duration_s for s in trace.steps) + plan.predicted_stall_s
-
-
-def _in_backward(step: str, unit: str) -> bool:
-    return step == f"backward:{unit}" or step.startswith(f"backward:{unit}.")
 
 
 def _inside(a: str, b: str) -> bool:

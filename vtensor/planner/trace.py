@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 13
+TRACE_SCHEMA_VERSION = 14
 
 
 class TensorKind(StrEnum):
@@ -145,6 +145,9 @@ class TraceUnit:
             [one-node recomputation]).
         tail_s: the time of its forward's ops after its last save: what checkpointing does not
             recompute and one node does (NOTE [one-node recomputation]).
+        working_bytes: how far its forward took the bytes it made, the tensors it saved
+            included: what running it again holds at its peak (NOTE [recomputation's working
+            set] in ``activations/recorder.py``).
     """
 
     name: str
@@ -164,6 +167,7 @@ class TraceUnit:
     output_bytes: int = 0
     one_node: bool = False
     tail_s: float = 0.0
+    working_bytes: int = 0
 
 
 @dataclass(frozen=True)

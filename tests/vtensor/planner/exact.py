@@ -80,7 +80,7 @@ def exact_hybrid_cost(
     from itertools import product
 
     from vtensor.planner.lgm import min_budget
-    from vtensor.planner.recompute import with_recompute
+    from vtensor.planner.recomputed import with_recompute
 
     safe = [u for u in trace.units if u.safe]
     options = [

@@ -2,7 +2,7 @@
 
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate, step_unmanaged
-from vtensor.planner.recompute import with_recompute
+from vtensor.planner.recomputed import with_recompute
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
 
 KB = 1000

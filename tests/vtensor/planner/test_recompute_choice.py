@@ -11,15 +11,13 @@ from vtensor.planner.lgm import build_lgm, min_budget
 from vtensor.planner.memory_model import check_plan
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import (
-    ONE_NODE_MAX_TAIL_SHARE,
     choose_recompute,
     inner_bytes,
     recompute_candidates,
     recompute_outermost,
     selective_bytes,
-    through_one_node,
-    with_recompute,
 )
+from vtensor.planner.recomputed import ONE_NODE_MAX_TAIL_SHARE, through_one_node, with_recompute
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
 
 

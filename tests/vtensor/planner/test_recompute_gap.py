@@ -11,7 +11,8 @@ from vtensor.planner.lgm import (
     build_lgm,
     min_budget,
 )
-from vtensor.planner.recompute import choose_recompute, with_recompute
+from vtensor.planner.recompute import choose_recompute
+from vtensor.planner.recomputed import with_recompute
 from vtensor.planner.trace import Trace
 
 # A byte moved (out or in) costs half a write and half a read at the planner's default
