@@ -324,7 +324,7 @@ class Iteration:
 
     # -- the budget ---------------------------------------------------------------------------
     def make_room(self, nbytes: int) -> None:
-        """Evict activations so that ``nbytes`` a parameter offloading is about to read fit."""
+        """Evict activations so that ``nbytes`` about to be allocated fit (a read, a check)."""
         self.enforce(incoming_bytes=nbytes, judge=False)
 
     def enforce(
