@@ -68,7 +68,7 @@ def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
     recomputation, so a trial reads its peak as where it began plus this figure, and its trace,
     and the plan made from it, hold what the recomputation held at once. On the char GPT at the
     GPU benchmark's batch and 40 %, the trials' readings then matched a count of live storages
-    (533.6-547.7 MiB against 538.2-547.4), where they had read up to 110 MiB less; their race
+    (533.6-547.7 MiB against 538.2-547.4), where they had read up to 111 MiB less; their race
     replays still held up to 782 MiB of live storages for 670, the temporaries inside the
     attention's backward ops that the budget leaves out unless ``count_workspaces``
     (benchmarks/README.md, "Recomputation's working set"). Where the profile measured nothing
