@@ -66,6 +66,7 @@ from vtensor.activations.selective_profile import (
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
+from vtensor.planner.recomputed import in_backward
 from vtensor.planner.trace import TraceTensor, TraceUnit
 
 _SIMPLE = (int, float, bool, str, type(None))
@@ -220,11 +221,7 @@ class UnitRecorder:
         """
         units = []
         for seen in self.seen.values():
-            own = {
-                i
-                for i, step in enumerate(step_names)
-                if step == f"backward:{seen.name}" or step.startswith(f"backward:{seen.name}.")
-            }
+            own = {i for i, step in enumerate(step_names) if in_backward(step, seen.name)}
             inputs = {position[v] for v in seen.input_vids if v in position}
             inner = tuple(
                 position[v]

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate
 from vtensor.planner.plan import Plan
-from vtensor.planner.recomputed import with_recompute
+from vtensor.planner.recomputed import product_bytes, with_recompute
 from vtensor.planner.trace import TensorKind, Trace, TraceUnit
 
 
@@ -77,8 +77,8 @@ def unit_regrowth(trace: Trace) -> dict[str, tuple[int, int]]:
     bounds = {}
     for unit in trace.units:
         if unit.safe and unit.working_bytes:
-            products = unit.product_bytes + sum(trace.tensors[v].nbytes for v in unit.product_vids)
-            bounds[unit.name] = (unit.working_bytes, max(0, unit.working_bytes - products))
+            selective = max(0, unit.working_bytes - product_bytes(trace, unit))
+            bounds[unit.name] = (unit.working_bytes, selective)
         elif unit.safe:
             inputs = set(unit.input_vids)
             inside = sum(

@@ -87,7 +87,7 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
                     by_part[j] += tensor.nbytes
             else:
                 extra[freed] += tensor.nbytes
-        _add_working(trace, unit, first, recomputed, extra, part_extra)
+        _add_working(trace, unit, first, unit.name in partial, extra, part_extra)
         if unit.name not in partial:
             if through_one_node(unit):
                 # Its output's gradient stays until its backward ends (NOTE [one-node
@@ -118,11 +118,11 @@ def _add_working(
     trace: Trace,
     unit: TraceUnit,
     first: int,
-    recomputed: Sequence[int],
+    selective: bool,
     extra: list[int],
     part_extra: dict[int, list[int]],
 ) -> None:
-    """Hold what ``unit`` runs again with beyond ``recomputed``, where it runs again.
+    """Hold what ``unit`` runs again with beyond what it brings back, where it runs again.
 
     NOTE [recomputation's working set] in ``activations/recorder.py``: the working set less the
     tensors it brings back (and, selectively, the product outputs SAC holds), which the model
@@ -130,10 +130,9 @@ def _add_working(
     first backward step, on: in the step of that use, through the earliest part in which one of
     those tensors was last used there (every part where none was).
     """
-    held = sum(trace.tensors[v].nbytes for v in recomputed)
-    if recomputed is unit.selective_vids:
-        held += unit.product_bytes + sum(trace.tensors[v].nbytes for v in unit.product_vids)
-    more = unit.working_bytes - held
+    brought = unit.selective_vids if selective else unit.inner_vids
+    held = sum(trace.tensors[v].nbytes for v in brought)
+    more = unit.working_bytes - held - (product_bytes(trace, unit) if selective else 0)
     if more <= 0:
         return
     saved = [trace.tensors[v] for v in (*unit.inner_vids, *unit.input_vids)]
@@ -157,6 +156,11 @@ def _with_extra(step: TraceStep, extra: int, part_extra: list[int] | None) -> Tr
         )
     parts = tuple(p + extra + e for p, e in zip(step.part_peak_bytes, part_extra, strict=True))
     return dataclasses.replace(step, unmanaged_peak_bytes=max(parts), part_peak_bytes=parts)
+
+
+def product_bytes(trace: Trace, unit: TraceUnit) -> int:
+    """Bytes of ``unit``'s product outputs, which SAC's cache holds when it runs selectively."""
+    return unit.product_bytes + sum(trace.tensors[v].nbytes for v in unit.product_vids)
 
 
 def in_backward(step: str, unit: str) -> bool:
