@@ -10,6 +10,16 @@ load. Round 1 of a variant profiles (with recomputation, also tries candidates a
 and fills the plan cache its class shares, as in a simulation; it is reported apart. Every later
 round opens a fresh manager that loads the cached plan, as each round of a simulated client does.
 
+Beside them, what a user would do instead, unmanaged: ``torch.utils.checkpoint``
+(``use_reentrant=False``) on every stage of the model's ``features``, whole (``checkpoint``) or
+keeping the convolutions' outputs (``selective``, the policy of the manager's selective units),
+and, per device class, checkpointing exactly the modules the main job's plan for that class
+recomputes (``checkpoint-<class>``: the manager's choice made by torch's own mechanism, from the
+round after the plan is decided). Their tracked peaks are measured as the unmanaged one's (the
+manager's heap-counter readings over a step under a budget that never binds), so each class's
+summary line names the fastest of them whose peak fits its budget and sets the main job's
+setting against it.
+
 Per variant: the median round time of rounds 2 to N and its ratio to the unmanaged round's
 median (the target: 1.15x), the median of the per-round ratios (each managed round against the
 unmanaged round of the same turn), round 1's time, MiB moved out per round, the tracked peak
@@ -25,6 +35,9 @@ figures are not taken here. Run from the repository root::
 
 import argparse
 import copy
+import functools
+import json
+import re
 import statistics
 import sys
 import tempfile
@@ -36,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from benchmarks.common import (
     add_out,
@@ -58,6 +72,8 @@ from edgefl.train import (
     train_local,
     train_within_budget,
 )
+from vtensor.activations.selective import save_products
+from vtensor.planner.plan import Plan
 
 MIB = 1 << 20
 
@@ -70,14 +86,63 @@ class Variant:
     budget_bytes: int | None = None
     settings: VTensorSettings | None = None
     cache_dir: Path | None = None
+    # Unmanaged, with these modules under torch.utils.checkpoint (by qualified name); None:
+    # none. ``follows``: the managed variant whose decided plan names them (filled once it is).
+    checkpointed: tuple[str, ...] | None = None
+    selective: tuple[str, ...] = ()  # of those, the ones checkpointed selectively
+    follows: "Variant | None" = None
+    peak_bytes: int | None = None  # a baseline's tracked peak
+    first: int = -1  # the first round it ran (0-based): baselines that follow a plan start late
     round_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)  # against the same turn's unmanaged round
     outcomes: list[TrainOutcome] = field(default_factory=list)
     identical: list[bool] = field(default_factory=list)
 
 
+def _checkpointed(model: nn.Module, names: Sequence[str], selective: Sequence[str]) -> nn.Module:
+    """``model`` with each module named in ``names`` run under ``torch.utils.checkpoint``.
+
+    Those also in ``selective`` keep their convolutions' and matrix products' outputs (the
+    manager's selective policy, NOTE [selective recompute]).
+    """
+    context = functools.partial(create_selective_checkpoint_contexts, save_products)
+    for name in names:
+        module = model.get_submodule(name)
+        own = module.forward
+        if name in selective:
+            module.forward = functools.partial(  # type: ignore[method-assign]
+                checkpoint, own, use_reentrant=False, context_fn=context
+            )
+        else:
+            module.forward = functools.partial(checkpoint, own, use_reentrant=False)  # type: ignore[method-assign]
+    return model
+
+
+_ENTRY = re.compile(r"^[0-9a-f]{64}\.json$")
+
+
+def _tracked_peak(start: nn.Module, v: Variant, data: Any, batch_size: int) -> int:
+    """A baseline's tracked peak, measured as the unmanaged round's (``measure_unmanaged_peak``)."""
+    model = _checkpointed(copy.deepcopy(start), v.checkpointed or (), v.selective)
+    return measure_unmanaged_peak(model, data, batch_size).unmanaged_peak_bytes
+
+
+def _decided_plan(cache_dir: Path | None) -> Plan | None:
+    """The newest decided plan in a plan cache directory (None while undecided)."""
+    if cache_dir is None or not cache_dir.is_dir():
+        return None
+    entries = sorted(
+        (p for p in cache_dir.iterdir() if _ENTRY.match(p.name)), key=lambda p: p.stat().st_mtime
+    )
+    if not entries:
+        return None
+    return Plan.from_json(json.loads(entries[-1].read_text())["plan"])
+
+
 def _round(v: Variant, model: nn.Module, data: Any, local: LocalRound) -> TrainOutcome:
     if v.settings is None:
+        if v.checkpointed:
+            model = _checkpointed(model, v.checkpointed, v.selective)
         return train_local(model, data, local)
     assert v.budget_bytes is not None and v.cache_dir is not None
     return train_within_budget(
@@ -107,6 +172,11 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     local = settings_round(c.train, c.seed, args.max_examples)
     root = Path(tempfile.mkdtemp(prefix="main-round-"))
     variants = [Variant("unmanaged")]
+    stages = tuple(f"features.{i}" for i in range(len(start.get_submodule("features"))))
+    baselines = [
+        Variant("checkpoint", checkpointed=stages),
+        Variant("selective", checkpointed=stages, selective=stages),
+    ]
     for device in c.fleet.classes:
         budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
         for recompute in (False, True):
@@ -115,6 +185,12 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                 name = device.name + "+recompute" * recompute + suffix
                 vt = replace(c.vtensor, enabled=True, recompute=recompute, encode_masks=masks)
                 variants.append(Variant(name, budget, vt, root / name))
+        # The main job's setting for this class: the last variant with recomputation.
+        baselines.append(Variant(f"checkpoint-{device.name}", follows=variants[-1]))
+    for b in baselines:
+        if b.checkpointed:
+            b.peak_bytes = _tracked_peak(start, b, data, c.train.batch_size)
+    variants[1:1] = baselines
     print(
         f"# {c.model.name} on {c.data.name}, batch {c.train.batch_size}: unmanaged peak "
         f"{peak.unmanaged_peak_bytes / MIB:.1f} MiB, smallest workable budget "
@@ -125,7 +201,14 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
         reference: nn.Module | None = None
         reference_s = 0.0
         for v in variants:
+            if v.follows is not None and v.checkpointed is None:
+                plan = _decided_plan(v.follows.cache_dir)
+                if plan is None:
+                    continue  # the plan it follows is still undecided
+                v.checkpointed, v.selective = plan.recompute, plan.selective
+                v.peak_bytes = _tracked_peak(start, v, data, c.train.batch_size)
             model = copy.deepcopy(start)
+            v.first = r if v.first < 0 else v.first
             seed_everything(c.seed, c.train.torch_threads)
             begin = time.perf_counter()
             outcome = _round(v, model, data, replace(local, seed=c.seed + r))
@@ -138,28 +221,61 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                 v.identical.append(_same(model, reference))
                 v.ratios.append(elapsed / reference_s)
         print(f"#   round {r + 1} done", flush=True)
-    return [_row(v, variants[0], peak.unmanaged_peak_bytes) for v in variants]
+    variants[0].peak_bytes = peak.unmanaged_peak_bytes
+    ran = [v for v in variants if v.round_s]
+    return [_row(v, variants[0], peak.unmanaged_peak_bytes) for v in ran]
 
 
 def _row(v: Variant, reference: Variant, peak_bytes: int) -> dict[str, Any]:
-    later = v.round_s[1:] or v.round_s
+    skip = 1 if v.first == 0 else 0  # round 1 profiles (a baseline's first round does not)
+    later = v.round_s[skip:] or v.round_s
     base = statistics.median(reference.round_s[1:] or reference.round_s)
+    managed = v.settings is not None
     return {
         "variant": v.name,
         "budget_bytes": v.budget_bytes,
         "budget_fraction": None if v.budget_bytes is None else v.budget_bytes / peak_bytes,
+        "checkpointed": None if v.checkpointed is None else list(v.checkpointed),
+        "checkpointed_selectively": list(v.selective),
+        "follows": None if v.follows is None else v.follows.name,
+        "first_round": v.first + 1,
         "round_s_median": statistics.median(later),
         "round_s_all": v.round_s,
         "vs_unmanaged": statistics.median(later) / base,
-        "paired_ratio_median": statistics.median(v.ratios[1:] or v.ratios) if v.ratios else 1.0,
+        "paired_ratio_median": statistics.median(v.ratios[skip:] or v.ratios) if v.ratios else 1.0,
         "first_round_s": v.round_s[0],
-        "mib_out_per_round": statistics.median(o.bytes_out for o in v.outcomes[1:] or v.outcomes)
+        "mib_out_per_round": statistics.median(o.bytes_out for o in v.outcomes[skip:] or v.outcomes)
         / MIB,
-        "peak_bytes": max(o.peak_device_bytes for o in v.outcomes),
+        # Managed: the largest reading of its rounds; unmanaged ones: measured apart.
+        "peak_bytes": max(o.peak_device_bytes for o in v.outcomes) if managed else v.peak_bytes,
         "plan_sources": [str(o.plan_source) for o in v.outcomes],
         "weights_identical": all(v.identical) if v.identical else True,
         "steps_per_round": v.outcomes[0].steps,
     }
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per device class, its main-setting row against the fastest unmanaged way that fits."""
+    lines = []
+    plain = [r for r in rows if r["budget_bytes"] is None and r["peak_bytes"] is not None]
+    for follower in (r for r in rows if r["follows"] is not None):
+        main = next(r for r in rows if r["variant"] == follower["follows"])
+        budget = main["budget_bytes"]
+        fits = [r for r in plain if r["peak_bytes"] <= budget]
+        listed = ", ".join(
+            f"{r['variant']} ({r['peak_bytes'] / MIB:.1f} MiB, {r['paired_ratio_median']:.2f}x)"
+            for r in fits
+        )
+        line = (
+            f"# {main['variant']} at {budget / MIB:.1f} MiB: {main['paired_ratio_median']:.2f}x "
+            f"unmanaged; fits the budget unmanaged: {listed or 'nothing'}"
+        )
+        if fits:
+            best = min(fits, key=lambda r: r["round_s_median"])
+            ratio = main["round_s_median"] / best["round_s_median"]
+            line += f"; {ratio:.2f}x the fastest of them ({best['variant']})"
+        lines.append(line)
+    return lines
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -174,7 +290,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             if r["budget_bytes"] is None
             else f"{r['budget_bytes'] / MIB:.1f} ({r['budget_fraction']:.0%})"
         )
-        peak = "-" if r["budget_bytes"] is None else f"{r['peak_bytes'] / MIB:.1f}"
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / MIB:.1f}"
         lines.append(
             f"| {r['variant']} | {budget} | {r['round_s_median']:.2f} | {r['vs_unmanaged']:.2f}x "
             f"| {r['paired_ratio_median']:.2f}x | {r['first_round_s']:.2f} | "
@@ -220,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     rows = run(args, settings)
     print(_table(rows))
+    print("\n".join(_summary(rows)))
     print(f"# total {time.perf_counter() - started:.0f} s", flush=True)
     if args.out:
         write_json_lines(args.out, env, tagged("main_round", rows))

@@ -14,6 +14,7 @@ from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wa
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.quiet import QuietTurns
 from vtensor.activations.rebuild import Boundaries
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, VTensor
@@ -43,6 +44,7 @@ class Iteration:
         count_workspaces: bool = False,
         params: ParamSide | None = None,
         lean: bool = False,
+        quiet: QuietTurns | None = None,
     ) -> None:
         self.store = store
         self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
@@ -89,11 +91,12 @@ class Iteration:
         )
         self.was_lean = self.lean
         self.passing: Passing | None = None  # while lean (NOTE [passed])
-        self.hookless = False  # NOTE [hookless replay] in activations/lean.py
+        self.hookless = self.quiet = False  # NOTE [hookless replay], NOTE [quiet replay]
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
-            read = functools.partial(self._check_boundary, "at a watched step's saved tensor")
+            self.quiet = quiet is not None and quiet.take(executor, self.hookless)
+            read = functools.partial(self.check_boundary, "at a watched step's saved tensor")
             self.passing = Passing(store, executor, read if self.hookless else None)
             policy.follow_plan(True)
         self._lean_step = ""
@@ -114,8 +117,7 @@ class Iteration:
             # NOTE [step reserve] in planner/reserves.py: the rise since the guard last acted.
             self.books.note_growth(self._guarded_at, self.meter.rise(live))
         if live > self.policy.budget_bytes + self.overshoot_bytes:
-            # The budget broke before the policy could act (an op allocated more than the
-            # headroom): the iteration is infeasible at this budget as run.
+            # The budget broke before the policy could act: infeasible at this budget as run.
             self.books.violated = True
             self.floor.note_broken(live, self._step_name())
         self.books.peak_bytes = max(self.books.peak_bytes, live)
@@ -240,7 +242,7 @@ class Iteration:
             self.policy.at_step(self.step_index, following=self.executor.active)
             if self.executor.active:
                 if watched:
-                    self._check_boundary()
+                    self.check_boundary()
                 return
             self._leave_lean()
             self.step_index -= 1  # opened again below, with the books
@@ -273,7 +275,7 @@ class Iteration:
         same = self.store.memory_epoch == epoch and self.params is None
         self.enforce(live_hint=live if same else None)
 
-    def _check_boundary(self, where: str = "") -> None:
+    def check_boundary(self, where: str = "") -> None:
         """A lean replay's reading at a module boundary (NOTE [lean replay]), or ``where``."""
         live = self.live_bytes()
         self._sample(live)

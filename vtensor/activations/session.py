@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vtensor.activations.hooks import make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import ScanCache, check_start, device_of, state_storages
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.quiet import QuietTurns
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.store import ChunkStore
@@ -155,6 +155,7 @@ class MemoryManager:
         )
         self.recompute, self.encode_masks = recompute, encode_masks
         self.check_every_hook = check_every_hook
+        self._quiet = QuietTurns()  # NOTE [quiet replay] in activations/quiet.py
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
         self._peaks: IndependentPeak | None = None
@@ -295,9 +296,9 @@ class MemoryManager:
                 count_workspaces=self.count_workspaces,
                 params=joint.side if joint is not None else None,
                 lean=chosen.lean and not self.check_every_hook,
+                quiet=self._quiet,
             )
-            # Exits run in reverse: the hooks come off, the pool disconnects, then the
-            # iteration closes its last step and the store takes in what completed.
+            # Exits run in reverse: hooks off, pool disconnected, last step closed, store reaped.
             stack.callback(store.reap)
             stack.callback(iteration.finish)
             if joint is not None:
@@ -307,8 +308,7 @@ class MemoryManager:
             stats_before = StoreCounters.of(store)
             self._active = True
             stack.callback(setattr, self, "_active", False)
-            with torch.autograd.graph.saved_tensors_hooks(*make_saved_tensor_hooks(iteration)):
-                yield
+            yield
         books = iteration.books
         need = books.min_budget_bytes + pending
         over = need - self.budget_bytes  # what a racing candidate is made again under

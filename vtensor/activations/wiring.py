@@ -4,12 +4,14 @@ import contextlib
 from collections.abc import Iterator
 
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from vtensor.activations.encodings import masks_encoded
-from vtensor.activations.hooks import install_module_hooks
+from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import ModelScan
+from vtensor.activations.quiet import WatchedBoundaries
 from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.units import UnitRecorder
 
@@ -30,7 +32,11 @@ def instrumented(
     """
     plan = chosen.executor.plan if chosen.executor is not None else chosen
     with contextlib.ExitStack() as stack:
-        if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
+        if iteration.quiet:  # NOTE [quiet replay] in activations/quiet.py
+            assert chosen.executor is not None
+            watched = WatchedBoundaries(model, chosen.executor.plan, iteration)
+            stack.callback(watched.remove)
+        elif not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
             iteration.boundaries = hooks
@@ -54,4 +60,6 @@ def instrumented(
         if chosen.encode and scan.maskable:
             # After the recomputation's wrappers: a recomputed clamp keeps its own forward.
             iteration.encoded = stack.enter_context(masks_encoded(scan.maskable, scan.names)) > 0
+        if not iteration.quiet:
+            stack.enter_context(saved_tensors_hooks(*make_saved_tensor_hooks(iteration)))
         yield

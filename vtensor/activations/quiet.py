@@ -1,0 +1,146 @@
+"""Lean replays that leave saved tensors alone: hooks only at the steps the plan watches.
+
+NOTE [quiet replay]
+A hookless replay (NOTE [hookless replay] in ``activations/lean.py``) of a plan that moves no
+activation still runs the manager's saved-tensor hooks on every saved tensor: it matches each
+with the plan by position and size, which is what notices a run that leaves the plan, and reads
+the tracked bytes at the plan's watched events. Those hooks are Python calls from autograd, two
+per saved tensor, and on the main job's CNN (193 saved tensors a 43 ms step) they and the
+readings at 25 watched events cost 0.04-0.09 of the unmanaged round: its smallest class, whose
+plan recomputes two blocks, took 1.31x the unmanaged round with them and 1.23x without
+(benchmarks/README.md, ``main_round``). A quiet replay installs no saved-tensor hooks and no
+global module hooks: a forward pre-hook on the module of each watched forward step, and on the
+module of each watched backward step a forward hook that puts a pre-hook on the autograd nodes
+of its output (where NOTE [hookless replay]'s module hooks would begin that step), read the
+tracked bytes, at every call of those modules. Recomputation and the encoding are module
+wrappers and run as in any replay.
+
+What it gives up is the matching. The plan key already fixes the architecture and the input
+signature, so only data-dependent control flow can make a run leave the plan, and a plan that
+moves nothing has nothing to restore wrongly: what a divergence threatens is the budget, which
+the readings at the watched steps still judge. So a manager's first lean replay of a plan, and
+every ``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor; the
+others are quiet. A reading over the budget in a quiet replay leaves the lean replay as any
+does, and the plan is profiled again next time, but nothing saved before it can be evicted in
+that iteration (no saved tensor went through the manager): the budget of that one iteration is
+broken by what the plan did not predict, and reported.
+"""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+
+from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.lean import replays_hookless
+from vtensor.outputs import tensors_in
+from vtensor.planner.plan import Plan
+
+QUIET_RUN = 7  # quiet replays between two that match every saved tensor
+
+
+def watched_modules(plan: Plan) -> list[tuple[str, str]] | None:
+    """(phase, module name) of the steps a quiet replay reads at; None if one is no boundary.
+
+    Of the steps ``plan`` watches, those it predicts fullest (least headroom): its predicted
+    peak. The others' readings find bytes no trace explains early enough for the guard to act
+    (NOTE [confirmed readings]); in a quiet replay the guard has nothing to move, so those
+    readings are left to the replays that match every saved tensor.
+    """
+    headroom = plan.step_headroom_bytes
+    steps = plan.watched_steps
+    if len(headroom) == len(plan.step_names) and steps:
+        least = min(headroom[i] for i in steps)
+        steps = tuple(i for i in steps if headroom[i] == least)
+    found = []
+    for step in steps:
+        phase, _, name = plan.step_names[step].partition(":")
+        if phase not in ("forward", "backward") or not name:
+            return None
+        found.append((phase, name))
+    return found
+
+
+def replays_quietly(executor: PlanExecutor) -> bool:
+    """Whether a lean replay of ``executor``'s plan may be quiet (NOTE [quiet replay])."""
+    plan = executor.plan
+    return (
+        replays_hookless(executor)
+        and bool(plan.watched_steps)
+        and not plan.moves
+        and (watched_modules(plan) is not None)
+    )
+
+
+class QuietTurns:
+    """Which of a manager's lean replays are quiet: all but every ``QUIET_RUN + 1``-th."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, int] = {}  # by plan object: quiet replays since the last check
+
+    def take(self, executor: PlanExecutor | None, lean: bool) -> bool:
+        """Whether this iteration's lean replay of ``executor``'s plan is quiet."""
+        if executor is None or not lean or not replays_quietly(executor):
+            return False
+        since = self._since.get(id(executor.plan))
+        if since is not None and since < QUIET_RUN:
+            self._since[id(executor.plan)] = since + 1
+            return True
+        self._since[id(executor.plan)] = 0  # this one matches every saved tensor
+        return False
+
+
+class Reader(Protocol):
+    """What the readings go to: the iteration."""
+
+    recomputing: int
+
+    def check_boundary(self, where: str = "") -> None:
+        """Read the tracked bytes at a watched step (NOTE [lean replay])."""
+
+
+class WatchedBoundaries:
+    """The quiet replay's readings: hooks on the modules of the plan's watched steps only."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        iteration: Reader,
+    ) -> None:
+        self._iteration = iteration
+        self._handles: list[Any] = []
+        for phase, name in watched_modules(plan) or []:
+            try:  # step names are qualified names, "model" for the root (``ModelScan.names``)
+                module = model if name == "model" else model.get_submodule(name)
+            except AttributeError:
+                continue  # not this model's (the plan key would have differed)
+            step = f"{phase}:{name}"
+            if phase == "forward":
+                self._handles.append(module.register_forward_pre_hook(self._before(step)))
+            else:
+                self._handles.append(module.register_forward_hook(self._marks(step)))
+
+    def _before(self, step: str) -> Callable[..., None]:
+        def pre(_module: nn.Module, _args: Any) -> None:
+            if not self._iteration.recomputing:  # a recomputation's forward steps are not steps
+                self._iteration.check_boundary(step)
+
+        return pre
+
+    def _marks(self, step: str) -> Callable[..., None]:
+        def post(_module: nn.Module, _args: Any, output: Any) -> None:
+            for tensor in tensors_in(output):
+                if tensor.grad_fn is not None:
+                    tensor.grad_fn.register_prehook(
+                        lambda _grads: self._iteration.check_boundary(step)
+                    )
+                    return  # one read per call: the first node backward reaches
+
+        return post
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
