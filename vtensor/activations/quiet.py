@@ -5,25 +5,30 @@ A hookless replay (NOTE [hookless replay] in ``activations/lean.py``) of a plan 
 activation still runs the manager's saved-tensor hooks on every saved tensor: it matches each
 with the plan by position and size, which is what notices a run that leaves the plan, and reads
 the tracked bytes at the plan's watched events. Those hooks are Python calls from autograd, two
-per saved tensor, and on the main job's CNN (193 saved tensors a 43 ms step) they and the
-readings at 25 watched events cost 0.04-0.09 of the unmanaged round: its smallest class, whose
-plan recomputes two blocks, took 1.31x the unmanaged round with them and 1.23x without
-(benchmarks/README.md, ``main_round``). A quiet replay installs no saved-tensor hooks and no
-global module hooks: a forward pre-hook on the module of each watched forward step, and on the
-module of each watched backward step a forward hook that puts a pre-hook on the autograd nodes
-of its output (where NOTE [hookless replay]'s module hooks would begin that step), read the
-tracked bytes, at every call of those modules. Recomputation and the encoding are module
-wrappers and run as in any replay.
+per saved tensor (193 a 43 ms step on the main job's CNN), and its smallest class's plan
+watched 25 events a step. A quiet replay installs no saved-tensor hooks and no global module
+hooks. It reads the tracked bytes only at the watched steps the plan predicts fullest (its
+predicted peak, ``watched_modules``): through a forward pre-hook on the module of a forward
+step, or, for a backward step, a forward hook on its module that puts a pre-hook on the
+autograd node of the module's output (where NOTE [hookless replay]'s module hooks would begin
+that step), at every call of that module. The other watched steps' readings find bytes no trace
+explains early enough for the guard to act (NOTE [confirmed readings] in
+``planner/memory_model.py``); a quiet replay has nothing the guard could move. Recomputation and
+the encoding are module wrappers and run as in any replay. The main job's rounds went from
+1.10-1.11x, 1.24-1.25x and 1.34-1.35x the unmanaged round to 1.06-1.07x, 1.15-1.17x and
+1.22-1.23x (medium, small, micro; benchmarks/README.md, ``main_round``).
 
 What it gives up is the matching. The plan key already fixes the architecture and the input
 signature, so only data-dependent control flow can make a run leave the plan, and a plan that
 moves nothing has nothing to restore wrongly: what a divergence threatens is the budget, which
-the readings at the watched steps still judge. So a manager's first lean replay of a plan, and
-every ``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor; the
-others are quiet. A reading over the budget in a quiet replay leaves the lean replay as any
-does, and the plan is profiled again next time, but nothing saved before it can be evicted in
-that iteration (no saved tensor went through the manager): the budget of that one iteration is
-broken by what the plan did not predict, and reported.
+the reading at the predicted peak still judges. So a manager's first lean replay of a plan, and
+every ``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor and
+reads at every watched step; the others are quiet. A reading over the budget in a quiet replay
+leaves the lean replay as any does, and the plan is profiled again next time, but nothing saved
+before it can be evicted in that iteration (no saved tensor went through the manager): the
+budget of that one iteration is broken by what the plan did not predict, and reported. A saved
+tensor modified in place stops the backward with autograd's own error, as it would without the
+manager, instead of ``InPlaceModificationError``.
 """
 
 from collections.abc import Callable
@@ -43,9 +48,7 @@ def watched_modules(plan: Plan) -> list[tuple[str, str]] | None:
     """(phase, module name) of the steps a quiet replay reads at; None if one is no boundary.
 
     Of the steps ``plan`` watches, those it predicts fullest (least headroom): its predicted
-    peak. The others' readings find bytes no trace explains early enough for the guard to act
-    (NOTE [confirmed readings]); in a quiet replay the guard has nothing to move, so those
-    readings are left to the replays that match every saved tensor.
+    peak (NOTE [quiet replay]).
     """
     headroom = plan.step_headroom_bytes
     steps = plan.watched_steps
