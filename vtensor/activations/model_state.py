@@ -206,19 +206,66 @@ def state_storages(
     Returns the identities of the state's storages (the store never adopts them) and the bytes
     of the state's and the inputs' storages on ``device``, each storage once.
     """
+    protected, seen = _state_seen(state_tensors(scan, optimizer), device)
+    return protected, _with_inputs(seen, inputs, device)
+
+
+def _state_seen(
+    tensors: Sequence[torch.Tensor], device: torch.device
+) -> tuple[set[int], dict[int, int]]:
     on_device = on_device_type(device)
     protected: set[int] = set()
     seen: dict[int, int] = {}
-    for tensor in state_tensors(scan, optimizer):
+    for tensor in tensors:
         storage = tensor.untyped_storage()
         protected.add(storage._cdata)
         if on_device(tensor):
             seen[storage._cdata] = storage.nbytes()
+    return protected, seen
+
+
+def _with_inputs(seen: dict[int, int], inputs: Sequence[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the storages in ``seen`` and of those of ``inputs`` on ``device``, each once."""
+    on_device = on_device_type(device)
+    extra = {}
     for tensor in inputs:
         if on_device(tensor):
             storage = tensor.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-    return protected, sum(seen.values())
+            if storage._cdata not in seen:
+                extra[storage._cdata] = storage.nbytes()
+    return sum(seen.values()) + sum(extra.values())
+
+
+class StateStorages:
+    """A manager's :func:`state_storages`, read again only when a state tensor's data moved.
+
+    NOTE [state once]: every step needs the identities of the state's storages (the store
+    never adopts them) and their bytes (the iteration's baseline); reading a storage is a
+    Python object per tensor (MobileNetV2's 630 state tensors: 0.26 ms, against 0.05 ms for
+    their data pointers). A manager keeps the last reading while the state's tensors, in order,
+    have the same data pointers: a storage replaced (``.data`` assigned, ``set_``) is made while
+    the old one still exists, so its data lies elsewhere. Zero-size storages, which may share
+    the null pointer, make every step read again. The inputs are read at every step.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[object, ...], set[int], dict[int, int]] | None = None
+
+    def of(
+        self,
+        scan: ModelScan,
+        optimizer: torch.optim.Optimizer | None,
+        inputs: Sequence[torch.Tensor],
+        device: torch.device,
+    ) -> tuple[set[int], int]:
+        """What :func:`state_storages` returns; the set is the manager's: read it only."""
+        tensors = state_tensors(scan, optimizer)
+        pointers = tuple(t.data_ptr() for t in tensors)
+        key = (device, *pointers)
+        if self._last is None or self._last[0] != key or 0 in pointers:
+            self._last = (key, *_state_seen(tensors, device))
+        _, protected, seen = self._last
+        return protected, _with_inputs(seen, inputs, device)
 
 
 def check_start(

@@ -14,7 +14,7 @@ from torch import nn
 
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
-from vtensor.activations.model_state import ScanCache, check_start, device_of, state_storages
+from vtensor.activations.model_state import ScanCache, StateStorages, check_start, device_of
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.quiet import QuietTurns
@@ -162,7 +162,7 @@ class MemoryManager:
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
         self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
-        self._scans = ScanCache()  # NOTE [scan once]
+        self._scans, self._states = ScanCache(), StateStorages()  # NOTE [scan once], [state once]
         self._tracker: DeviceTracker  # made with the store, once: it holds no state of a step
         self._active = False
 
@@ -260,7 +260,7 @@ class MemoryManager:
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
         scan = self._scans.of(model)
-        protected, state_bytes = state_storages(scan, optimizer, inputs, device)
+        protected, state_bytes = self._states.of(scan, optimizer, inputs, device)
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         peaks = self._peaks = self._peaks or IndependentPeak(
             device, enabled=self.measure_peaks, rss=self.count_workspaces
