@@ -1,6 +1,7 @@
 """Fixtures shared by the activation tests."""
 
 import pytest
+from counting import count_calls
 
 from vtensor.measure import trackers
 
@@ -8,12 +9,4 @@ from vtensor.measure import trackers
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the heap-counter readings (one entry per reading)."""
-    seen: list[int] = []
-    read = trackers.MallocTracker.current_bytes
-
-    def counted(self: trackers.MallocTracker) -> int:
-        seen.append(1)
-        return read(self)
-
-    monkeypatch.setattr(trackers.MallocTracker, "current_bytes", counted)
-    return seen
+    return count_calls(monkeypatch, trackers.MallocTracker, "current_bytes")

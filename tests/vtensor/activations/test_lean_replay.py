@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from counting import count_calls
 from torch import nn
 
 import vtensor
@@ -219,15 +220,7 @@ def test_a_tensor_left_to_autograd_is_still_checked_for_changes_in_place(
 @pytest.fixture
 def installs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the installations of module hooks (one entry per iteration that installs them)."""
-    seen: list[int] = []
-    install = vtensor.activations.wiring.install_module_hooks
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        seen.append(1)
-        return install(*args, **kwargs)
-
-    monkeypatch.setattr(vtensor.activations.wiring, "install_module_hooks", counted)
-    return seen
+    return count_calls(monkeypatch, vtensor.activations.wiring, "install_module_hooks")
 
 
 def test_a_replay_that_never_binds_runs_without_module_hooks(

@@ -3,10 +3,10 @@
 import logging
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from counting import count_calls
 from recompute_models import Block, Names, batch, model_with, peak_bytes
 from test_hybrid_plan import _HybridWins
 from test_lean_replay import Hoarder, _peak, _step
@@ -23,15 +23,7 @@ from vtensor.planner.trace import Trace
 @pytest.fixture
 def hooked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the iterations that install the manager's saved-tensor hooks."""
-    seen: list[int] = []
-    make = vtensor.activations.wiring.make_saved_tensor_hooks
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        seen.append(1)
-        return make(*args, **kwargs)
-
-    monkeypatch.setattr(vtensor.activations.wiring, "make_saved_tensor_hooks", counted)
-    return seen
+    return count_calls(monkeypatch, vtensor.activations.wiring, "make_saved_tensor_hooks")
 
 
 def test_lean_replays_of_a_plan_that_moves_nothing_go_quiet_between_checking_ones(
