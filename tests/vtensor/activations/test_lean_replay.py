@@ -261,15 +261,18 @@ def test_a_replay_that_moves_nothing_near_its_budget_reads_every_watched_step_wi
     assert len(reads) >= len(plan.watched_events)  # each watched step read, at its event
 
 
+# Three steps: the first lean replay, which matches every saved tensor; four: a quiet one
+# (NOTE [quiet replay]), which reads at its predicted peak only.
+@pytest.mark.parametrize("before", [3, 4], ids=["hookless", "quiet"])
 def test_a_hookless_replay_over_its_budget_checks_again_and_profiles_next_time(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, installs: list[int]
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, installs: list[int], before: int
 ):
     torch.manual_seed(0)
     model, x = Hoarder(), torch.randn(2048, 64)
     peak = _peak(model, x)
     ref = _step(model, x, None)
     with vtensor.MemoryManager(2 * peak, storage_dir=tmp_path) as mm:
-        for _ in range(3):
+        for _ in range(before):
             installs.clear()
             _step(model, x, mm)
         assert mm.report().lean and installs == []

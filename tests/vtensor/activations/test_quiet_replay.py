@@ -1,6 +1,5 @@
 """Quiet replays (NOTE [quiet replay]): no saved-tensor hooks where the plan moves nothing."""
 
-import logging
 import random
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import torch
 from counting import count_calls
 from recompute_models import Block, Names, batch, model_with, peak_bytes
 from test_hybrid_plan import _HybridWins
-from test_lean_replay import Hoarder, _peak, _step
+from test_lean_replay import Hoarder, _step
 from torch import nn
 
 import vtensor
@@ -50,29 +49,6 @@ def test_lean_replays_of_a_plan_that_moves_nothing_go_quiet_between_checking_one
     want = (period * 3)[: len(quiet) - first]
     assert quiet[first:] == want
     assert max(reads_quiet) <= 3  # entry, the predicted peak's module, the end
-
-
-def test_a_quiet_replay_over_its_budget_warns_and_profiles_next_time(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, hooked: list[int]
-) -> None:
-    torch.manual_seed(0)
-    model, x = Hoarder(), torch.randn(2048, 64)
-    peak = _peak(model, x)
-    ref = _step(model, x, None)
-    with vtensor.MemoryManager(2 * peak, storage_dir=tmp_path) as mm:
-        for _ in range(4):
-            hooked.clear()
-            _step(model, x, mm)
-        assert mm.report().lean and not hooked  # quiet
-        model.hoard_bytes = 3 * peak  # outside autograd: the plan cannot see it coming
-        with caplog.at_level(logging.WARNING, logger="vtensor"):
-            assert all(map(torch.equal, ref, _step(model, x, mm)))
-        assert "went over the budget" in caplog.text
-        assert mm.report().plan_source == "fallback" and not mm.report().lean
-        model.hoard_bytes, model.hoard = 0, []
-        hooked.clear()
-        _step(model, x, mm)
-        assert mm.report().plan_source == "profiled" and hooked
 
 
 def _every_block_whole(trace: Trace, _budget_bytes: int) -> tuple[tuple[Names, Names], ...]:
