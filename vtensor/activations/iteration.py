@@ -95,7 +95,7 @@ class Iteration:
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
-            self.quiet = quiet is not None and quiet.take(executor, self.hookless)
+            self.quiet = quiet is not None and self.hookless and quiet.take(executor)
             read = functools.partial(self.check_boundary, "at a watched step's saved tensor")
             self.passing = Passing(store, executor, read if self.hookless else None)
             policy.follow_plan(True)

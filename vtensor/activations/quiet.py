@@ -81,9 +81,9 @@ class QuietTurns:
     def __init__(self) -> None:
         self._since: dict[int, int] = {}  # by plan object: quiet replays since the last check
 
-    def take(self, executor: PlanExecutor | None, lean: bool) -> bool:
+    def take(self, executor: PlanExecutor) -> bool:
         """Whether this iteration's lean replay of ``executor``'s plan is quiet."""
-        if executor is None or not lean or not replays_quietly(executor):
+        if not replays_quietly(executor):
             return False
         since = self._since.get(id(executor.plan))
         if since is not None and since < QUIET_RUN:
