@@ -97,7 +97,8 @@ class Iteration:
             self.hookless = replays_hookless(executor)
             self.quiet = quiet is not None and self.hookless and quiet.take(executor)
             read = functools.partial(self.check_boundary, "at a watched step's saved tensor")
-            self.passing = Passing(store, executor, read if self.hookless else None)
+            if not self.quiet:  # a quiet replay's saved tensors never reach the manager
+                self.passing = Passing(store, executor, read if self.hookless else None)
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")
@@ -279,8 +280,7 @@ class Iteration:
         """A lean replay's reading at a module boundary (NOTE [lean replay]), or ``where``."""
         live = self.live_bytes()
         self._sample(live)
-        # The growth since the last reading spans many steps here: no headroom the guard must
-        # keep between two hook points (the plan's reserve stands).
+        # Growth over many steps: no headroom to keep between hook points (the plan's stands).
         self.meter.note(live)
         if self.books.violated:
             logger.warning(

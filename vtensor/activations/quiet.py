@@ -138,7 +138,7 @@ class WatchedBoundaries:
                     tensor.grad_fn.register_prehook(
                         lambda _grads: self._iteration.check_boundary(step)
                     )
-                    return  # one read per call: the first node backward reaches
+                    return  # one read per call, at the first output's node
 
         return post
 

@@ -28,7 +28,8 @@ def instrumented(
     The modules ``chosen`` recomputes, or the plan it replays, are recomputed (NOTE [recompute]
     in ``activations/recompute.py``); otherwise, if ``chosen`` finds units, the profile records
     which modules could be. If ``chosen`` encodes, clamps save bits (NOTE [mask encoding] in
-    ``activations/encodings.py``).
+    ``activations/encodings.py``). Saved tensors go through the manager's hooks, except in a
+    quiet replay, which reads at its watched steps' modules only (NOTE [quiet replay]).
     """
     plan = chosen.executor.plan if chosen.executor is not None else chosen
     with contextlib.ExitStack() as stack:
