@@ -120,12 +120,13 @@ def masks_encoded(
                 and "forward" not in module.__dict__
             ):
                 name = (names or {}).get(id(module), type(module).__name__)
-                module.forward = _masked_forward(module, module.forward, name)  # type: ignore[method-assign]
+                # Into the instance's dict, as in ``recompute_modules``: at every step.
+                module.__dict__["forward"] = _masked_forward(module, module.forward, name)
                 wrapped.append(module)
         yield len(wrapped)
     finally:
         for module in wrapped:
-            del module.forward
+            module.__dict__.pop("forward", None)
 
 
 def side_effect_free(node: Any) -> bool:

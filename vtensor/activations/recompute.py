@@ -110,8 +110,14 @@ def recompute_modules(
     Raises:
         VTensorError: a name is not a module of ``model``.
     """
-    modules = dict(model.named_modules())
-    missing = [n for n in names if n not in modules]
+    # By path, not by walking every module: this runs at every step of a replay.
+    modules: dict[str, nn.Module] = {}
+    missing: list[str] = []
+    for name in names:
+        try:
+            modules[name] = model.get_submodule(name)
+        except AttributeError:
+            missing.append(name)
     if missing:
         raise VTensorError(
             f"the plan recomputes modules {missing} that the model does not have; the plan is "
@@ -127,7 +133,9 @@ def recompute_modules(
                     "wrapped): it cannot be recomputed"
                 )
             expected = (regrowth or {}).get(name, 0)
-            module.forward = _checkpointed(
+            # Into the instance's dict: ``Module.__setattr__`` and ``__delattr__`` first look
+            # through its parameters, buffers and submodules, ~2 us a module at every step.
+            module.__dict__["forward"] = _checkpointed(
                 module,
                 module.forward,
                 target,
@@ -139,7 +147,7 @@ def recompute_modules(
         yield
     finally:
         for module in wrapped:
-            del module.forward
+            module.__dict__.pop("forward", None)
 
 
 def _checkpointed(

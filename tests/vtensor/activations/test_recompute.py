@@ -1,6 +1,7 @@
 """Recomputation (NOTE [recompute], NOTE [safe to recompute]), whole and selective (NOTE
 [selective recompute]). The plans that recompute: test_hybrid_plan.py."""
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,20 @@ def test_sac_refuses_a_product_output_modified_in_place(tmp_path: Path) -> None:
         pytest.raises(RuntimeError, match="mutated"),
     ):
         nn.functional.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("name", ["9", "3.weight", "3.nothing"])
+def test_a_plan_naming_no_module_of_the_model_is_refused_untouched(name: str) -> None:
+    # A plan of another model (a cache shared by mistake) names a module this one lacks, or a
+    # path that ends at a parameter: the step refuses it and no module keeps a wrapper.
+    model = model_with(ProductInPlace)
+    refused = rf"\['{re.escape(name)}'\].*clear the plan cache"
+    with (
+        pytest.raises(vtensor.VTensorError, match=refused),
+        recompute_modules(model, ["1", name], None),  # type: ignore[arg-type]
+    ):
+        pass
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_torch_frees_each_recomputed_tensor_after_its_use_as_the_planner_models() -> None:
