@@ -1,5 +1,6 @@
 """Tests of vtensor.planner.keys and vtensor.planner.cache, on real files under tmp_path."""
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -217,6 +218,30 @@ def test_plan_cache_round_trip(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert cache.last_load_s > 0.0
     assert cache.get(make_key(1)) is None
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("chunk_bytes", [2**20, None])
+def test_a_plans_json_is_that_of_its_fields_and_its_digest_is_kept(chunk_bytes: int | None) -> None:
+    # Every field set, nested tuples included: to_json writes what dataclasses.asdict would,
+    # so the digests of plans stored before stay valid.
+    plan = dataclasses.replace(
+        make_plan(),
+        chunk_bytes=chunk_bytes,
+        recompute=("a", "b.c"),
+        selective=("b.c",),
+        one_node=("a",),
+        watched_steps=(1, 4),
+        step_headroom_bytes=(5, 6),
+        watched_events=((3, 0), (4, 1)),
+        step_reserve_bytes=((1, 2), (), (3,)),
+        encoded=True,
+        tensor_names=("w", ""),
+    )
+    assert plan.to_json() == json.dumps(dataclasses.asdict(plan), sort_keys=True)
+    assert Plan.from_json(plan.to_json()) == plan
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
+    assert plan.digest() == digest and plan.digest() is plan.digest()
+    assert dataclasses.replace(plan, encoded=False).digest() != digest
 
 
 def test_plan_cache_put_replaces_entry(tmp_path: Path) -> None:
