@@ -89,13 +89,13 @@ class Iteration:
             count_workspaces=count_workspaces,
             record_trace=record_trace,
         )
-        self.was_lean = self.lean
-        self.passing: Passing | None = None  # while lean (NOTE [passed])
+        self.was_lean, self.passing = self.lean, None  # the latter while lean (NOTE [passed])
         self.hookless = self.quiet = False  # NOTE [hookless replay], NOTE [quiet replay]
+        if executor is not None and quiet is not None:  # a full replay counts as a check too
+            self.quiet = quiet.take(executor, self.lean)
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
-            self.quiet = quiet is not None and self.hookless and quiet.take(executor)
             read = functools.partial(self.check_boundary, "at a watched step's saved tensor")
             if not self.quiet:  # a quiet replay's saved tensors never reach the manager
                 self.passing = Passing(store, executor, read if self.hookless else None)

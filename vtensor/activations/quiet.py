@@ -23,7 +23,11 @@ signature, so only data-dependent control flow can make a run leave the plan, an
 moves nothing has nothing to restore wrongly: what a divergence threatens is the budget, which
 the reading at the predicted peak still judges. So a manager's first lean replay of a plan, and
 every ``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor and
-reads at every watched step; the others are quiet. A reading over the budget in a quiet replay
+reads at every watched step; the others are quiet. A full replay matches every saved tensor
+too, so the lean replays that follow one in the same manager begin a quiet run: in a race
+(NOTE [plan race]) each candidate's first lean replay follows its full one, and timed as a
+checking replay, a few percent slower than a quiet one, it lost against the leader's confirming
+replays, which were quiet. A reading over the budget in a quiet replay
 leaves the lean replay as any does, and the plan is profiled again next time, but nothing saved
 before it can be evicted in that iteration (no saved tensor went through the manager): the
 budget of that one iteration is broken by what the plan did not predict, and reported. A saved
@@ -81,8 +85,15 @@ class QuietTurns:
     def __init__(self) -> None:
         self._since: dict[int, int] = {}  # by plan object: quiet replays since the last check
 
-    def take(self, executor: PlanExecutor) -> bool:
-        """Whether this iteration's lean replay of ``executor``'s plan is quiet."""
+    def take(self, executor: PlanExecutor, lean: bool = True) -> bool:
+        """Whether this iteration's replay of ``executor``'s plan is quiet.
+
+        A full replay (``lean`` false) never is, and matches every saved tensor: the lean
+        replays after it begin a quiet run.
+        """
+        if not lean:
+            self._since[id(executor.plan)] = 0
+            return False
         if not replays_quietly(executor):
             return False
         since = self._since.get(id(executor.plan))

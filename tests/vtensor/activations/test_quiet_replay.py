@@ -44,8 +44,9 @@ def test_lean_replays_of_a_plan_that_moves_nothing_go_quiet_between_checking_one
                 assert mm.report().peak_device_bytes > 0  # read at the predicted peak
     first = lean.index(True)
     assert not any(quiet[:first]) and all(lean[first:])
-    # The first lean replay matches every saved tensor, then QUIET_RUN quiet ones, and so on.
-    period = [False] + [True] * QUIET_RUN
+    # The full replay before the first lean one matched every saved tensor: QUIET_RUN quiet
+    # replays follow it, then one that matches every saved tensor, and so on.
+    period = [True] * QUIET_RUN + [False]
     want = (period * 3)[: len(quiet) - first]
     assert quiet[first:] == want
     assert max(reads_quiet) <= 3  # entry, the predicted peak's module, the end
