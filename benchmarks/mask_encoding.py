@@ -47,7 +47,11 @@ from benchmarks.zoo import workloads
 from vtensor.activations.encodings import MaskedHardtanh, hooked_hardtanh
 
 MIB = 1 << 20
-SHAPES = {"main job, first block": (32, 96, 14, 14), "MobileNetV2, stem": (12, 32, 64, 64)}
+SHAPES = {
+    "main job, first block": (32, 96, 14, 14),
+    "MobileNetV2, stem": (12, 32, 64, 64),
+    "tiny: the calls' own cost": (8, 64),
+}
 
 
 def _interleaved_us(fns: dict[str, Callable[[], object]], n: int) -> dict[str, float]:

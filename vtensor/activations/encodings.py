@@ -25,12 +25,12 @@ Where no saved-tensor hooks are in force (a quiet replay, NOTE [quiet replay]), 
 torch's own ``hardtanh``, and its node's saved input gets a pair of hooks of its own
 (``SavedTensor.register_hooks``): the input is given up as the hooks are set, and the node's
 backward is handed the output. The same bytes are saved and the same backward kernel runs, at
-a third of the ``autograd.Function``'s cost beyond the kernels: 9 against 33 us a clamp, forward
-and backward; 19 clamps of the main job's CNN cost it 1.45 ms a step through the Function
-(``_hooked`` in ``tests/vtensor/activations/test_mask_encoding.py``). Under the manager's hooks
-or torch's checkpointing (default hooks), a saved tensor takes no hooks of its own, so the
-Function runs there. The hooks keep a detached alias of the output, which holds no node: no
-cycle keeps the graph alive.
+half the ``autograd.Function``'s cost beyond torch's own clamp: 48 against 62 us a clamp's
+forward and backward on a tiny tensor, where ``F.relu6`` takes 36 (benchmarks/README.md,
+``mask_encoding``); the main job's CNN runs 19 clamps a step. Under the manager's hooks or
+torch's checkpointing (default hooks), a saved tensor takes no hooks of its own, so the Function
+runs there. The hooks keep a detached alias of the output, which holds no node: no cycle keeps
+the graph alive.
 
 Encoded only where this is exact: a floating-point input that requires grad, given to a module
 of exactly those types, out of place, whose forward is not patched. Anything else runs the
