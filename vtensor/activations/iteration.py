@@ -89,7 +89,7 @@ class Iteration:
             count_workspaces=count_workspaces,
             record_trace=record_trace,
         )
-        self.was_lean, self.passing = self.lean, None  # the latter while lean (NOTE [passed])
+        self.was_lean, self.passing = self.lean, None  # passing: while lean (NOTE [passed])
         self.hookless = self.quiet = False  # NOTE [hookless replay], NOTE [quiet replay]
         if executor is not None and quiet is not None:  # a full replay counts as a check too
             self.quiet = quiet.take(executor, self.lean)

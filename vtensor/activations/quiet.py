@@ -27,12 +27,12 @@ reads at every watched step; the others are quiet. A full replay matches every s
 too, so the lean replays that follow one in the same manager begin a quiet run: in a race
 (NOTE [plan race]) each candidate's first lean replay follows its full one, and timed as a
 checking replay, a few percent slower than a quiet one, it lost against the leader's confirming
-replays, which were quiet. A reading over the budget in a quiet replay
-leaves the lean replay as any does, and the plan is profiled again next time, but nothing saved
-before it can be evicted in that iteration (no saved tensor went through the manager): the
-budget of that one iteration is broken by what the plan did not predict, and reported. A saved
-tensor modified in place stops the backward with autograd's own error, as it would without the
-manager, instead of ``InPlaceModificationError``.
+replays, which were quiet. A reading over the budget in a quiet replay leaves the lean replay
+as any does, and the plan is profiled again next time, but nothing saved before it can be
+evicted in that iteration (no saved tensor went through the manager): the budget of that one
+iteration is broken by what the plan did not predict, and reported. A saved tensor modified in
+place stops the backward with autograd's own error, as it would without the manager, instead of
+``InPlaceModificationError``.
 """
 
 from collections.abc import Callable

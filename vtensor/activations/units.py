@@ -191,7 +191,7 @@ class UnitRecorder:
             self.seen[name].why_unsafe = "it runs more than once per iteration"
             return
         began = time.perf_counter()
-        # The checks run its forward again, twice, where no reading sees them: room for what it
+        # The checks run its forward again, thrice, where no reading sees them: room for what it
         # held, as for a recomputation (NOTE [recomputation's working set] in recorder.py).
         self.target.make_room(working)
         why, again_s = _why_unsafe(module, opened, output, self.target)
@@ -276,7 +276,7 @@ def _why_unsafe(
 ) -> tuple[str, float]:
     """Why recomputing ``module`` might not reproduce its forward ("" if it would).
 
-    Also the time of its second forward (0.0 if the check did not get that far).
+    Also the time of its forward run again (0.0 if the check did not get that far).
     """
     if any(t._version != version for t, version in opened.versions):
         return "it modifies an input in place", 0.0
