@@ -21,10 +21,14 @@ the encoding are module wrappers and run as in any replay. The main job's rounds
 What it gives up is the matching. The plan key already fixes the architecture and the input
 signature, so only data-dependent control flow can make a run leave the plan, and a plan that
 moves nothing has nothing to restore wrongly: what a divergence threatens is the budget, which
-the reading at the predicted peak still judges. So a manager's first lean replay of a plan, and
-every ``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor and
-reads at every watched step; the others are quiet. A full replay matches every saved tensor
-too, so the lean replays that follow one in the same manager begin a quiet run: in a race
+the reading at the predicted peak still judges. So the first lean replay of a plan, and every
+``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor and reads
+at every watched step; the others are quiet. The count is kept by the plan's digest, for the
+managers of one process that share a plan cache (a manager without one keeps its own): the
+main job opens a manager a round, and each began with a checking replay, about 3 ms a round
+on its smallest class (12 steps of 40 ms), though the plan and its last check were the same.
+A full replay matches every saved tensor too, so the lean replays that follow one begin a
+quiet run: in a race
 (NOTE [plan race]) each candidate's first lean replay follows its full one, and timed as a
 checking replay, a few percent slower than a quiet one, it lost against the leader's confirming
 replays, which were quiet. A reading over the budget in a quiet replay leaves the lean replay
@@ -35,7 +39,9 @@ place stops the backward with autograd's own error, as it would without the mana
 ``InPlaceModificationError``.
 """
 
+import os
 from collections.abc import Callable
+from os import PathLike
 from typing import Any, Protocol
 
 from torch import nn
@@ -80,10 +86,20 @@ def replays_quietly(executor: PlanExecutor) -> bool:
 
 
 class QuietTurns:
-    """Which of a manager's lean replays are quiet: all but every ``QUIET_RUN + 1``-th."""
+    """Which lean replays of a plan are quiet: all but every ``QUIET_RUN + 1``-th."""
 
     def __init__(self) -> None:
-        self._since: dict[int, int] = {}  # by plan object: quiet replays since the last check
+        self._since: dict[str, int] = {}  # by plan digest: quiet replays since the last check
+
+    @classmethod
+    def shared(cls, plan_cache_dir: str | PathLike[str] | None) -> "QuietTurns":
+        """The count of the managers of this process that share ``plan_cache_dir``.
+
+        A manager without a plan cache gets a count of its own (NOTE [quiet replay]).
+        """
+        if plan_cache_dir is None:
+            return cls()
+        return _SHARED.setdefault(os.path.realpath(plan_cache_dir), cls())
 
     def take(self, executor: PlanExecutor, lean: bool = True) -> bool:
         """Whether this iteration's replay of ``executor``'s plan is quiet.
@@ -91,17 +107,21 @@ class QuietTurns:
         A full replay (``lean`` false) never is, and matches every saved tensor: the lean
         replays after it begin a quiet run.
         """
+        key = executor.plan.digest()
         if not lean:
-            self._since[id(executor.plan)] = 0
+            self._since[key] = 0
             return False
         if not replays_quietly(executor):
             return False
-        since = self._since.get(id(executor.plan))
+        since = self._since.get(key)
         if since is not None and since < QUIET_RUN:
-            self._since[id(executor.plan)] = since + 1
+            self._since[key] = since + 1
             return True
-        self._since[id(executor.plan)] = 0  # this one matches every saved tensor
+        self._since[key] = 0  # this one matches every saved tensor
         return False
+
+
+_SHARED: dict[str, QuietTurns] = {}  # by plan cache directory (NOTE [quiet replay])
 
 
 class Reader(Protocol):

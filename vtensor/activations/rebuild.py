@@ -18,7 +18,8 @@ What the node needs that checkpointing gave: the RNG state of the forward (CPU a
 device) and its autocast state, restored for the second run; the inputs it saves go through the
 manager's saved-tensor hooks like any saved tensor (a plan may swap them). The rebuilt graph's
 own saved tensors stay outside the manager, under hooks of the node's own that let each go at
-its unpack, as checkpointing does (the planner's NOTE [recomputed lifetimes]).
+its unpack, as checkpointing does (the planner's NOTE [recomputed lifetimes]), where the
+manager's hooks are in force; where none are, autograd keeps them (NOTE [own hooks]).
 
 A unit takes this path only where one node can stand for it (``one_node``): its output is a
 tensor or a tuple of tensors of floating dtype, none of them sharing storage with an input, and
@@ -45,6 +46,8 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from vtensor.errors import InPlaceModificationError, VTensorError
 
+# The saved-tensor hooks in force, None where none are (``saved_tensors_hooks`` pushes them).
+_default_hooks: Callable[[bool], object] = torch._C._autograd._top_saved_tensors_default_hooks
 REBUILT_KEY = "vtensor.rebuilt"  # in the metadata of a Rebuild node (NOTE [one-node recomputation])
 _MAX_GRAPH_NODES = 100_000
 
@@ -149,6 +152,20 @@ def _give_up(held: _Held) -> torch.Tensor:
     return tensor
 
 
+def _own_hooks() -> contextlib.AbstractContextManager[Any]:
+    """The rebuilt graph's saved-tensor hooks, in front of any in force (NOTE [own hooks])."""
+    # NOTE [own hooks]: under the manager's saved-tensor hooks (a profile, a full or checking
+    # replay), the rebuilt graph's saved tensors would go through them as new saved tensors;
+    # the node's own hooks stand in front and give each up at its unpack. Where no hooks are in
+    # force (a quiet replay, NOTE [quiet replay]), the graph saves as autograd does: the engine
+    # releases a node's saved tensors once it has run, as the hooks would, without two Python
+    # calls per saved tensor, and the clamps in the unit take their hooked form (NOTE [hooked
+    # clamps]) instead of the autograd Function. Autograd then checks in-place changes itself.
+    if _default_hooks(False) is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_hold, _give_up)
+
+
 class Rebuild(torch.autograd.Function):
     """One node for a recomputed unit (NOTE [one-node recomputation])."""
 
@@ -170,7 +187,7 @@ class Rebuild(torch.autograd.Function):
                 run.restored(),
                 torch.enable_grad(),
                 run.context(),
-                torch.autograd.graph.saved_tensors_hooks(_hold, _give_up),
+                _own_hooks(),
             ):
                 output = run.rerun(inputs)
                 outputs = output if isinstance(output, tuple) else (output,)

@@ -155,7 +155,7 @@ class MemoryManager:
         )
         self.recompute, self.encode_masks = recompute, encode_masks
         self.check_every_hook = check_every_hook
-        self._quiet = QuietTurns()  # NOTE [quiet replay] in activations/quiet.py
+        self._quiet = QuietTurns.shared(plan_cache_dir)  # NOTE [quiet replay], quiet.py
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
         self._peaks: IndependentPeak | None = None
@@ -243,7 +243,8 @@ class MemoryManager:
         """
         if self._active:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
-        device = self.device or device_of(model)
+        scan = self._scans.of(model)
+        device = self.device or device_of(scan)
         if params is not None:
             check_joint(
                 params,
@@ -259,7 +260,6 @@ class MemoryManager:
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
-        scan = self._scans.of(model)
         protected, state_bytes = self._states.of(scan, optimizer, inputs, device)
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         peaks = self._peaks = self._peaks or IndependentPeak(
@@ -355,12 +355,10 @@ class MemoryManager:
             pending_state_bytes,
         )
         self._reports.append(report)
-        sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)
-        logger.debug(
-            "iteration %d: peak %s of %s, out %s, in %s",
-            report.iteration,
-            *map(format_bytes, sizes),
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # not formatted at every step for nothing
+            sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)
+            sizes_text = ", ".join(map(format_bytes, sizes))
+            logger.debug("iteration %d: peak, budget, out, in: %s", report.iteration, sizes_text)
 
     def _guard_bytes(self, chosen: IterationPlan, before: StoreCounters) -> int:
         """Bytes evicted in this iteration beyond what its plan's executor issued."""

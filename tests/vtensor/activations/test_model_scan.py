@@ -11,6 +11,7 @@ from vtensor.activations.model_state import (
     ModelScan,
     ScanCache,
     StateStorages,
+    device_of,
     on_device_type,
     state_storages,
 )
@@ -119,3 +120,14 @@ def test_the_state_read_again_only_when_its_data_moved_matches_a_fresh_reading()
     assert _storage(model[0].weight) in replaced[0]
     model[3].bias.data = torch.zeros(0)  # a zero-size storage: read again at every step
     assert same()[0] is not same()[0]
+
+
+def test_the_device_read_from_a_scan_is_the_models() -> None:
+    # First parameter, else first buffer, else the CPU: as the model's own parameters say.
+    with_params = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 2))
+    only_buffers = nn.Module()
+    only_buffers.register_buffer("b", torch.zeros(2, dtype=torch.float64))
+    for model in (with_params, only_buffers, nn.ReLU()):
+        assert device_of(ModelScan.of(model)) == device_of(model) == torch.device("cpu")
+    meta = nn.Linear(2, 2, device="meta")
+    assert device_of(ModelScan.of(meta)) == device_of(meta) == torch.device("meta")

@@ -14,7 +14,7 @@ from torch import nn
 import vtensor
 import vtensor.activations.planning
 import vtensor.activations.wiring
-from vtensor.activations.quiet import QUIET_RUN, watched_modules
+from vtensor.activations.quiet import QUIET_RUN, QuietTurns, watched_modules
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 
@@ -50,6 +50,45 @@ def test_lean_replays_of_a_plan_that_moves_nothing_go_quiet_between_checking_one
     want = (period * 3)[: len(quiet) - first]
     assert quiet[first:] == want
     assert max(reads_quiet) <= 3  # entry, the predicted peak's module, the end
+
+
+def test_managers_sharing_a_plan_cache_keep_one_count_of_quiet_turns(
+    tmp_path: Path, hooked: list[int]
+) -> None:
+    # The main job opens a manager a round: the count goes on from one to the next, so a
+    # manager loading the plan from the cache does not begin with a checking replay.
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(2048, 64)
+    cache = tmp_path / "plans"
+
+    def quiet_turns(manager: vtensor.MemoryManager, steps: int) -> list[bool]:
+        """Whether each lean replay of ``steps`` was quiet."""
+        quiet = []
+        with manager:
+            for _ in range(steps):
+                hooked.clear()
+                _step(model, x, manager)
+                if manager.report().lean:
+                    quiet.append(not hooked)
+        return quiet
+
+    first = quiet_turns(
+        vtensor.MemoryManager("1GiB", storage_dir=tmp_path, plan_cache_dir=cache), 6
+    )
+    assert first[-2:] == [True, True]  # in a quiet run
+    # The same cache, named by another path: the count goes on from the first manager's,
+    # whose plan this one loads (every replay lean), quiet from its first step.
+    again = vtensor.MemoryManager(
+        "1GiB", storage_dir=tmp_path, plan_cache_dir=cache / ".." / "plans"
+    )
+    second = quiet_turns(again, QUIET_RUN)
+    assert len(second) == QUIET_RUN
+    run = next((i for i, q in enumerate(reversed(first)) if not q), len(first))
+    assert second.index(False) == QUIET_RUN - run
+    # Without a cache, or with another, a manager keeps a count of its own.
+    assert QuietTurns.shared(cache) is QuietTurns.shared(str(cache / ".." / "plans"))
+    assert QuietTurns.shared(tmp_path / "other") is not QuietTurns.shared(cache)
+    assert QuietTurns.shared(None) is not QuietTurns.shared(None)
 
 
 def _every_block_whole(trace: Trace, _budget_bytes: int) -> tuple[tuple[Names, Names], ...]:

@@ -4,12 +4,15 @@ Each test runs steps with the units recomputed (``recompute_modules``, a stand-i
 same model without recomputation, through one node or through torch's checkpointing.
 """
 
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
+import vtensor.activations.rebuild
 from vtensor.activations.hooks import install_module_hooks
 from vtensor.activations.rebuild import Rebuild, one_node
 from vtensor.activations.recompute import recompute_modules
@@ -242,3 +245,41 @@ def test_a_unit_that_returns_its_input_is_not_one_node() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Passthrough(), nn.Flatten(), nn.Linear(256, 3))
     assert not _judged(model, "1", _batch())
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["no hooks", "under hooks"])
+def test_the_rebuilt_graph_takes_hooks_of_its_own_only_in_front_of_others(
+    monkeypatch: pytest.MonkeyPatch, outer: bool
+) -> None:
+    # NOTE [own hooks]: with no saved-tensor hooks in force (a quiet replay) the rebuilt graph
+    # saves as autograd does; under others (the manager's), its own stand in front of them, so
+    # the others see the node's inputs only, never the rebuilt graph's tensors.
+    held: list[int] = []
+    own = vtensor.activations.rebuild._hold
+    monkeypatch.setattr(vtensor.activations.rebuild, "_hold", lambda t: (held.append(1), own(t))[1])
+    packed: list[torch.Size] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.shape)
+        return tensor
+
+    hooks = saved_tensors_hooks(pack, lambda t: t) if outer else contextlib.nullcontext()
+    with hooks:
+        seen, expected, _, _ = _train(lambda: _stack(Block), ["0", "1", "2"])
+    _assert_same(seen, expected)  # the same gradients either way
+    if not outer:
+        assert not held
+    else:
+        assert held  # the rebuilt graph's saves went to the node's own hooks
+        # The outer hooks saw what the plain twin saves and the few tensors of the units' nodes
+        # and the head (39 a step against 33); the rebuilt graphs' 30 more never reached them.
+        plain = _saved_by(lambda: _stack(Block))
+        assert len(packed) < STEPS * (plain + plain // 2), (len(packed), plain)
+
+
+def _saved_by(make: Any) -> int:
+    """How many tensors one plain forward of ``make()`` saves."""
+    count: list[int] = []
+    with saved_tensors_hooks(lambda t: (count.append(1), t)[1], lambda t: t):
+        _loss(make(), _batch())
+    return len(count)
