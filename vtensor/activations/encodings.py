@@ -30,8 +30,8 @@ forward and backward on a tiny tensor, where ``F.relu6`` takes 36 (benchmarks/RE
 ``mask_encoding``); the main job's CNN runs 19 clamps a step, and so do the units a quiet
 replay rebuilds in backward (NOTE [own hooks] in ``activations/rebuild.py``). Under the
 manager's hooks or torch's checkpointing (default hooks), a saved tensor takes no hooks of its
-own, so the Function runs there. The hooks keep a detached alias of the output, which holds no node: no cycle keeps
-the graph alive.
+own, so the Function runs there. The hooks keep a detached alias of the output, which holds no
+node: no cycle keeps the graph alive.
 
 Encoded only where this is exact: a floating-point input that requires grad, given to a module
 of exactly those types, out of place, whose forward is not patched. Anything else runs the
