@@ -27,8 +27,8 @@ torch's own ``hardtanh``, and its node's saved input gets a pair of hooks of its
 backward is handed the output. The same bytes are saved and the same backward kernel runs, at
 half the ``autograd.Function``'s cost beyond torch's own clamp: 48 against 62 us a clamp's
 forward and backward on a tiny tensor, where ``F.relu6`` takes 36 (benchmarks/README.md,
-``mask_encoding``); the main job's CNN runs 19 clamps a step, and so do the units a quiet
-replay rebuilds in backward (NOTE [own hooks] in ``activations/rebuild.py``). Under the
+``mask_encoding``); the main job's CNN runs 19 clamps a step. The units a quiet replay rebuilds
+in backward take this form too (NOTE [own hooks] in ``activations/rebuild.py``). Under the
 manager's hooks or torch's checkpointing (default hooks), a saved tensor takes no hooks of its
 own, so the Function runs there. The hooks keep a detached alias of the output, which holds no
 node: no cycle keeps the graph alive.

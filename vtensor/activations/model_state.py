@@ -9,6 +9,7 @@ import operator
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,8 @@ class ModelScan:
             [mask encoding] in ``activations/encodings.py``).
         tensors: the part of ``structure`` that can change without a registration (NOTE
             [scan once]).
+        holders: the modules' ``_parameters`` and ``_buffers`` that hold any.
+        members: what ``holders`` held, in order, when the model was scanned.
     """
 
     names: dict[int, str]
@@ -69,6 +72,8 @@ class ModelScan:
     structure: tuple[object, ...]
     maskable: tuple[nn.Module, ...] = ()
     tensors: tuple[object, ...] = ()
+    holders: tuple[dict[str, Any], ...] = ()
+    members: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelScan":
@@ -78,10 +83,13 @@ class ModelScan:
         buffers: dict[int, torch.Tensor] = {}
         structure: list[object] = []
         maskable: list[nn.Module] = []
+        holders: list[dict[str, Any]] = []
         # Direct members of each module (``_parameters``, ``_buffers``): the public iterators
         # walk the module tree again for every module they are called on.
         for qualname, module in model.named_modules():
             names[id(module)] = qualname or "model"
+            # An empty one fills only through a registration.
+            holders += [own for own in (module._parameters, module._buffers) if own]
             structure += (id(module), type(module))
             if type(module) in MASKABLE:
                 maskable.append(module)
@@ -99,6 +107,8 @@ class ModelScan:
             tuple(buffers.values()),
             tuple(structure),
             tuple(maskable),
+            holders=tuple(holders),
+            members=_members(holders),
         )
         return dataclasses.replace(scan, tensors=_tensors_structure(scan))
 
@@ -107,10 +117,12 @@ class ModelScan:
 # MobileNetV2's 231), a fifth of what a manager whose budget never binds adds to a short step.
 # So a manager walks a model again only when a module, parameter or buffer was registered on
 # any module of the process since its last walk (torch's global registration hooks see every
-# assignment and ``register_*`` call) or when one of the scanned parameters or buffers changed
-# its shape, dtype or ``requires_grad`` (checked at every step, 0.1 ms). A module, parameter
-# or buffer deleted without a replacement stays in the scan: its storage stays protected and
-# its name unused, which changes nothing the step does. Storages are not cached: a parameter
+# assignment and ``register_*`` call) or when the scanned modules' parameters or buffers
+# changed: another shape, dtype or ``requires_grad``, or another tensor in the module's own dict
+# (read there at every step, 0.1 ms: ``Module._apply`` under ``torch.__future__``'s overwrite
+# on conversion puts new ones there without a registration, and their storages must be
+# protected), or one deleted. A module deleted without a replacement stays in the scan: its
+# name is unused, which changes nothing the step does. Storages are not cached: a parameter
 # whose ``.data`` was replaced is protected by its new storage at the next step.
 _registrations = 0
 _counting = False
@@ -152,6 +164,7 @@ class ScanCache:
             and self._model is not None
             and self._model() is model
             and self._registrations == _registrations
+            and _same_members(scan)
             and _tensors_structure(scan) == scan.tensors
         ):
             return scan
@@ -168,6 +181,16 @@ def _tensors_structure(scan: ModelScan) -> tuple[object, ...]:
     """What the fingerprint depends on of the scanned parameters and buffers themselves."""
     parameters = [(p.shape, p.dtype, p.requires_grad) for p in scan.parameters]
     return (*parameters, *[(b.shape, b.dtype) for b in scan.buffers])
+
+
+def _members(holders: Sequence[dict[str, Any]]) -> list[int]:
+    """The identities of what ``holders`` hold (the scan keeps the tensors: none is reused)."""
+    return [id(value) for held in holders for value in held.values()]
+
+
+def _same_members(scan: ModelScan) -> bool:
+    """Whether the modules still hold the very tensors they held when scanned."""
+    return _members(scan.holders) == scan.members
 
 
 class Fingerprint:

@@ -131,3 +131,21 @@ def test_the_device_read_from_a_scan_is_the_models() -> None:
         assert device_of(ModelScan.of(model)) == device_of(model) == torch.device("cpu")
     meta = nn.Linear(2, 2, device="meta")
     assert device_of(ModelScan.of(meta)) == device_of(meta) == torch.device("meta")
+
+
+def test_parameters_replaced_without_a_registration_are_scanned() -> None:
+    # With torch.__future__'s overwrite on conversion, ``.to``/``.double`` put new Parameter
+    # objects straight into each module's ``_parameters``: no registration hook runs. A stale
+    # scan would leave the new storages unprotected (the store could adopt a weight).
+    model, scans = _model(), ScanCache()
+    first = scans.of(model)
+    was = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(was)
+    scan = scans.of(model)
+    assert scan is not first
+    assert [id(p) for p in scan.parameters] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in scan.buffers] == [id(b) for b in model.buffers()]
