@@ -99,7 +99,9 @@ class Variant:
     identical: list[bool] = field(default_factory=list)
 
 
-def _checkpointed(model: nn.Module, names: Sequence[str], selective: Sequence[str]) -> nn.Module:
+def checkpointed_modules(
+    model: nn.Module, names: Sequence[str], selective: Sequence[str]
+) -> nn.Module:
     """``model`` with each module named in ``names`` run under ``torch.utils.checkpoint``.
 
     Those also in ``selective`` keep their convolutions' and matrix products' outputs (the
@@ -123,11 +125,11 @@ _ENTRY = re.compile(r"^[0-9a-f]{64}\.json$")
 
 def _tracked_peak(start: nn.Module, v: Variant, data: Any, batch_size: int) -> int:
     """A baseline's tracked peak, measured as the unmanaged round's (``measure_unmanaged_peak``)."""
-    model = _checkpointed(copy.deepcopy(start), v.checkpointed or (), v.selective)
+    model = checkpointed_modules(copy.deepcopy(start), v.checkpointed or (), v.selective)
     return measure_unmanaged_peak(model, data, batch_size).unmanaged_peak_bytes
 
 
-def _decided_plan(cache_dir: Path | None) -> Plan | None:
+def decided_plan(cache_dir: Path | None) -> Plan | None:
     """The newest decided plan in a plan cache directory (None while undecided)."""
     if cache_dir is None or not cache_dir.is_dir():
         return None
@@ -142,7 +144,7 @@ def _decided_plan(cache_dir: Path | None) -> Plan | None:
 def _round(v: Variant, model: nn.Module, data: Any, local: LocalRound) -> TrainOutcome:
     if v.settings is None:
         if v.checkpointed:
-            model = _checkpointed(model, v.checkpointed, v.selective)
+            model = checkpointed_modules(model, v.checkpointed, v.selective)
         return train_local(model, data, local)
     assert v.budget_bytes is not None and v.cache_dir is not None
     return train_within_budget(
@@ -202,7 +204,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
         reference_s = 0.0
         for v in variants:
             if v.follows is not None and v.checkpointed is None:
-                plan = _decided_plan(v.follows.cache_dir)
+                plan = decided_plan(v.follows.cache_dir)
                 if plan is None:
                     continue  # the plan it follows is still undecided
                 v.checkpointed, v.selective = plan.recompute, plan.selective

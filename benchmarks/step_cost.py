@@ -8,8 +8,12 @@ round opens a fresh manager on the class's plan cache, as a round of the main jo
 profiles (and with recomputation tries and races candidates) and is left out. Each step is timed
 in five phases with ``time.perf_counter``: entering ``mm.step`` (the plan key, the model's state,
 the hooks), forward with the loss, backward, leaving ``mm.step`` (the report, the hooks off),
-and the optimizer's update. Per variant: the median of each phase over every step of rounds
-2 to N, in milliseconds, the median round, and the median MiB a step moves out. Run from the
+and the optimizer's update. Beside them, per class, unmanaged, ``torch.utils.checkpoint`` of
+exactly the modules the main job's setting's plan recomputes (``checkpoint-<class>``, from the
+round after that plan is decided; ``main_round`` does the same): what the manager adds to the
+forward and backward of its recomputation is the difference. Per variant: the median of each
+phase over every step of rounds 2 to N (of a ``checkpoint-`` variant, of every round it ran),
+in milliseconds, the median round, and the median MiB a step moves out. Run from the
 repository root::
 
     python -m benchmarks.step_cost --rounds 7 --out step_cost.jsonl
@@ -32,6 +36,7 @@ import torch
 
 import vtensor
 from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
+from benchmarks.main_round import checkpointed_modules, decided_plan
 from edgefl.client_data import client_split
 from edgefl.config import load_run_settings
 from edgefl.models import build_model
@@ -50,13 +55,16 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     start = build_model(c.model.name, info, c.model.options)
     peak = measure_unmanaged_peak(copy.deepcopy(start), data, c.train.batch_size)
     variants: list[tuple[str, int | None, bool, bool]] = [("unmanaged", None, False, False)]
+    follows: dict[str, str] = {}  # checkpoint-<class>: the variant whose plan it checkpoints
     for device in c.fleet.classes:
         budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
         variants += [
             (device.name, budget, False, False),
             (f"{device.name}+recompute", budget, True, False),
             (f"{device.name}+recompute+masks", budget, True, True),
+            (f"checkpoint-{device.name}", None, False, False),
         ]
+        follows[f"checkpoint-{device.name}"] = f"{device.name}+recompute+masks"
     if args.variants:
         unknown = set(args.variants) - {v[0] for v in variants}
         if unknown:
@@ -68,10 +76,18 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     times: dict[str, dict[str, list[float]]] = {v[0]: {p: [] for p in PHASES} for v in variants}
     rounds: dict[str, list[float]] = {v[0]: [] for v in variants}
     moved: dict[str, list[int]] = {v[0]: [] for v in variants}
+    checkpointed: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     loss_fn = torch.nn.CrossEntropyLoss()
     for r in range(args.rounds):
         for name, budget, recompute, masks in variants:
             model = copy.deepcopy(start)
+            if name in follows:
+                if name not in checkpointed:
+                    plan = decided_plan(root / follows[name])
+                    if plan is None:
+                        continue  # the plan it follows is still undecided
+                    checkpointed[name] = (plan.recompute, plan.selective)
+                model = checkpointed_modules(model, *checkpointed[name])
             seed_everything(c.seed, c.train.torch_threads)
             opt = torch.optim.SGD(model.parameters(), lr=c.train.lr, momentum=c.train.momentum)
             mm = None
@@ -99,11 +115,11 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                 marks.append(time.perf_counter())
                 opt.step()
                 marks.append(time.perf_counter())
-                if r > 0:
+                if r > 0 or name in follows:  # round 1 profiles; a baseline's does not
                     for phase, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
                         times[name][phase].append((b - a) * 1e3)
                     moved[name].append(mm.report().bytes_out if mm else 0)
-            if r > 0:
+            if r > 0 or name in follows:
                 rounds[name].append(time.perf_counter() - begun)
             if mm is not None:
                 mm.close()
@@ -116,8 +132,10 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
             "round_s_median": statistics.median(rounds[name]),
             "mib_out_per_step": statistics.median(moved[name]) / (1 << 20),
             "steps": len(times[name]["enter"]),
+            "checkpointed": list(checkpointed[name][0]) if name in checkpointed else None,
         }
         for name, budget, _, _ in variants
+        if rounds[name]
     ]
 
 
@@ -131,8 +149,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["round_s_median"]
     for r in rows:
         cells = " | ".join(f"{r[f'{p}_ms']:.2f}" for p in PHASES)
+        name = r["variant"]
+        if r["checkpointed"] is not None:
+            name += f" ({', '.join(r['checkpointed']) or 'none'})"
         lines.append(
-            f"| {r['variant']} | {cells} | {r['round_s_median']:.2f} | "
+            f"| {name} | {cells} | {r['round_s_median']:.2f} | "
             f"{r['round_s_median'] / base:.2f}x | {r['mib_out_per_step']:.1f} |"
         )
     return "\n".join(lines)

@@ -58,6 +58,11 @@ MASKABLE: tuple[type[nn.Module], ...] = (nn.Hardtanh, nn.ReLU6)
 _default_hooks: Callable[[bool], object] = torch._C._autograd._top_saved_tensors_default_hooks
 
 
+def saved_hooks_in_force() -> bool:
+    """Whether saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) are in force."""
+    return _default_hooks(False) is not None
+
+
 class MaskedHardtanh(torch.autograd.Function):
     """``aten.hardtanh`` that saves its output instead of its input (NOTE [mask encoding])."""
 
@@ -125,7 +130,7 @@ def hooked_hardtanh(x: torch.Tensor, low: float, high: float, name: str) -> torc
 
 def masked_hardtanh(x: torch.Tensor, low: float, high: float, name: str) -> torch.Tensor:
     """``hardtanh`` of ``x`` that saves its output for backward (NOTE [mask encoding])."""
-    if _default_hooks(False) is None:
+    if not saved_hooks_in_force():
         return hooked_hardtanh(x, low, high, name)
     out: torch.Tensor = MaskedHardtanh.apply(x, low, high, name)  # type: ignore[no-untyped-call]
     return out

@@ -22,21 +22,20 @@ What it gives up is the matching. The plan key already fixes the architecture an
 signature, so only data-dependent control flow can make a run leave the plan, and a plan that
 moves nothing has nothing to restore wrongly: what a divergence threatens is the budget, which
 the reading at the predicted peak still judges. So the first lean replay of a plan, and every
-``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor and reads
-at every watched step; the others are quiet. The count is kept by the plan's digest, for the
-managers of one process that share a plan cache (a manager without one keeps its own): the
-main job opens a manager a round, and each began with a checking replay, about 3 ms a round
-on its smallest class (12 steps of 40 ms), though the plan and its last check were the same.
-A full replay matches every saved tensor too, so the lean replays that follow one begin a
-quiet run: in a race
-(NOTE [plan race]) each candidate's first lean replay follows its full one, and timed as a
-checking replay, a few percent slower than a quiet one, it lost against the leader's confirming
-replays, which were quiet. A reading over the budget in a quiet replay leaves the lean replay
-as any does, and the plan is profiled again next time, but nothing saved before it can be
-evicted in that iteration (no saved tensor went through the manager): the budget of that one
-iteration is broken by what the plan did not predict, and reported. A saved tensor modified in
-place stops the backward with autograd's own error, as it would without the manager, instead of
-``InPlaceModificationError``.
+``QUIET_RUN + 1``-th after it, is a hookless replay that matches every saved tensor and reads at
+every watched step; the others are quiet. The count is kept by the plan's digest, for the
+managers of one process that share a plan cache (a manager without one keeps its own): the main
+job opens a manager a round, and each began with a checking replay, about 3 ms a round on its
+smallest class (12 steps of 40 ms), though the plan and its last check were the same. A full
+replay matches every saved tensor too, so the lean replays that follow one begin a quiet run: in
+a race (NOTE [plan race]) each candidate's first lean replay follows its full one, and timed as
+a checking replay, a few percent slower than a quiet one, it lost against the leader's
+confirming replays, which were quiet. A reading over the budget in a quiet replay leaves the
+lean replay as any does, and the plan is profiled again next time, but nothing saved before it
+can be evicted in that iteration (no saved tensor went through the manager): the budget of that
+one iteration is broken by what the plan did not predict, and reported. A saved tensor modified
+in place stops the backward with autograd's own error, as it would without the manager, instead
+of ``InPlaceModificationError``.
 """
 
 import os

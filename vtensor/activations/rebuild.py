@@ -44,10 +44,9 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from vtensor.activations.encodings import saved_hooks_in_force
 from vtensor.errors import InPlaceModificationError, VTensorError
 
-# The saved-tensor hooks in force, None where none are (``saved_tensors_hooks`` pushes them).
-_default_hooks: Callable[[bool], object] = torch._C._autograd._top_saved_tensors_default_hooks
 REBUILT_KEY = "vtensor.rebuilt"  # in the metadata of a Rebuild node (NOTE [one-node recomputation])
 _MAX_GRAPH_NODES = 100_000
 
@@ -161,7 +160,7 @@ def _own_hooks() -> contextlib.AbstractContextManager[Any]:
     # releases a node's saved tensors once it has run, as the hooks would, without two Python
     # calls per saved tensor, and the clamps in the unit take their hooked form (NOTE [hooked
     # clamps]) instead of the autograd Function. Autograd then checks in-place changes itself.
-    if _default_hooks(False) is None:
+    if not saved_hooks_in_force():
         return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_hold, _give_up)
 
