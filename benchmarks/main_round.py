@@ -18,7 +18,8 @@ recomputes (``checkpoint-<class>``: the manager's choice made by torch's own mec
 round after the plan is decided). Their tracked peaks are measured as the unmanaged one's (the
 manager's heap-counter readings over a step under a budget that never binds), so each class's
 summary line names the fastest of them whose peak fits its budget and sets the main job's
-setting against it.
+setting against it, and against ``checkpoint-<class>`` round by round (the median of the two
+rounds' ratio in each turn: what the manager adds to the same recomputation).
 
 Per variant: the median round time of rounds 2 to N and its ratio to the unmanaged round's
 median (the target: 1.15x), the median of the per-round ratios (each managed round against the
@@ -225,7 +226,27 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
         print(f"#   round {r + 1} done", flush=True)
     variants[0].peak_bytes = peak.unmanaged_peak_bytes
     ran = [v for v in variants if v.round_s]
-    return [_row(v, variants[0], peak.unmanaged_peak_bytes) for v in ran]
+    rows = [_row(v, variants[0], peak.unmanaged_peak_bytes) for v in ran]
+    for v in ran:
+        if v.follows is not None:  # the class's main setting against the same modules' checkpoint
+            main = next(r for r in rows if r["variant"] == v.follows.name)
+            main["vs_checkpoint_same_paired"] = _paired(v.follows, v)
+    return rows
+
+
+def _paired(a: Variant, b: Variant) -> float | None:
+    """Median over the rounds both ran, after ``a``'s first, of ``a``'s round over ``b``'s.
+
+    Both ran in the same turn, one after the other: the ratio of the two is paired as each one's
+    ratio to the unmanaged round is.
+    """
+    offset = b.first - a.first
+    pairs = [
+        x / y
+        for i, (x, y) in enumerate(zip(a.round_s[offset:], b.round_s, strict=True))
+        if offset + i > 0
+    ]
+    return statistics.median(pairs) if pairs else None
 
 
 def _row(v: Variant, reference: Variant, peak_bytes: int) -> dict[str, Any]:
@@ -276,6 +297,10 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
             best = min(fits, key=lambda r: r["round_s_median"])
             ratio = main["round_s_median"] / best["round_s_median"]
             line += f"; {ratio:.2f}x the fastest of them ({best['variant']})"
+        same = main.get("vs_checkpoint_same_paired")
+        if same is not None:
+            modules = ", ".join(follower["checkpointed"] or []) or "none"
+            line += f"; {same:.2f}x (paired) torch's checkpointing of its modules ({modules})"
         lines.append(line)
     return lines
 
