@@ -89,10 +89,11 @@ def test_a_replay_that_never_binds_reads_the_heap_a_few_times(tmp_path: Path, re
 def test_lean_and_full_replays_move_the_same_bytes_bit_identically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    # One plan in both runs: whether a full replay's guard evicts a chunk of its own depends on
-    # how fast the writes before it complete, and where it does the plan is made again
-    # (NOTE [guard margin], tested apart); here it is kept, and what the guard moved beyond the
-    # plan in the last full replay is allowed for.
+    # One plan in both runs: the second manager replays the first's from the plan cache (two
+    # profiles may differ by a chunk, which made two plans). Whether a full replay's guard
+    # evicts a chunk of its own depends on how fast the writes before it complete, and where it
+    # does the plan is made again (NOTE [guard margin], tested apart); here it is kept, and
+    # what the guard moved beyond the plan in the last full replay is allowed for.
     monkeypatch.setattr(vtensor.activations.planning, "plan_again", lambda *_: None)
     guarded: list[int] = []
     beyond_plan = vtensor.MemoryManager._guard_bytes
@@ -106,18 +107,24 @@ def test_lean_and_full_replays_move_the_same_bytes_bit_identically(
     model, x = Hoarder(), torch.randn(4096, 64)
     budget = int(0.6 * _peak(model, x))
     ref = _step(model, x, None)
-    moved = {}
+    moved, plans = {}, []
     for every_hook in (False, True):
         with vtensor.MemoryManager(
-            budget, chunk_bytes=CHUNK, storage_dir=tmp_path, check_every_hook=every_hook
+            budget,
+            chunk_bytes=CHUNK,
+            storage_dir=tmp_path,
+            check_every_hook=every_hook,
+            plan_cache_dir=tmp_path / "plans",
         ) as mm:
             for _ in range(3):
                 assert all(map(torch.equal, ref, _step(model, x, mm)))
             report, plan = mm.report(), mm.plan_for(model, (x,))
         assert plan is not None and plan.moves
+        plans.append(plan.digest())
         assert report.plan_source == "planned" and report.lean is not every_hook
         assert report.bytes_out > 0 and report.peak_device_bytes <= budget + CHUNK
         moved[every_hook] = (report.bytes_out, report.bytes_in, report.min_budget_bytes)
+    assert plans[0] == plans[1]
     # Equal but for the pages at a storage's ends, which are released in place only where the
     # allocator placed the storage so that they lie inside the chunk (NOTE [release in place]),
     # and for the chunks the full replay's guard evicted (and restored) beyond the plan.
