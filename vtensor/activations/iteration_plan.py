@@ -82,6 +82,13 @@ class Trials:
             one_node=self.one_node_of(names, selective),
         )
         self.plans.append(hybrid)
+        if not hybrid.moves:  # NOTE [dominated candidates]
+            kept = [c for c in self.pending if not _recomputes_all_of(c, names, selective)]
+            if len(kept) < len(self.pending):
+                logger.info(
+                    "%d candidates recompute more: not tried", len(self.pending) - len(kept)
+                )
+            self.pending = kept
         return hybrid
 
     def next_trial(self, signature: str, key: PlanKey | None) -> IterationPlan:
@@ -104,3 +111,31 @@ class Trials:
     def candidates(self) -> list[Plan]:
         """The plans to race: the hybrid ones, then the swap-only one."""
         return [*self.plans, *([self.swap_only] if self.swap_only is not None else [])]
+
+
+def _recomputes_all_of(
+    candidate: tuple[tuple[str, ...], tuple[str, ...]],
+    names: tuple[str, ...],
+    selective: tuple[str, ...],
+) -> bool:
+    """Whether ``candidate`` recomputes everything ``names`` (``selective`` so) recomputes.
+
+    NOTE [dominated candidates]: a candidate that recomputes all that a profiled plan which
+    moves nothing recomputes, and more, can move nothing less and computes more: it is not
+    faster, so it gets neither a trial nor a place in the race. The main job's smallest class
+    had one: every outermost block whole, beside the cheapest cover (two of those blocks), a
+    trial and two race replays a step slower each (benchmarks/README.md, ``main_round``). A
+    module is recomputed by the candidate's own recomputation of it or of an ancestor, whole,
+    or selectively where it is recomputed selectively (a selective unit recomputes all but the
+    products inside it).
+    """
+    others, partial = candidate
+
+    def covered(name: str) -> bool:
+        return any(
+            (name == other or name.startswith(other + "."))
+            and (other not in partial or name in selective)
+            for other in others
+        )
+
+    return all(covered(name) for name in names)

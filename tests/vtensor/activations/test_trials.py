@@ -10,6 +10,8 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
+from vtensor.activations.iteration_plan import Trials
+from vtensor.planner.plan import Plan, TensorMove
 from vtensor.planner.trace import Trace
 
 WIDTH = 256
@@ -143,3 +145,33 @@ def test_a_trial_makes_room_for_at_least_what_each_recomputation_then_holds(
             step(mm)
     assert held, "no trial recomputed anything"
     assert all(room >= nbytes for _, room, nbytes in held), held
+
+
+def _hybrid_base(moves: bool) -> Plan:
+    move = (TensorMove(vid=0, evict_bytes=1 << 20, evict_step=1, prefetch_step=2),)
+    return Plan(1 << 30, None, move if moves else (), ("a", "b", "c"), (1 << 20,), 0, 0.0, "test")
+
+
+def test_a_trial_that_moves_nothing_drops_the_pending_candidates_that_recompute_more() -> None:
+    # NOTE [dominated candidates]: recomputing all of what a plan that moves nothing recomputes,
+    # and more, moves nothing at best and computes more: no faster, so no trial and no race.
+    pending = [
+        (("f.2", "f.3"), ()),
+        (("f.2", "f.3", "f.4"), ("f.4",)),  # whole where the first is, more beside: dropped
+        (("f",), ()),  # an ancestor of both, whole: dropped
+        (("f.2", "f.3", "f.5"), ("f.2",)),  # f.2 selectively recomputes less: kept
+        (("f.2",), ()),  # less: kept
+        (("g", "f.3.body"), ()),  # only inside f.3: kept
+    ]
+    trials = Trials(list(pending), [], None)
+    assert trials.profiled(_hybrid_base(moves=False), 0.1) is not None
+    assert trials.pending == [pending[3], pending[4], pending[5]]
+    # A trial whose plan moves bytes: a candidate recomputing more may move less, and is tried.
+    trials = Trials(list(pending), [], None)
+    trials.profiled(_hybrid_base(moves=True), 0.1)
+    assert trials.pending == pending[1:]
+    # Selective in the plan: covered by the same module selectively or whole, or an ancestor.
+    selective = [(("f.2",), ("f.2",)), (("f.2",), ("f.2",)), (("f.2",), ()), (("f",), ("f",))]
+    trials = Trials(list(selective), [], None)
+    trials.profiled(_hybrid_base(moves=False), 0.1)
+    assert trials.pending == []
