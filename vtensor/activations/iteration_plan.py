@@ -50,6 +50,8 @@ class Trials:
         encoded: the profile's clamps saved bits: so do the trials' (NOTE [mask encoding]).
         one_node: the modules recomputed whole behind one autograd node (``through_one_node``,
             NOTE [one-node recomputation] in ``activations/rebuild.py``).
+        kept: candidates never dropped as recomputing more than another (NOTE [dominated
+            candidates]): what ``torch.utils.checkpoint`` on every block does.
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
@@ -58,6 +60,7 @@ class Trials:
     growth: dict[str, tuple[int, int]] = field(default_factory=dict)
     encoded: bool = False
     one_node: tuple[str, ...] = ()
+    kept: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
     def one_node_of(self, names: tuple[str, ...], selective: tuple[str, ...]) -> tuple[str, ...]:
         """Of the modules ``names`` recomputes, those recomputed whole through one node."""
@@ -83,12 +86,16 @@ class Trials:
         )
         self.plans.append(hybrid)
         if not hybrid.moves:  # NOTE [dominated candidates]
-            kept = [c for c in self.pending if not _recomputes_all_of(c, names, selective)]
-            if len(kept) < len(self.pending):
+            left = [
+                c
+                for c in self.pending
+                if c in self.kept or not _recomputes_all_of(c, names, selective)
+            ]
+            if len(left) < len(self.pending):
                 logger.info(
-                    "%d candidates recompute more: not tried", len(self.pending) - len(kept)
+                    "%d candidates recompute more: not tried", len(self.pending) - len(left)
                 )
-            self.pending = kept
+            self.pending = left
         return hybrid
 
     def next_trial(self, signature: str, key: PlanKey | None) -> IterationPlan:
@@ -122,12 +129,14 @@ def _recomputes_all_of(
 
     NOTE [dominated candidates]: a candidate that recomputes all that a profiled plan which
     moves nothing recomputes, and more, can move nothing less and computes more: it is not
-    faster, so it gets neither a trial nor a place in the race. The main job's smallest class
-    had one: every outermost block whole, beside the cheapest cover (two of those blocks), a
-    trial and two race replays a step slower each (benchmarks/README.md, ``main_round``). A
-    module is recomputed by the candidate's own recomputation of it or of an ancestor, whole,
-    or selectively where it is recomputed selectively (a selective unit recomputes all but the
-    products inside it).
+    faster, so it gets neither a trial nor a place in the race. On the main job's smallest
+    class the cheapest cover recomputed ``features.2.body`` and ``features.3`` and moved
+    nothing, and ``features.2, features.3`` whole was tried and raced too. A module is
+    recomputed by the candidate's own recomputation of it or of an ancestor, whole, or
+    selectively where it is recomputed selectively (a selective unit recomputes all but the
+    products inside it). What checkpointing every block does is never dropped (``kept``): the
+    race holds what a user's one line of checkpointing would do even where the plan that moved
+    nothing is made again under the guard's margin (NOTE [guard margin]) and moves bytes then.
     """
     others, partial = candidate
 

@@ -69,6 +69,7 @@ class Undecided:
                 "growth": {n: list(g) for n, g in self.trials.growth.items()},
                 "encoded": self.trials.encoded,
                 "one_node": list(self.trials.one_node),
+                "kept": [[list(n), list(s)] for n, s in self.trials.kept],
             }
         race = None
         if self.race is not None:
@@ -117,7 +118,9 @@ class Undecided:
             growth = {str(n): (int(w), int(s)) for n, (w, s) in t.get("growth", {}).items()}
             plans_so_far, swap_only = [some(i) for i in t["plans"]], plan(t["swap_only"])
             whole = tuple(str(n) for n in t.get("one_node", ()))
-            trials = Trials(pending, plans_so_far, swap_only, growth, bool(t.get("encoded")), whole)
+            kept = tuple((tuple(n), tuple(s)) for n, s in t.get("kept", ()))
+            encoded = bool(t.get("encoded"))
+            trials = Trials(pending, plans_so_far, swap_only, growth, encoded, whole, kept)
         race = None
         if raw["race"] is not None:
             r = raw["race"]

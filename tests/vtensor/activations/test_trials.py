@@ -170,6 +170,10 @@ def test_a_trial_that_moves_nothing_drops_the_pending_candidates_that_recompute_
     trials = Trials(list(pending), [], None)
     trials.profiled(_hybrid_base(moves=True), 0.1)
     assert trials.pending == pending[1:]
+    # What checkpointing every block does stays (``kept``), whatever it recomputes.
+    trials = Trials(list(pending), [], None, kept=(pending[2],))
+    trials.profiled(_hybrid_base(moves=False), 0.1)
+    assert trials.pending == [pending[2], pending[3], pending[4], pending[5]]
     # Selective in the plan: covered by the same module selectively or whole, or an ancestor.
     selective = [(("f.2",), ("f.2",)), (("f.2",), ("f.2",)), (("f.2",), ()), (("f",), ("f",))]
     trials = Trials(list(selective), [], None)

@@ -105,11 +105,13 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     race.record(0.25, guard_bytes=0)
     race.record(0.2, lean=True)
     growth = {"a": (300, 200), "b": (100, 0)}
-    trials = Trials([pending], [hybrid], swap_only, growth, encoded=True)
+    kept = ((("a", "b"), ()),)  # never dropped as recomputing more (NOTE [dominated candidates])
+    trials = Trials([pending], [hybrid], swap_only, growth, encoded=True, kept=kept)
     undecided = Undecided(trials, race, [(hybrid, (trace, 7, 9))])
     back = Undecided.from_dict(json.loads(json.dumps(undecided.to_dict())))
     assert back.trials is not None and back.race is not None
     assert back.trials.pending == [pending] and back.trials.growth == growth
+    assert back.trials.kept == kept
     trial = back.trials.next_trial("s", None)
     assert trial.regrowth == {"a": 300, "b": 0} and trial.encode  # b selective; as profiled
     assert back.trials.plans[0] is back.race.plans[0] is back.candidates[0][0]
