@@ -25,12 +25,7 @@ from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import PlanKey, dtype_of, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import (
-    predicted_step_s,
-    recompute_candidates,
-    recompute_outermost,
-    unit_regrowth,
-)
+from vtensor.planner.recompute import predicted_step_s, recompute_candidates, unit_regrowth
 from vtensor.planner.recomputed import through_one_node
 from vtensor.planner.trace import Trace
 
@@ -380,14 +375,15 @@ class PlanBook:
         self._candidates[signature] = [] if plan is None else [(plan, profile)]
         self._candidates[signature] += unencoded
         if trace.units:
-            # Judged at the budget (NOTE [recomputation's working set] in activations/recorder.py)
+            # Judged at the budget: the model holds what a trial's recomputations hold (NOTE
+            # [recomputation's working set] in activations/recorder.py).
             candidates = recompute_candidates(trace, self.budget_bytes)
             if candidates:
                 growth = unit_regrowth(trace)
                 whole = tuple(u.name for u in trace.units if through_one_node(u))
-                every_block = recompute_outermost(trace, self.budget_bytes, whole=True)
+                every_block = candidates[-1:]  # never dropped (NOTE [dominated candidates])
                 self._trial[signature] = Trials(
-                    list(candidates), others, plan, growth, trace.encoded, whole, (every_block,)
+                    list(candidates), others, plan, growth, trace.encoded, whole, every_block
                 )
                 return plan
         return self._race_or_only(signature, Trials([], others, plan)) if others else plan

@@ -216,8 +216,10 @@ def recompute_candidates(
     """The recomputations worth a trial at ``budget_bytes``: (units, those selective) each.
 
     The cheapest cover of the deficit (``choose_recompute``), every outermost unit selectively
-    where it may be and whole (``recompute_outermost``), and the fewest outermost units whole
-    that cover the deficit, once each; none where nothing needs to leave memory.
+    where it may be and whole (``recompute_outermost``), the fewest outermost units whole that
+    cover the deficit, and last every outermost unit whole (what checkpointing every block
+    does, which a race always holds: NOTE [dominated candidates] in
+    ``activations/iteration_plan.py``), once each; none where nothing needs to leave memory.
     """
     cheapest = choose_recompute(trace, budget_bytes)
     if not cheapest[0]:
@@ -226,10 +228,12 @@ def recompute_candidates(
     for option in (
         recompute_outermost(trace, budget_bytes),
         choose_recompute(trace, budget_bytes, whole_outermost=True),
-        recompute_outermost(trace, budget_bytes, whole=True),
     ):
         if option[0] and option not in found:
             found.append(option)
+    every_block = recompute_outermost(trace, budget_bytes, whole=True)
+    if every_block[0]:
+        found = [*(f for f in found if f != every_block), every_block]
     return tuple(found)
 
 

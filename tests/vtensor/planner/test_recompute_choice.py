@@ -2,9 +2,11 @@
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import vtensor.planner.recompute as choice
 from tests.vtensor.planner.unit_traces import KB, Unit, demand, unit_trace
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.lgm import build_lgm, min_budget
@@ -89,8 +91,15 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
         choose_recompute(trace, budget, whole_outermost=True),
         recompute_outermost(trace, budget, whole=True),
     )
-    # The fourth: every outermost unit whole, as checkpointing every block would.
+    # The fourth: every outermost unit whole, as checkpointing every block would. It is always
+    # the last, equal to an earlier option or not: the race keeps it (NOTE [dominated
+    # candidates]).
     assert recompute_outermost(trace, budget, whole=True) == (("a", "b.y", "c"), ())
+    for cut in range(50, 400, 25):
+        tight = demand(trace) - cut * KB
+        candidates = recompute_candidates(trace, tight)
+        assert candidates[-1] == recompute_outermost(trace, tight, whole=True)
+        assert len(set(candidates)) == len(candidates)
     assert recompute_candidates(trace, demand(trace)) == ()  # nothing needs to leave
 
 
@@ -334,3 +343,15 @@ def _assert_a_fitting_choice(
         assert floor <= budget
         plan = plan_lgm(after, budget)  # every needed tensor present when used, budget kept
         assert check_plan(plan, after, budget) == []
+
+
+def test_every_block_whole_comes_last_even_where_it_is_also_the_cheapest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    every, selective = (("a", "b"), ()), (("a", "b"), ("a",))
+    monkeypatch.setattr(choice, "choose_recompute", lambda *_, **__: every)
+    monkeypatch.setattr(
+        choice, "recompute_outermost", lambda *_, whole=False: every if whole else selective
+    )
+    trace = unit_trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 100 * KB, True)])
+    assert recompute_candidates(trace, 1) == (selective, every)
