@@ -1,5 +1,8 @@
 """A small network of convolution, GroupNorm and ReLU6 for the mask-encoding tests."""
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -24,10 +27,10 @@ def clamp_model() -> nn.Sequential:
     )
 
 
-def train_clamps(model: nn.Module, mm: vtensor.MemoryManager | None, steps: int) -> list[float]:
+def clamp_steps(model: nn.Module, mm: vtensor.MemoryManager | None) -> Iterator[float]:
+    """Train ``model`` step after step (batch ``i`` at step ``i``), yielding each step's loss."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for i in range(steps):
+    for i in itertools.count():
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(8, 3, 12, 12, generator=g), torch.randint(0, 10, (8,), generator=g)
         opt.zero_grad(set_to_none=True)
@@ -39,5 +42,8 @@ def train_clamps(model: nn.Module, mm: vtensor.MemoryManager | None, steps: int)
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
         opt.step()
-        losses.append(loss.item())
-    return losses
+        yield loss.item()
+
+
+def train_clamps(model: nn.Module, mm: vtensor.MemoryManager | None, steps: int) -> list[float]:
+    return list(itertools.islice(clamp_steps(model, mm), steps))

@@ -2,6 +2,7 @@
 plan (NOTE [plan race]), the guard's margin and headroom, a cached hybrid plan."""
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
+from vtensor.activations.iteration_plan import _recomputes_all_of
 from vtensor.activations.race import CONFIRM, MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
 from vtensor.planner.plan import Plan
@@ -211,7 +213,8 @@ def test_a_hybrid_plan_leaves_the_guard_only_the_growth_outside_recomputation(
     monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _Kept)
     monkeypatch.setattr(_Kept, "races", [])
     budget = int(peak_bytes(Block, tmp_path) * 0.5)
-    reports, kept = _race(model_with(Block), budget, 2 + 2 * RACE_ROUNDS + 2, tmp_path)
+    # A candidate whose first replay needed the guard is made again and races a round more.
+    reports, kept = _race(model_with(Block), budget, 2 + 2 * (RACE_ROUNDS + 1) + 2, tmp_path)
     (race,) = _Kept.races
     hybrid, swap_only = race.plans
     assert hybrid.recompute == blocks and swap_only.recompute == ()
@@ -305,17 +308,27 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     steps = 1 + 4 + 5 * (MAX_ROUNDS + 1) + 1
     reports, plan = _race(model_with(Block), budget, steps, tmp_path)
     assert len(found) == 1 and len(found[0]) in (2, 3, 4), found
-    # The cheapest cover, every block (selectively where it may be), and, where they are other
-    # choices, the fewest outermost blocks whole that cover the deficit and every block whole.
-    (cheapest, whole), (outermost, selective), *rest = found[0]
-    assert (cheapest, whole) != (outermost, selective)
+    # The cheapest cover first; every block selectively where it may be, and, where they are
+    # other choices, the fewest outermost blocks whole that cover the deficit; every block whole
+    # last. Which cover is cheapest follows the measured unit times, so positions but the first
+    # and last are not asserted.
+    candidates = found[0]
+    every, none = candidates[-1]
+    assert not none and all(not s and n for n, s in candidates[2:])  # whole units only
     # Selectively where that fits (a block's product outputs are held through its backward),
     # else whole: every block but the two linear layers is selective-safe.
-    assert selective and set(selective) <= set(outermost) - {"0", "7"}
-    assert all(not s and n for n, s in rest)  # whole units only
-    names = [cheapest, outermost, *(n for n, _ in rest)]
-    trials = len(names)
-    assert [r.recomputed for r in reports[1 : 1 + trials]] == names  # one trial each
+    assert any(sel and set(sel) <= set(n) - {"0", "7"} for n, sel in candidates[:2])
+    # One trial each, in order, but those a trial that moved nothing made pointless: they
+    # recompute all it did and more (NOTE [dominated candidates]). Every block whole stays.
+    trials = len(list(itertools.takewhile(lambda r: r.plan_source == "profiled", reports[1:])))
+    tried = [(r.recomputed, r.selective) for r in reports[1 : 1 + trials]]
+    assert tried[0] == candidates[0] and tried[-1] == (every, none), (tried, candidates)
+    left = iter(candidates)
+    assert all(t in left for t in tried), (tried, candidates)  # in order, each once
+    for dropped in (c for c in candidates if c not in tried):
+        earlier = [t for t in tried if candidates.index(t) < candidates.index(dropped)]
+        assert any(_recomputes_all_of(dropped, *t) for t in earlier), (dropped, tried)
+    names = [n for n, _ in tried]
     raced = [r for r in reports[1 + trials :] if r.plan_source == "raced"]
     after = reports[1 + trials :]
     assert list(after[: len(raced)]) == raced and reports[-1].plan_source == "planned"

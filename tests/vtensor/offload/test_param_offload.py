@@ -350,7 +350,9 @@ def test_composes_with_the_activation_manager_bit_identically(tmp_storage_dir: P
                 F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
             po.step()
             report = mm.report()
-            assert report.peak_device_bytes <= report.budget_bytes and report.bytes_out > 0
+            # The guard acts on bytes over the budget by more than a chunk (its overshoot).
+            assert report.peak_device_bytes <= report.budget_bytes + CHUNK_BYTES
+            assert report.bytes_out > 0
         assert po.report().peak_resident_bytes <= footprint // 4
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
