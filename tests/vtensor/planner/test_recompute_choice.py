@@ -72,9 +72,11 @@ def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping()
 
 
 def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be() -> None:
+    # "a" whole (its 150 KB for 60 ms) costs more than "a" selectively and "b.y" (51 ms): the
+    # cheapest cover and the fewest outermost units whole differ.
     trace = unit_trace(
         [
-            ("a", 0.01, 100 * KB, True, 0.001, 50 * KB),
+            ("a", 0.06, 100 * KB, True, 0.001, 50 * KB),
             ("a.x", 0.001, 100 * KB, True),
             ("b", 0.05, 100 * KB, False),
             ("b.y", 0.05, 100 * KB, True),
@@ -82,6 +84,8 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
         ]
     )
     budget = demand(trace) - 150 * KB
+    assert choose_recompute(trace, budget) == (("a", "b.y"), ("a",))
+    assert choose_recompute(trace, budget, whole_outermost=True) == (("a",), ())
     # Unsafe "b" gives way to its safe child; "a" is recomputed selectively, "c" whole.
     assert recompute_outermost(trace, budget) == (("a", "b.y", "c"), ("a",))
     cheapest = choose_recompute(trace, budget)
@@ -101,6 +105,20 @@ def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be(
         assert candidates[-1] == recompute_outermost(trace, tight, whole=True)
         assert len(set(candidates)) == len(candidates)
     assert recompute_candidates(trace, demand(trace)) == ()  # nothing needs to leave
+
+
+def test_an_option_that_alone_finishes_the_cover_for_less_time_is_taken() -> None:
+    # NOTE [cheapest finish]: "big" frees the most per second (10 ms for 300 KB) and covers the
+    # 150 KB deficit alone; "mid", recomputed last in backward, covers it too, for 8 ms.
+    # Cheapest per byte first took "big".
+    units: list[Unit] = [("mid", 0.008, 160 * KB, True), ("big", 0.010, 300 * KB, True)]
+    trace = unit_trace([*units, ("s", 0.001, 20 * KB, True)])
+    assert choose_recompute(trace, demand(trace) - 150 * KB) == (("mid",), ())
+    # Where the ratio order's own cover is cheaper, it stands: "s" and "t" (2 ms) for 200 KB.
+    cheap = unit_trace(
+        [("big", 0.010, 300 * KB, True), ("s", 0.001, 100 * KB, True), ("t", 0.001, 100 * KB, True)]
+    )
+    assert choose_recompute(cheap, demand(cheap) - 150 * KB) == (("s", "t"), ())
 
 
 def test_the_third_candidate_recomputes_as_few_outermost_units_whole_as_cover_the_deficit() -> None:
