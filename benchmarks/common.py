@@ -15,7 +15,7 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,16 @@ def repeats(args: argparse.Namespace, full: int, quick: int) -> int:
     if args.repeats is not None:
         return int(args.repeats)
     return quick if args.quick else full
+
+
+def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """``argv`` (``sys.argv[1:]`` for None) as (the script's own arguments, the Hydra overrides
+    after ``--``) for the scripts that train the main job's configuration."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in args:
+        return args, []
+    cut = args.index("--")
+    return args[:cut], args[cut + 1 :]
 
 
 # -- environment ----------------------------------------------------------------------------------

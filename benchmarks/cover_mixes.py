@@ -27,7 +27,6 @@ import contextlib
 import copy
 import itertools
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +42,15 @@ import vtensor
 import vtensor.activations.iteration as iteration
 import vtensor.activations.planning as planning
 import vtensor.activations.quiet as quiet
-from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    describe,
+    environment,
+    split_overrides,
+    tagged,
+    write_json_lines,
+)
 from edgefl.client_data import client_split
 from edgefl.config import load_run_settings
 from edgefl.models import build_model
@@ -257,9 +264,7 @@ def _cell(value: Any, form: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, run, print the table, write the JSON lines."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds (default 8)")
     parser.add_argument(
@@ -267,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     add_quick(parser, "two rounds")
     add_out(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(own)
     if args.quick:
         args.rounds = 2
     settings = load_run_settings(overrides)

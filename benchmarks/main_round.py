@@ -40,7 +40,6 @@ import functools
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ from benchmarks.common import (
     add_quick,
     describe,
     environment,
+    split_overrides,
     tagged,
     write_json_lines,
 )
@@ -336,9 +336,7 @@ def _mask_settings(chosen: list[str] | None) -> list[bool | str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, run, print the table, write the JSON lines."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
     parser.add_argument(
@@ -353,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     add_quick(parser, "two rounds of 64 examples")
     add_out(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(own)
     if args.quick:
         args.rounds, args.max_examples = 2, 64
     settings = load_run_settings(overrides)

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -35,7 +34,15 @@ import numpy as np
 import torch
 
 import vtensor
-from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    describe,
+    environment,
+    split_overrides,
+    tagged,
+    write_json_lines,
+)
 from benchmarks.main_round import checkpointed_modules, decided_plan
 from edgefl.client_data import client_split
 from edgefl.config import load_run_settings
@@ -161,9 +168,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, run, print the table, write the JSON lines."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant (default 7)")
     parser.add_argument(
@@ -177,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     add_quick(parser, "two rounds of 64 examples")
     add_out(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(own)
     if args.quick:
         args.rounds, args.max_examples = 2, 64
     settings = load_run_settings(overrides)

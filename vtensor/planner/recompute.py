@@ -14,8 +14,9 @@ use: NOTE [recomputed lifetimes] in ``recomputed.py``). The options cheapest per
 taken first until they cover the deficit (the peak over the budget), never two nested units nor
 both options of one, and an option is taken only if the iteration with it (``with_recompute``)
 still has a feasible floor; where the deficit is still not covered, selective units are recomputed
-whole instead, those adding the most bytes per second first. What remains is left to the swap
-planner. No bandwidth model decides
+whole instead, those adding the most bytes per second first. At every point of that order the
+option of least time that would finish the cover alone is priced too, and the least total time
+wins (NOTE [cheapest finish]). What remains is left to the swap planner. No bandwidth model decides
 between the two: on a CPU the swap engine's work (sealing, system calls, page faults on return)
 takes cores from compute even where the planner hides the transfer, which a model of the disk alone
 does not see. So the choice is tested, not trusted, and is not the only one tried: every outermost
