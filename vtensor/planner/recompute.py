@@ -134,7 +134,8 @@ def choose_recompute(
         if not priced:  # what finishing the cover from here costs, once per prefix
             priced = True
             left = deficit - freed
-            finish = _cheapest_finish(trace, budget_bytes, ranked, chosen, selective, left)
+            below = min((f[0] for f in finishes), default=float("inf")) - spent
+            finish = _cheapest_finish(trace, budget_bytes, ranked, chosen, selective, left, below)
             if finish is not None:
                 finishes.append((spent + finish[0], [*chosen, finish[1]], selective + finish[2]))
         if any(_nested(unit.name, other) for other in chosen):
@@ -175,8 +176,9 @@ def _cheapest_finish(
     chosen: Sequence[str],
     selective: Sequence[str],
     left: int,
+    below: float,
 ) -> tuple[float, str, list[str]] | None:
-    """The option of least time that alone frees ``left`` more bytes beside ``chosen``.
+    """The option of least time, under ``below``, that alone frees ``left`` more bytes.
 
     NOTE [cheapest finish]
     Taking the options cheapest per freed byte first can overshoot: on the main job's CNN at
@@ -187,11 +189,14 @@ def _cheapest_finish(
     least total time wins: the ratio order's own cover where nothing finishes for less. A
     finish is taken only where the iteration with it, nothing moved, really peaks within the
     budget (freed bytes are a proxy: those not live at the peak lower nothing), so it never
-    leaves swapping to do; options nested in a chosen unit are passed over as there.
+    leaves swapping to do; options nested in a chosen unit are passed over as there, and none
+    is priced at or above a finish already priced (``below``, less what the prefix costs).
     Returns (its seconds, its name, [its name] if selective).
     """
     fitting = (o for o in options if o[3] >= left)
     for unit, partial, seconds, _ in sorted(fitting, key=lambda o: (o[2], o[0].name, o[1])):
+        if seconds >= below:
+            return None  # no cheaper than a finish already priced
         if any(_nested(unit.name, other) for other in chosen):
             continue
         trial = with_recompute(trace, [*chosen, unit.name], [*selective, *[unit.name] * partial])
