@@ -272,6 +272,10 @@ class ChunkStore:
         With ``block_restores=False`` a blocking reap waits for evictions only: restores finish
         when they are done or when their vTensor is used.
         """
+        if not self._in_flight and not self._deferred:
+            # Nothing to take in: a lean replay asks twice at each of its 200-odd boundaries a
+            # step. A record deferred by another thread just now is taken in at the next call.
+            return
         for record in self.in_flight():
             pending = record.pending
             assert pending is not None
