@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from edgefl.data.arrays import ArrayDataset
+    from edgefl.peak import PeakMeasurement
+    from edgefl.settings import RunSettings
+
     ImageBatches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 # NOTE [honest RSS] in vtensor/measure/rss.py: with this threshold RSS follows the live bytes.
@@ -163,6 +167,23 @@ def main_job_model() -> tuple[str, "nn.Module", "ImageBatches"]:
         return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
 
     return f"main job's CNN ({c.model.name}), batch {size}", model, batch
+
+
+def client_zero(settings: "RunSettings") -> tuple["ArrayDataset", "nn.Module", "PeakMeasurement"]:
+    """Client 0's data, the main job's model as the clients seed it, and its unmanaged peak at
+    the client's batch size (what the device classes' budgets are fractions of)."""
+    import copy
+
+    from edgefl.client_data import client_split
+    from edgefl.models import build_model
+    from edgefl.peak import measure_unmanaged_peak
+    from edgefl.train import seed_everything
+
+    c = settings.client
+    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
+    seed_everything(c.seed, c.train.torch_threads)
+    model = build_model(c.model.name, info, c.model.options)
+    return data, model, measure_unmanaged_peak(copy.deepcopy(model), data, c.train.batch_size)
 
 
 # -- JSON lines -----------------------------------------------------------------------------------

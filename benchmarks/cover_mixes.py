@@ -45,18 +45,16 @@ import vtensor.activations.quiet as quiet
 from benchmarks.common import (
     add_out,
     add_quick,
+    client_zero,
     describe,
     environment,
     split_overrides,
     tagged,
     write_json_lines,
 )
-from edgefl.client_data import client_split
 from edgefl.config import load_run_settings
-from edgefl.models import build_model
-from edgefl.peak import measure_unmanaged_peak
 from edgefl.settings import RunSettings
-from edgefl.train import loss_fn, seed_everything
+from edgefl.train import loss_fn
 from vtensor.activations.race import PlanRace
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.recompute import recompute_candidates
@@ -140,13 +138,10 @@ def _every_hook() -> Iterator[None]:
 def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]:
     """Profile, plan and train every mix; one row per mix and one for unmanaged."""
     c = settings.client
-    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
-    seed_everything(c.seed, c.train.torch_threads)
-    start = build_model(c.model.name, info, c.model.options)
+    data, start, peak = client_zero(settings)
     size = c.train.batch_size
-    peak = measure_unmanaged_peak(copy.deepcopy(start), data, size)
     device = next(d for d in c.fleet.classes if d.name == args.device_class)
-    budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
+    budget = device.budget.of_peak(peak.unmanaged_peak_bytes)
     batches = [
         (torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx]))
         for idx in (np.random.default_rng(i).choice(len(data), size, False) for i in range(STEPS))

@@ -54,15 +54,14 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from benchmarks.common import (
     add_out,
     add_quick,
+    client_zero,
     describe,
     environment,
     split_overrides,
     tagged,
     write_json_lines,
 )
-from edgefl.client_data import client_split
 from edgefl.config import load_run_settings
-from edgefl.models import build_model
 from edgefl.peak import measure_unmanaged_peak
 from edgefl.settings import RunSettings, VTensorSettings
 from edgefl.train import (
@@ -168,10 +167,7 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
 def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]:
     """Every variant's rounds, interleaved; one result row per variant."""
     c = settings.client
-    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
-    seed_everything(c.seed, c.train.torch_threads)
-    start = build_model(c.model.name, info, c.model.options)
-    peak = measure_unmanaged_peak(copy.deepcopy(start), data, c.train.batch_size)
+    data, start, peak = client_zero(settings)
     local = settings_round(c.train, c.seed, args.max_examples)
     root = Path(tempfile.mkdtemp(prefix="main-round-"))
     variants = [Variant("unmanaged")]
@@ -181,7 +177,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
         Variant("selective", checkpointed=stages, selective=stages),
     ]
     for device in c.fleet.classes:
-        budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
+        budget = device.budget.of_peak(peak.unmanaged_peak_bytes)
         for recompute in (False, True):
             for masks in _mask_settings(args.masks):
                 suffix = {True: "+masks", "auto": "+auto"}.get(masks, "")

@@ -37,6 +37,7 @@ import vtensor
 from benchmarks.common import (
     add_out,
     add_quick,
+    client_zero,
     describe,
     environment,
     split_overrides,
@@ -44,10 +45,7 @@ from benchmarks.common import (
     write_json_lines,
 )
 from benchmarks.main_round import checkpointed_modules, decided_plan
-from edgefl.client_data import client_split
 from edgefl.config import load_run_settings
-from edgefl.models import build_model
-from edgefl.peak import measure_unmanaged_peak
 from edgefl.settings import RunSettings
 from edgefl.train import _batches, seed_everything
 
@@ -57,14 +55,11 @@ PHASES = ("enter", "forward", "backward", "exit", "update")
 def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]:
     """Every variant's rounds, interleaved; one row per variant."""
     c = settings.client
-    info, data, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
-    seed_everything(c.seed, c.train.torch_threads)
-    start = build_model(c.model.name, info, c.model.options)
-    peak = measure_unmanaged_peak(copy.deepcopy(start), data, c.train.batch_size)
+    data, start, peak = client_zero(settings)
     variants: list[tuple[str, int | None, bool, bool]] = [("unmanaged", None, False, False)]
     follows: dict[str, str] = {}  # checkpoint-<class>: the variant whose plan it checkpoints
     for device in c.fleet.classes:
-        budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
+        budget = device.budget.of_peak(peak.unmanaged_peak_bytes)
         variants += [
             (device.name, budget, False, False),
             (f"{device.name}+recompute", budget, True, False),

@@ -24,6 +24,10 @@ class Budget:
         if (self.bytes > 0) == (self.peak_fraction > 0) or self.peak_fraction > 1:
             raise ConfigError(f"budget {self!r} must be a byte size or a percentage in (0, 100]")
 
+    def of_peak(self, peak_bytes: int) -> int:
+        """The bytes this budget stands for where the unmanaged peak is ``peak_bytes``."""
+        return self.bytes or max(1, int(self.peak_fraction * peak_bytes))
+
     def __str__(self) -> str:
         if self.bytes:
             return vtensor.format_bytes(self.bytes)

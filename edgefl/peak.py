@@ -73,4 +73,4 @@ def resolve_budget(
     if key not in _PEAKS:
         measured = measure_unmanaged_peak(copy.deepcopy(model), data, batch_size)
         _PEAKS[key] = measured.unmanaged_peak_bytes
-    return max(1, int(_PEAKS[key] * budget.peak_fraction))
+    return budget.of_peak(_PEAKS[key])

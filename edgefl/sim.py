@@ -79,7 +79,7 @@ def measure_peak(settings: RunSettings) -> PeakMeasurement:
     )
     resolved = []
     for device in c.fleet.classes:
-        budget = device.budget.bytes or int(device.budget.peak_fraction * peak.unmanaged_peak_bytes)
+        budget = device.budget.of_peak(peak.unmanaged_peak_bytes)
         resolved.append(f"{device.name} {device.budget} = {format_bytes(budget)}")
         if budget >= peak.unmanaged_peak_bytes:
             logger.warning(
