@@ -76,14 +76,12 @@ class _FirstWins(PlanRace):
         return 0
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, mm: Any, batch: Batch) -> float:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, mm: Any, batch: Batch) -> None:
     x, y = batch
     opt.zero_grad(set_to_none=True)
-    begin = time.perf_counter()
     with mm.step(model, opt, (x, y)) if mm is not None else contextlib.nullcontext():
         loss_fn(model(x), y).backward()  # type: ignore[no-untyped-call]
     opt.step()
-    return time.perf_counter() - begin
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -245,9 +243,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                 "paired_ratio": statistics.median(ratios),
                 "out_mib_per_step": statistics.median(v["moved"]) / MIB if v["moved"] else 0.0,
                 "lean_share": sum(v["lean"]) / len(v["lean"]) if v["lean"] else None,
-                **{
-                    k: v.get(k) for k in ("predicted_out_mib", "predicted_stall_ms", "recompute_ms")
-                },
+                **{k: v.get(k) for k in PREDICTED},
             }
         )
     return rows
