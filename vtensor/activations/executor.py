@@ -59,7 +59,8 @@ class PlanExecutor:
         """True while the run follows the plan."""
         return self.diverged is None
 
-    def _diverge(self, why: str) -> None:
+    def diverge(self, why: str) -> None:
+        """The run left the plan (``why``): stop replaying it for the rest of the iteration."""
         if self.diverged is None:
             self.diverged = why
             logger.info("run diverged from its plan (%s); reactive policy for this iteration", why)
@@ -84,7 +85,7 @@ class PlanExecutor:
         self.records.append(record)
         if position >= self._count or self.plan.tensor_bytes[position] != nbytes:
             want = self.plan.tensor_bytes[position] if position < self._count else "none"
-            self._diverge(f"saved tensor {position} has {nbytes} bytes, plan: {want}")
+            self.diverge(f"saved tensor {position} has {nbytes} bytes, plan: {want}")
 
     def on_step(
         self, index: int, name: str, make_room: Callable[[int], None] | None = None
@@ -98,7 +99,7 @@ class PlanExecutor:
             return
         names = self.plan.step_names
         if index >= len(names) or names[index] != name:
-            self._diverge(
+            self.diverge(
                 f"step {index} is {name!r}, plan: "
                 f"{names[index] if index < len(names) else 'none'!r}"
             )

@@ -2,7 +2,6 @@
 
 import copy
 import functools
-import logging
 import time
 
 import torch
@@ -11,22 +10,22 @@ from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
 from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wait_for_room
+from vtensor.activations.lean_steps import LeanSteps
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.quiet import QuietTurns
+from vtensor.activations.quiet import QuietTurns, Turn
 from vtensor.activations.rebuild import Boundaries
 from vtensor.activations.recorder import IterationBooks, OpenStep
+from vtensor.activations.sparse import SparseBoundaries
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
 from vtensor.measure.clock import device_now
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
 
-logger = logging.getLogger(__name__)
 
-
-class Iteration:
+class Iteration(LeanSteps):
     """The hook target of one ``MemoryManager.step`` (``vtensor.activations.hooks.HookTarget``)."""
 
     def __init__(
@@ -90,9 +89,12 @@ class Iteration:
             record_trace=record_trace,
         )
         self.was_lean, self.passing = self.lean, None  # passing: while lean (NOTE [passed])
-        self.hookless = self.quiet = False  # NOTE [hookless replay], NOTE [quiet replay]
+        self.hookless = False  # NOTE [hookless replay]
+        self.turn, self._turns = Turn.CHECK, quiet  # NOTE [quiet replay], NOTE [sparse replay]
         if executor is not None and quiet is not None:  # a full replay counts as a check too
-            self.quiet = quiet.take(executor, self.lean)
+            self.turn = quiet.take(executor, self.lean)
+        self.quiet = self.turn is Turn.QUIET
+        self.sparse: SparseBoundaries | None = None  # a sparse replay's hooks
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
@@ -223,32 +225,21 @@ class Iteration:
             self._sample(live)
         self.meter.note(live)
 
-    def begin_step(self, name: str) -> None:
-        """Close the open step and open the next one."""
-        if self._step_name() == name and (self._open is not None or self.lean):
-            return
+    def begin_step(self, name: str, index: int | None = None) -> None:
+        """Close the open step and open the next one: step ``index`` (a sparse replay's)."""
+        if index is None:
+            if self._step_name() == name and (self._open is not None or self.lean):
+                return
+            index = self.step_index + 1
         if name.startswith("backward:") and not self._backward_done_queued:
             # Mark the end of backward (optimizer work that follows is its own step).
             self._backward_done_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         self._event = 0
-        if self.lean:
-            self._lean_step = name
-            self.step_index += 1
-            assert self.executor is not None
-            wait_for_room(self.store, self.executor.plan, self.step_index)  # NOTE [lean waits]
-            watched = self.step_index in self.executor.watched
-            self.executor.on_step(self.step_index, name)
-            # At a boundary, the headroom its full replays kept there (NOTE [step reserve]).
-            self.policy.at_step(self.step_index, following=self.executor.active)
-            if self.executor.active:
-                if watched:
-                    self.check_boundary()
-                return
-            self._leave_lean()
-            self.step_index -= 1  # opened again below, with the books
+        if self.lean and self._lean_begin(index, name):
+            return  # else it left the plan: the step is opened again below, with the books
         self._close_step()
-        self.step_index += 1
+        self.step_index = index
         epoch = self.store.memory_epoch
         live = self.live_bytes()
         now = device_now(self.device) if self.record_trace else time.perf_counter()
@@ -276,30 +267,6 @@ class Iteration:
         same = self.store.memory_epoch == epoch and self.params is None
         self.enforce(live_hint=live if same else None)
 
-    def check_boundary(self, where: str = "") -> None:
-        """A lean replay's reading at a module boundary (NOTE [lean replay]), or ``where``."""
-        live = self.live_bytes()
-        self._sample(live)
-        # Growth over many steps: no headroom to keep between hook points (the plan's stands).
-        self.meter.note(live)
-        if self.books.violated:
-            logger.warning(
-                "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
-                "every hook point from here on, and profiling again next iteration",
-                where or self._lean_step,
-                live,
-                self.policy.budget_bytes,
-            )
-            self._leave_lean()
-            self.enforce(live_hint=live)
-        elif live > self.policy.high_watermark():
-            self.enforce(live_hint=live)
-
-    def _leave_lean(self) -> None:
-        self.lean = False
-        self.passing = None
-        self.policy.follow_plan(self.executor is not None and self.executor.active)
-
     def after_node(self) -> None:
         """Sample a backward node's working set (NOTE [node peaks] in ``activations/hooks.py``).
 
@@ -322,7 +289,10 @@ class Iteration:
 
     def _backward_done(self) -> None:
         self._backward_done_queued = False
-        self.begin_step("other:after-backward")
+        if self.sparse is not None:
+            self.sparse_ended(self.sparse)
+        else:
+            self.begin_step("other:after-backward")
 
     # -- the budget ---------------------------------------------------------------------------
     def make_room(self, nbytes: int) -> None:

@@ -114,14 +114,17 @@ class Passing:
         return position
 
 
-def wait_for_room(store: ChunkStore, plan: Plan, step_index: int) -> None:
+def wait_for_room(store: ChunkStore, plan: Plan, step_index: int, room: int | None = None) -> None:
     """As step ``step_index`` of a replay begins, wait for the writes beyond its headroom.
 
     NOTE [lean waits], for full replays as well; completed transfers are taken in either way.
+    ``room``: the bytes that may stay in flight, where not the step's headroom (a sparse
+    replay's, NOTE [sparse replay]).
     """
     store.reap(block=False, block_restores=False)
-    headroom = plan.step_headroom_bytes
-    room = headroom[step_index] if step_index < len(headroom) else 0
+    if room is None:
+        headroom = plan.step_headroom_bytes
+        room = headroom[step_index] if step_index < len(headroom) else 0
     if store.outgoing_bytes() > room:
         store.reap(block=True, block_restores=False)
 

@@ -38,6 +38,7 @@ in place stops the backward with autograd's own error, as it would without the m
 of ``InPlaceModificationError``.
 """
 
+import enum
 import os
 from collections.abc import Callable
 from os import PathLike
@@ -47,6 +48,7 @@ from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.lean import replays_hookless
+from vtensor.activations.sparse import fullest_steps, replays_sparsely
 from vtensor.outputs import tensors_in
 from vtensor.planner.plan import Plan
 
@@ -59,13 +61,8 @@ def watched_modules(plan: Plan) -> list[tuple[str, str]] | None:
     Of the steps ``plan`` watches, those it predicts fullest (least headroom): its predicted
     peak (NOTE [quiet replay]).
     """
-    headroom = plan.step_headroom_bytes
-    steps = plan.watched_steps
-    if len(headroom) == len(plan.step_names) and steps:
-        least = min(headroom[i] for i in steps)
-        steps = tuple(i for i in steps if headroom[i] == least)
     found = []
-    for step in steps:
+    for step in fullest_steps(plan):
         phase, _, name = plan.step_names[step].partition(":")
         if phase not in ("forward", "backward") or not name:
             return None
@@ -84,11 +81,24 @@ def replays_quietly(executor: PlanExecutor) -> bool:
     )
 
 
+class Turn(enum.Enum):
+    """How a replay of a plan runs (NOTE [quiet replay], NOTE [sparse replay])."""
+
+    CHECK = "check"  # every saved tensor and every step matched with the plan
+    CHECK_SPARSE = "check-sparse"  # the same, the sparse replay's counting checked beside
+    QUIET = "quiet"  # a plan that moves nothing: hooks at its fullest watched steps only
+    SPARSE = "sparse"  # a plan that moves activations: hooks at the steps it acts at only
+
+
 class QuietTurns:
-    """Which lean replays of a plan are quiet: all but every ``QUIET_RUN + 1``-th."""
+    """Which lean replays of a plan skip the checks: all but every ``QUIET_RUN + 1``-th.
+
+    And which plans' sparse replays were proven by a check (NOTE [sparse replay]).
+    """
 
     def __init__(self) -> None:
         self._since: dict[str, int] = {}  # by plan digest: quiet replays since the last check
+        self._proven: dict[str, bool] = {}  # by plan digest: what the checks found
 
     @classmethod
     def shared(cls, plan_cache_dir: str | PathLike[str] | None) -> "QuietTurns":
@@ -100,24 +110,35 @@ class QuietTurns:
             return cls()
         return _SHARED.setdefault(os.path.realpath(plan_cache_dir), cls())
 
-    def take(self, executor: PlanExecutor, lean: bool = True) -> bool:
-        """Whether this iteration's replay of ``executor``'s plan is quiet.
+    def take(self, executor: PlanExecutor, lean: bool = True) -> Turn:
+        """How this iteration's replay of ``executor``'s plan runs.
 
-        A full replay (``lean`` false) never is, and matches every saved tensor: the lean
-        replays after it begin a quiet run.
+        A full replay (``lean`` false) checks every saved tensor: the lean replays after it
+        begin a quiet run. A plan that moves activations replays sparsely only once a check
+        proved its counting, and is checked again at each check.
         """
         key = executor.plan.digest()
         if not lean:
             self._since[key] = 0
-            return False
-        if not replays_quietly(executor):
-            return False
+            return Turn.CHECK
+        sparse = replays_sparsely(executor)
+        if not (sparse or replays_quietly(executor)):
+            return Turn.CHECK
+        proven = self._proven.get(key)
+        checks = Turn.CHECK_SPARSE if sparse and proven is not False else Turn.CHECK
         since = self._since.get(key)
         if since is not None and since < QUIET_RUN:
             self._since[key] = since + 1
-            return True
+            if not sparse:
+                return Turn.QUIET
+            return Turn.SPARSE if proven else checks
         self._since[key] = 0  # this one matches every saved tensor
-        return False
+        return checks
+
+    def prove(self, executor: PlanExecutor, agreed: bool) -> None:
+        """A check of ``executor``'s plan found its sparse counting ``agreed`` with the steps."""
+        key = executor.plan.digest()
+        self._proven[key] = agreed and self._proven.get(key, True)
 
 
 _SHARED: dict[str, QuietTurns] = {}  # by plan cache directory (NOTE [quiet replay])

@@ -11,8 +11,9 @@ from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_ho
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import ModelScan
-from vtensor.activations.quiet import WatchedBoundaries
+from vtensor.activations.quiet import Turn, WatchedBoundaries
 from vtensor.activations.recompute import recompute_modules
+from vtensor.activations.sparse import BothBoundaries, SparseBoundaries, acting_steps
 from vtensor.activations.units import UnitRecorder
 
 
@@ -33,14 +34,24 @@ def instrumented(
     """
     plan = chosen.executor.plan if chosen.executor is not None else chosen
     with contextlib.ExitStack() as stack:
-        if iteration.quiet:  # NOTE [quiet replay] in activations/quiet.py
+        turn = iteration.turn
+        if turn is Turn.QUIET:  # NOTE [quiet replay] in activations/quiet.py
             assert chosen.executor is not None
             watched = WatchedBoundaries(model, chosen.executor.plan, iteration)
             stack.callback(watched.remove)
+        elif turn is Turn.SPARSE:  # NOTE [sparse replay] in activations/sparse.py
+            sparse = _sparse(model, scan, iteration, chosen, verify=False)
+            stack.callback(sparse.remove)
+            iteration.boundaries = iteration.sparse = sparse
         elif not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
             iteration.boundaries = hooks
+            if turn is Turn.CHECK_SPARSE and iteration.lean:  # its counting checked beside
+                sparse = _sparse(model, scan, iteration, chosen, verify=True)
+                stack.callback(sparse.remove)
+                stack.callback(iteration.prove_sparse, sparse)  # once backward is done
+                iteration.boundaries = BothBoundaries(hooks, sparse)
         if plan.recompute:
             iteration.recomputed, iteration.selective = plan.recompute, plan.selective
             stack.enter_context(
@@ -64,3 +75,12 @@ def instrumented(
         if not iteration.quiet:
             stack.enter_context(saved_tensors_hooks(*make_saved_tensor_hooks(iteration)))
         yield
+
+
+def _sparse(
+    model: nn.Module, scan: ModelScan, iteration: Iteration, chosen: IterationPlan, *, verify: bool
+) -> SparseBoundaries:
+    """The hooks of the steps ``chosen``'s plan acts at (NOTE [sparse replay])."""
+    assert chosen.executor is not None
+    plan = chosen.executor.plan
+    return SparseBoundaries(model, scan.names, plan, iteration, acting_steps(plan), verify=verify)

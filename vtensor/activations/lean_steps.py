@@ -1,0 +1,110 @@
+"""A lean replay's side of an iteration: its steps' moves and waits, and its readings.
+
+NOTE [lean replay] in ``activations/lean.py``, NOTE [sparse replay] in ``activations/sparse.py``.
+"""
+
+import logging
+
+from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.lean import Passing, wait_for_room
+from vtensor.activations.live import LiveBytes
+from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.quiet import QuietTurns
+from vtensor.activations.recorder import IterationBooks
+from vtensor.activations.sparse import SparseBoundaries
+from vtensor.activations.store import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+class LeanSteps:
+    """The lean replay's methods of ``Iteration``, which holds the state named here."""
+
+    store: ChunkStore
+    policy: ReactivePolicy
+    executor: PlanExecutor | None
+    books: IterationBooks
+    meter: LiveBytes
+    lean: bool
+    passing: Passing | None
+    step_index: int
+    _lean_step: str
+    _turns: QuietTurns | None
+    sparse: SparseBoundaries | None
+
+    def live_bytes(self) -> int:
+        """Tracked device bytes now."""
+        raise NotImplementedError
+
+    def _sample(self, live: int) -> None:
+        raise NotImplementedError
+
+    def enforce(self, *, live_hint: int | None = None) -> None:
+        """Keep the tracked bytes under the budget (``Iteration.enforce``)."""
+        raise NotImplementedError
+
+    def _lean_begin(self, index: int, name: str) -> bool:
+        """Step ``index`` named ``name`` of a lean replay begins; False: it left the plan."""
+        executor = self.executor
+        assert executor is not None
+        self._lean_step = name
+        self.step_index = index
+        room = self.sparse.rooms.get(index) if self.sparse is not None else None
+        wait_for_room(self.store, executor.plan, index, room)  # NOTE [lean waits]
+        watched = index in (executor.watched if self.sparse is None else self.sparse.watched)
+        executor.on_step(index, name)
+        # At a boundary, the headroom its full replays kept there (NOTE [step reserve]).
+        self.policy.at_step(index, following=executor.active)
+        if not executor.active:
+            self._leave_lean()
+            return False
+        if watched:
+            self.check_boundary()
+        return True
+
+    def check_boundary(self, where: str = "") -> None:
+        """A lean replay's reading at a module boundary (NOTE [lean replay]), or ``where``."""
+        live = self.live_bytes()
+        self._sample(live)
+        # Growth over many steps: no headroom to keep between hook points (the plan's stands).
+        self.meter.note(live)
+        if self.books.violated:
+            logger.warning(
+                "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
+                "every hook point from here on, and profiling again next iteration",
+                where or self._lean_step,
+                live,
+                self.policy.budget_bytes,
+            )
+            self._leave_lean()
+            self.enforce(live_hint=live)
+        elif live > self.policy.high_watermark():
+            self.enforce(live_hint=live)
+
+    def leave_plan(self, why: str) -> None:
+        """The run left the plan where no saved tensor or step name showed it (a sparse replay)."""
+        if self.executor is not None:
+            self.executor.diverge(why)
+        if self.lean:
+            self._leave_lean()
+
+    def sparse_ended(self, sparse: SparseBoundaries) -> None:
+        """Backward is done: a sparse replay whose run saved fewer tensors left its plan."""
+        executor = self.executor
+        if executor is not None and executor.active:
+            saved, count = len(executor.records), executor.plan.activation_count
+            if saved < count:
+                self.leave_plan(f"{saved} tensors saved, plan: {count}")
+        sparse.after_backward()
+
+    def prove_sparse(self, sparse: SparseBoundaries) -> None:
+        """Tell the turns what a check found of ``sparse``'s counting (NOTE [sparse replay])."""
+        executor, turns = self.executor, self._turns
+        if executor is not None and turns is not None:
+            agreed = sparse.proven(self.step_index) and self.lean and executor.active
+            turns.prove(executor, agreed)
+
+    def _leave_lean(self) -> None:
+        self.lean = False
+        self.passing = None
+        self.policy.follow_plan(self.executor is not None and self.executor.active)
