@@ -13,9 +13,12 @@ manager of its own in which that subset is the only candidate and wins the race:
 mix gets is the one the manager would make for it. The mixes and an unmanaged copy of the model
 then take turns, a round of 12 steps each, from their own copies of the same weights; per mix,
 the median step, the median of its round's ratio to the unmanaged round of the same turn, and
-the MiB a step moved. Training under each plan is bit-identical to training without it (the
-equivalence tests); the copies here train different numbers of steps before the timed rounds,
-so their weights are not compared. Run from the repository root::
+the MiB a step moved. Swapping alone and the whole cover also run as "every hook": every
+replay checks every saved tensor and step, as a swapping replay did before sparse replays
+(NOTE [sparse replay] in ``vtensor/activations/sparse.py``). Training under each plan is
+bit-identical to training without it (the equivalence tests); the copies here train different
+numbers of steps before the timed rounds, so their weights are not compared. Run from the
+repository root::
 
     python -m benchmarks.cover_mixes --rounds 8 --out cover_mixes.jsonl      # the micro class
     python -m benchmarks.cover_mixes --device-class small
@@ -124,9 +127,10 @@ def _pinned(mix: Mix) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _every_hook() -> Iterator[None]:
-    """Replays that are never quiet and keep their module hooks (NOTE [quiet replay])."""
+    """Replays that are never quiet or sparse and keep every hook (NOTE [quiet replay])."""
     with (
         mock.patch.object(quiet, "QUIET_RUN", -1),
+        mock.patch.object(quiet, "replays_sparsely", lambda _executor: False),
         mock.patch.object(quiet, "replays_hookless", lambda _executor: False),
         mock.patch.object(iteration, "replays_hookless", lambda _executor: False),
     ):
@@ -199,15 +203,15 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                 **_predicted(trace, budget, mix),
             }
         )
-    if cover[0]:
-        # The whole cover once more, replayed under every hook a swapping replay runs: the
-        # module boundaries and the saved-tensor hooks, which a replay that moves nothing
-        # leaves out (NOTE [quiet replay]); the difference is what those hooks cost a step.
-        whole = variants[-1]
-        model = copy.deepcopy(whole["model"])
-        units = f"{whole['units']}, every hook"
-        variants.append({**whole, "units": units, "model": model, "opt": _sgd(model), "hooked": 1})
-        variants[-1]["opt"].load_state_dict(whole["opt"].state_dict())
+    # Swapping alone and the whole cover once more, each replayed as every replay checking
+    # every saved tensor and step: the module boundaries, the saved-tensor hooks and every
+    # watched reading, which a quiet replay (moving nothing) or a sparse one (swapping) leaves
+    # out (NOTE [quiet replay], NOTE [sparse replay]); the difference is what they cost a step.
+    for again in [variants[1], *([variants[-1]] if cover[0] else [])]:
+        model = copy.deepcopy(again["model"])
+        units = f"{again['units']}, every hook"
+        variants.append({**again, "units": units, "model": model, "opt": _sgd(model), "hooked": 1})
+        variants[-1]["opt"].load_state_dict(again["opt"].state_dict())
     for v in variants:
         v.update(rounds=[], moved=[], lean=[], sources=set())
     for _ in range(args.rounds):

@@ -36,6 +36,10 @@ can be evicted in that iteration (no saved tensor went through the manager): the
 one iteration is broken by what the plan did not predict, and reported. A saved tensor modified
 in place stops the backward with autograd's own error, as it would without the manager, instead
 of ``InPlaceModificationError``.
+
+A plan that moves activations takes the same turns: between two checking replays its lean
+replays are sparse (NOTE [sparse replay] in ``activations/sparse.py``), and each checking
+replay checks the sparse replay's counting of steps beside its own.
 """
 
 import enum
