@@ -3,14 +3,14 @@
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from vtensor.activations.vtensors import Pending, StoreStats, VTensor
 from vtensor.errors import SwapAuthenticationError, VTensorError
 from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks, split_on_pages
-from vtensor.io.pages import PAGE_BYTES, release_chunks
+from vtensor.io.pages import PAGE_BYTES, release
 from vtensor.io.transfer import CudaTransferEngine, TransferEngine
 
 __all__ = ["ChunkStore", "Pending", "StoreStats", "VTensor"]  # the records live in vtensors.py
@@ -241,38 +241,10 @@ class ChunkStore:
             chunk.move(ChunkState.EVICTING)
             covered += chunk.nbytes
         assert record.storage is not None
-        released: list[int] = []
-        after = self._written(record, list(chunks), released) if record.in_place else None
-        transfer = self.engine.evict(record.storage, list(chunks), after)
-        self._start(record, Pending(transfer, list(chunks), True, released))
+        transfer = self.engine.evict(record.storage, list(chunks))
+        self._start(record, Pending(transfer, list(chunks), outgoing=True))
         record.resident_bytes -= covered
         return covered
-
-    def _written(self, record: VTensor, chunks: list[Chunk], out: list[int]) -> Callable[[], None]:
-        """What the writer of ``chunks`` runs once they are written.
-
-        NOTE [released by the writer]
-        Released in place, an evicted chunk's pages were handed back by the compute thread when
-        it reaped the finished write: 0.5 us a page here, 2.6 ms of a 58 ms step for 19 MiB a
-        step (the main job's CNN swapping at the micro class's budget, py-spy). The writer now
-        releases them itself as the write ends, the GIL given up, where no one but the store
-        references the storage: a reference can then only come back through the store, whose
-        use of the vTensor (``ensure_resident``) waits for the transfer first, finds the pages
-        gone and reads them back, as it would after any eviction. Where another reference
-        exists as the write ends, the pages stay, and reaping judges as before. Where one appears
-        between the release and the reap (no path of the store's makes one), the reap reads the
-        bytes back at once.
-        """
-
-        def release_written() -> None:
-            storage = record.storage
-            if storage is None or record.dead:
-                return
-            if _use_count(storage._cdata) != self.own_references(record):
-                return  # another reference: the compute thread judges it when it reaps
-            out.append(release_chunks(storage.data_ptr(), chunks, hold_gil=False))
-
-        return release_written
 
     def restore(self, record: VTensor) -> None:
         """Start bringing every offloaded chunk of ``record`` back to the device."""
@@ -343,29 +315,26 @@ class ChunkStore:
             record.resident_bytes += sum(c.nbytes for c in pending.chunks)
             self.stats.bytes_in += pending.transfer.nbytes
             return
-        storage = record.storage
-        assert storage is not None
-        still_ours = _use_count(storage._cdata) == self.own_references(record)
-        gone = bool(pending.released)  # NOTE [released by the writer]
-        if record.dead or ((cancel or not still_ours) and not gone):
+        assert record.storage is not None
+        still_ours = torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(
+            record
+        )
+        if cancel or record.dead or not still_ours:
             self._rollback(record, pending)
             return
         for chunk in pending.chunks:
             chunk.move(self._offloaded)
         if record.in_place:
             # NOTE [release in place]: the chunks are whole pages, so exactly their bytes go.
-            released = sum(pending.released) or release_chunks(storage.data_ptr(), pending.chunks)
+            released = _release_chunks(record.storage.data_ptr(), pending.chunks)
             self.released_bytes += released
             record.released_bytes += released
         else:
             prefix = pending.chunks[0].offset_bytes
             self.stats.copied_bytes += prefix  # shrinking copies the prefix
-            storage.resize_(prefix)
+            record.storage.resize_(prefix)
         self.memory_epoch += 1
         self.stats.bytes_out += pending.transfer.nbytes
-        if not still_ours:  # its pages went with no one else holding it: back from the file
-            self.restore(record)
-            self._finish(record)
 
     def _rollback(
         self, record: VTensor, pending: Pending, error: BaseException | None = None
@@ -397,3 +366,18 @@ class ChunkStore:
 
 def _vid(record: VTensor) -> int:
     return record.vid
+
+
+def _release_chunks(address: int, chunks: list[Chunk]) -> int:
+    """Release the pages of ``chunks``, one call per contiguous run."""
+    released = 0
+    start = end = -1
+    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
+        if chunk.offset_bytes != end:
+            if end > start:
+                released += release(address + start, end - start)
+            start = chunk.offset_bytes
+        end = chunk.offset_bytes + chunk.nbytes
+    if end > start:
+        released += release(address + start, end - start)
+    return released

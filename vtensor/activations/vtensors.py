@@ -10,16 +10,11 @@ from vtensor.io.transfer import Transfer
 
 @dataclass
 class Pending:
-    """A transfer in flight for some chunks of one vTensor.
-
-    ``released``: the bytes of an eviction's pages its writer released once they were written
-    (NOTE [released by the writer] in ``activations/store.py``); empty until then, or if not.
-    """
+    """A transfer in flight for some chunks of one vTensor."""
 
     transfer: Transfer
     chunks: list[Chunk]
     outgoing: bool
-    released: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)

@@ -29,9 +29,6 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from collections.abc import Sequence
-
-from vtensor.io.chunk import Chunk
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
@@ -43,11 +40,6 @@ _libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _madvise = _libc.madvise
 _madvise.restype = ctypes.c_int
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-# The I/O thread's calls give the GIL up (NOTE [released by the writer] in activations/store.py):
-# the compute thread runs Python meanwhile.
-_madvise_unlocked = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
-_madvise_unlocked.restype = ctypes.c_int
-_madvise_unlocked.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def whole_pages(address: int, nbytes: int) -> tuple[int, int]:
@@ -57,32 +49,14 @@ def whole_pages(address: int, nbytes: int) -> tuple[int, int]:
     return start, max(0, stop - start)
 
 
-def release(address: int, nbytes: int, *, hold_gil: bool = True) -> int:
+def release(address: int, nbytes: int) -> int:
     """Hand the whole pages inside the range back to the kernel; returns the bytes released.
-
-    ``hold_gil=False`` gives the GIL up during the call (a thread other than the compute one).
 
     Raises:
         OSError: the kernel refused (the range is not mapped memory of this process).
     """
     start, length = whole_pages(address, nbytes)
-    madvise = _madvise if hold_gil else _madvise_unlocked
-    if length and madvise(start, length, _MADV_DONTNEED) != 0:
+    if length and _madvise(start, length, _MADV_DONTNEED) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"madvise(MADV_DONTNEED) of {length} bytes: {os.strerror(errno)}")
     return length
-
-
-def release_chunks(address: int, chunks: Sequence[Chunk], *, hold_gil: bool = True) -> int:
-    """Release the pages of ``chunks``, one call per contiguous run."""
-    released = 0
-    start = end = -1
-    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
-        if chunk.offset_bytes != end:
-            if end > start:
-                released += release(address + start, end - start, hold_gil=hold_gil)
-            start = chunk.offset_bytes
-        end = chunk.offset_bytes + chunk.nbytes
-    if end > start:
-        released += release(address + start, end - start, hold_gil=hold_gil)
-    return released

@@ -83,17 +83,8 @@ class CudaTransfer:
 class TransferEngine(Protocol):
     """Moves chunk bytes between a storage's memory and a slower tier."""
 
-    def evict(
-        self,
-        storage: torch.UntypedStorage,
-        chunks: Sequence[Chunk],
-        after: Callable[[], None] | None = None,
-    ) -> Transfer:
-        """Start copying ``chunks`` of ``storage`` out; assigns each chunk a slot.
-
-        ``after``, where given, runs where the copy ran once it succeeded, before the transfer
-        is done (an engine whose tier is not the swap file never calls it).
-        """
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
+        """Start copying ``chunks`` of ``storage`` out; assigns each chunk a slot."""
         ...
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
@@ -225,12 +216,7 @@ class FileTransferEngine:
         self.tier.release_cache(offset, nbytes, dirty=False)
         self.read_ahead.top_up()
 
-    def evict(  # noqa: D102
-        self,
-        storage: torch.UntypedStorage,
-        chunks: Sequence[Chunk],
-        after: Callable[[], None] | None = None,
-    ) -> Transfer:
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
         # one contiguous extent so the whole run is one write (sealed: one per staging buffer)
         # and one cache drop.
@@ -256,8 +242,6 @@ class FileTransferEngine:
                     self._behind.settle()
                 raise
             self._behind.settle()  # the transfer ends with its bytes out of the cache
-            if after is not None:
-                after()
 
         return self._submit(job, total)
 
@@ -376,13 +360,7 @@ class CudaTransferEngine:
             end.record(self.stream)
         return CudaTransfer(start, end, sum(c.nbytes for c in chunks), self.device, keep)
 
-    def evict(  # noqa: D102
-        self,
-        storage: torch.UntypedStorage,
-        chunks: Sequence[Chunk],
-        after: Callable[[], None] | None = None,
-    ) -> Transfer:
-        # Device memory has no pages to hand back (NOTE [release in place]): ``after`` is unused.
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         return self._copy(storage, chunks, out=True)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102

@@ -152,63 +152,6 @@ def test_rss_drops_by_the_released_pages(tmp_path: Path) -> None:
         store.engine.close()
 
 
-def test_the_writer_releases_the_pages_before_the_reap(tmp_path: Path) -> None:
-    # NOTE [released by the writer] in vtensor/activations/store.py
-    assert rss_is_honest(), "scripts/test.sh runs the suite with MALLOC_MMAP_THRESHOLD_=65536"
-    store = _store(tmp_path)
-    meter = RssMeter()
-    try:
-        record, handle = _adopted(store, torch.ones(64 * MIB, dtype=torch.uint8))
-        before = meter.current_rss_bytes()
-        store.evict(record, record.nbytes)
-        pending = record.pending
-        assert pending is not None
-        pending.transfer.wait()  # written, not reaped
-        assert pending.released == [sum(c.nbytes for c in pending.chunks)]
-        assert before - meter.current_rss_bytes() >= pending.released[0] - 4 * MIB
-        store.reap()
-        assert record.released_bytes == store.stats.bytes_out == pending.released[0]
-        store.ensure_resident(record)
-        assert torch.all(_bytes_of(record) == 1) and store.released_bytes == 0
-        del handle
-    finally:
-        meter.close()
-        store.close()
-        store.engine.close()
-
-
-def test_a_use_as_the_write_ends_reads_the_released_pages_back(tmp_path: Path) -> None:
-    with _opened(_store(tmp_path)) as store:
-        data = torch.randint(0, 256, (8 * MIB,), dtype=torch.uint8)
-        expected = data.clone()
-        record, handle = _adopted(store, data)
-        del data
-        out = store.evict(record, record.nbytes)
-        assert record.pending is not None
-        record.pending.transfer.wait()
-        assert record.pending.released  # the pages are gone before the reap
-        store.ensure_resident(record)  # what an unpack does
-        assert torch.equal(_bytes_of(record), expected)
-        assert store.stats.bytes_out == store.stats.bytes_in == out
-        assert store.released_bytes == 0
-        del handle
-
-
-def test_pages_another_reference_holds_stay_until_the_reap_judges(tmp_path: Path) -> None:
-    with _opened(_store(tmp_path)) as store:
-        data = torch.randint(0, 256, (8 * MIB,), dtype=torch.uint8)
-        expected = data.clone()
-        record, handle = _adopted(store, data)  # ``data`` still references the storage
-        store.evict(record, record.nbytes)
-        assert record.pending is not None
-        record.pending.transfer.wait()
-        assert record.pending.released == []  # the writer left them
-        store.reap(block=True)
-        assert torch.equal(data, expected)  # rolled back: the reference reads its bytes
-        assert record.released_bytes == store.stats.bytes_out == 0
-        del handle
-
-
 def test_a_managed_step_copies_no_prefix(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(6)])
