@@ -98,11 +98,15 @@ class LeanSteps:
         sparse.after_backward()
 
     def prove_sparse(self, sparse: SparseBoundaries) -> None:
-        """Tell the turns what a check found of ``sparse``'s counting (NOTE [sparse replay])."""
+        """Tell the turns what a check found of ``sparse``'s counting (NOTE [sparse replay]).
+
+        A check that left the plan (or broke off) proves nothing, unless an index disagreed.
+        """
         executor, turns = self.executor, self._turns
-        if executor is not None and turns is not None:
-            agreed = sparse.proven(self.step_index) and self.lean and executor.active
-            turns.prove(executor, agreed)
+        if executor is None or turns is None:
+            return
+        if sparse.mismatch or (self.lean and executor.active):
+            turns.prove(executor, sparse.proven(self.step_index))
 
     def _leave_lean(self) -> None:
         self.lean = False

@@ -11,7 +11,7 @@ from torch import nn
 import vtensor
 import vtensor.activations.wiring as wiring
 from vtensor.activations.quiet import QUIET_RUN
-from vtensor.activations.sparse import SparseBoundaries, acting_steps
+from vtensor.activations.sparse import SparseBoundaries, acting_steps, fullest_steps
 from vtensor.planner.plan import Plan, TensorMove
 
 
@@ -36,28 +36,41 @@ def _every_step(plan: Plan) -> dict[int, int]:
 
 
 def _train(
-    model: nn.Module, x: torch.Tensor, budget: int, steps: int, tmp_path: Path, turns: list[Any]
-) -> tuple[list[str], list[vtensor.IterationReport], Plan | None]:
-    """``steps`` managed steps, each bit-identical to the unmanaged one; the turns, reports."""
+    model: nn.Module,
+    x: torch.Tensor,
+    budget: int,
+    steps: int,
+    tmp_path: Path,
+    turns: list[Any],
+    reads: list[int] | None = None,
+) -> tuple[list[str], list[vtensor.IterationReport], Plan | None, list[int]]:
+    """``steps`` managed steps, each bit-identical to the unmanaged one.
+
+    The turns, the reports, the plan and the heap-counter readings of each step.
+    """
     ref = _step(model, x, None)
-    kinds, reports = [], []
+    kinds, reports, counts = [], [], []
     with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
         for step in range(steps):
             turns.clear()
+            if reads is not None:
+                reads.clear()
             assert all(map(torch.equal, ref, _step(model, x, mm))), f"step {step}"
             kinds.append(",".join(kind for kind, _ in turns) or "-")
             reports.append(mm.report())
+            counts.append(len(reads) if reads is not None else 0)
         plan = mm.plan_for(model, (x,))
-    return kinds, reports, plan
+    return kinds, reports, plan, counts
 
 
 def test_a_swapping_plan_replays_sparsely_once_a_check_agreed(
-    tmp_path: Path, turns: list[tuple[str, SparseBoundaries]]
+    tmp_path: Path, turns: list[tuple[str, SparseBoundaries]], reads: list[int]
 ) -> None:
     torch.manual_seed(0)
     model, x = Hoarder(), torch.randn(4096, 64)
     budget = int(0.6 * _peak(model, x))
-    kinds, reports, plan = _train(model, x, budget, 3 + 2 * (QUIET_RUN + 1), tmp_path, turns)
+    steps = 3 + 2 * (QUIET_RUN + 1)
+    kinds, reports, plan, counts = _train(model, x, budget, steps, tmp_path, turns, reads)
     assert plan is not None and plan.moves
     first = next(i for i, r in enumerate(reports) if r.lean)
     assert all(r.lean for r in reports[first:])
@@ -75,6 +88,12 @@ def test_a_swapping_plan_replays_sparsely_once_a_check_agreed(
         assert report.plan_source == "planned"
     acting = acting_steps(plan)
     assert 0 < len(acting) < len(plan.step_names)
+    # The heap counter is read at the fullest watched steps only (and as the step begins and
+    # ends), where the checks read at every watched step.
+    sparse = [n for n, kind in zip(counts, kinds, strict=True) if kind == "sparse"]
+    checks = [n for n, kind in zip(counts, kinds, strict=True) if kind == "check"]
+    assert max(sparse) <= len(fullest_steps(plan)) + 2, sparse
+    assert min(checks) >= len(plan.watched_steps), checks
 
 
 class Twice(nn.Module):
@@ -102,7 +121,7 @@ def test_a_plan_replays_sparsely_only_where_a_check_found_every_step_counted(
     torch.manual_seed(0)
     model, x = nn.Sequential(*(Twice(twice) for _ in range(6))), torch.randn(4096, 64)
     budget = int(0.6 * _peak(model, x))
-    kinds, reports, plan = _train(model, x, budget, 3 + QUIET_RUN, tmp_path, turns)
+    kinds, reports, plan, _ = _train(model, x, budget, 3 + QUIET_RUN, tmp_path, turns)
     assert plan is not None and plan.moves and reports[-1].lean
     if twice:
         assert "sparse" not in kinds and "check" in kinds, kinds
