@@ -34,7 +34,7 @@ outside the acting steps, its guard acts at saved tensors and the acting steps o
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from torch import nn
 
@@ -44,15 +44,20 @@ from vtensor.outputs import tensors_in
 from vtensor.planner.plan import Plan
 
 AFTER_BACKWARD = "other:after-backward"
+T = TypeVar("T")
 
 
 def replays_sparsely(executor: PlanExecutor) -> bool:
     """Whether a lean replay of ``executor``'s plan can hook its acting steps only.
 
     A plan that moves activations whose acting steps are all module boundaries (or the end of
-    backward, reached from the first backward step).
+    backward, reached from the first backward step). Kept by the plan's digest.
     """
     plan = executor.plan
+    return _kept(_HOOKABLE, plan, _hookable)
+
+
+def _hookable(plan: Plan) -> bool:
     if not any(m.vid < plan.activation_count for m in plan.moves):
         return False
     names = plan.step_names
@@ -76,17 +81,23 @@ def acting_steps(plan: Plan) -> dict[int, int]:
     flight (NOTE [lean waits]), which no step until the next acting one can add to. Kept by the
     plan's digest: a plan is replayed many times.
     """
-    key = plan.digest()
-    found = _ACTING.get(key)
-    if found is None:
-        if len(_ACTING) >= _ACTING_KEPT:
-            _ACTING.clear()
-        found = _ACTING[key] = _acting_steps(plan)
-    return found
+    return _kept(_ACTING, plan, _acting_steps)
 
 
 _ACTING: dict[str, dict[int, int]] = {}
-_ACTING_KEPT = 64
+_HOOKABLE: dict[str, bool] = {}
+_KEPT = 64  # plans a cache keeps
+
+
+def _kept(cache: dict[str, T], plan: Plan, make: Callable[[Plan], T]) -> T:
+    """``make(plan)``, kept in ``cache`` by the plan's digest (of up to ``_KEPT`` plans)."""
+    key = plan.digest()
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= _KEPT:
+            cache.clear()
+        found = cache[key] = make(plan)
+    return found
 
 
 def fullest_steps(plan: Plan) -> tuple[int, ...]:
