@@ -2,35 +2,38 @@
 
 NOTE [sparse replay]
 A lean replay of a plan that moves activations (NOTE [lean replay] in ``activations/lean.py``)
-still crossed every module boundary of the model: torch's global module hooks called the
-iteration at each forward call and marked the autograd node of each module output, so that each
-step was counted, checked against the plan's step names, and given its waits, its moves and its
-reading. On the main job's CNN (a 39 ms step, some 300 steps an iteration) the hooks of such a
-replay cost 6-10 ms a step (benchmarks/README.md, ``cover_mixes``), where the plan acts at a few
-dozen steps. A sparse replay hooks only the modules of the steps the plan acts at
-(``acting_steps``): the steps that issue an eviction (and the step before, which starts its
-write early), restore one, or read the tracked bytes. The waits for writes in flight (NOTE
-[lean waits]) are made at those steps too, each for the least headroom of the steps up to the
-next acting one: no write is issued in between, so what a wait leaves in flight fits each of
-them. Each hooked
-module counts its calls, forward and backward apart: the plan's ``k``-th step of that name is the
-``k``-th call, and its index is taken from the plan instead of counted (``SparseBoundaries``).
-The backward boundary of a call is a pre-hook on the autograd node of its first tensor output,
-once per call.
+crossed every module boundary of the model: torch's global module hooks called the iteration at
+each forward call and marked the autograd node of each module output, so that each step was
+counted, checked against the plan's step names, and given its waits, its moves and its reading;
+and it read the heap counter at every step the plan watches (29 a step on the main job's CNN at
+the micro class's budget, 39 on MobileNetV2 at half its peak, 0.1-1.3 ms each). A sparse replay
+hooks only the modules of the steps the plan acts at (``acting_steps``): the steps that issue an
+eviction (and the step before, which starts its write early) or a restore; the watched steps the
+plan predicts fullest, the only ones it reads at, as a quiet replay does; and every step whose
+headroom the writes that may be in flight there exceed, where a wait may be due (NOTE [lean
+waits]). A wait at an acting step keeps in flight what fits every step up to the next acting
+one, where no write is issued. Each hooked module counts its calls, forward and backward apart:
+the plan's ``k``-th step of that name is the ``k``-th call, and its index is taken from the plan
+instead of counted (``SparseBoundaries``). The backward boundary of a call is a pre-hook on the
+autograd node of its first tensor output, once per call. Against every hook, swapping alone took
+3.8 ms a step less on the main job's CNN at the micro class's budget and 2.4 ms at the small
+one's, and the hybrid on MobileNetV2 at half its peak 1.04-1.10x the unmanaged step against
+1.14-1.15x (benchmarks/README.md, ``cover_mixes`` and "Sparse replays").
 
 What the full hooks did besides is the matching of step names, which notices a run that leaves
 the plan. The plan key fixes the architecture and the input signature, so only data-dependent
 control flow could, and the saved tensors are still matched with the plan by position and size
-(NOTE [passed]); a step index that does not follow the last one leaves the plan too. A sparse
-replay's counting is proven first: the replays that check every saved tensor and step (every
-``QUIET_RUN + 1``-th lean replay, NOTE [quiet replay] in ``activations/quiet.py``) run the sparse
-hooks beside the full ones and compare each index the counting gives with the step the full
-hooks opened; a plan replays sparsely only after a check in which every acting step was reached
-and every index matched (``QuietTurns.sparse``), and never once a check disagreed (a module that
-returns an inner module's output as it is, whose node carries the inner module's boundary; a
-module called twice in one step). Readings and the guard act as in any lean replay, at the
-acting steps; a run that leaves the plan leaves the lean replay, and with no module hooks
-outside the acting steps, its guard acts at saved tensors and the acting steps only.
+(NOTE [passed]); a step index that does not follow the last one leaves the plan too, and so does
+a run that saved fewer tensors than its plan by the end of backward. A sparse replay's counting
+is proven first: the replays that check every saved tensor and step (every ``QUIET_RUN + 1``-th
+lean replay, NOTE [quiet replay] in ``activations/quiet.py``) run the sparse hooks beside the full
+ones and compare each index the counting gives with the step the full hooks opened; a plan
+replays sparsely only after a check in which every acting step was reached and every index
+matched (``QuietTurns.prove``), and never once a check disagreed (a module that returns an inner
+module's output as it is, whose node carries the inner module's boundary; a module called twice
+in one step). Readings and the guard act as in any lean replay, at the acting steps; a run that
+leaves the plan leaves the lean replay, and with no module hooks outside the acting steps, its
+guard acts at saved tensors and the acting steps only.
 """
 
 from collections.abc import Callable, Mapping
@@ -74,12 +77,13 @@ _PHASES = ("forward", "backward")
 def acting_steps(plan: Plan) -> dict[int, int]:
     """The steps at which a replay of ``plan`` acts, each with its room (NOTE [sparse replay]).
 
-    The first step; each move's eviction step and the step before it (which starts its write
-    early), and its restore's step; the fullest watched steps (``fullest_steps``). Where the end
-    of backward is one, so is the first backward step, which marks it. A step's room is the
-    least headroom of the steps from it to the next acting one: the writes its wait leaves in
-    flight (NOTE [lean waits]), which no step until the next acting one can add to. Kept by the
-    plan's digest: a plan is replayed many times.
+    The first step; each move's eviction step, the step before it (which starts its write
+    early) and its restore's step; the fullest watched steps (``fullest_steps``); every step
+    whose headroom is below the bytes whose writes may be in flight there, from the step before
+    an eviction's to its restore's. Where the end of backward is one, so is the first backward
+    step, which marks it. A step's room is the least headroom of the steps from it to the next
+    acting one: the writes its wait leaves in flight (NOTE [lean waits]). Kept by the plan's
+    digest: a plan is replayed many times.
     """
     return _kept(_ACTING, plan, _acting_steps)
 
