@@ -4,6 +4,7 @@ NOTE [lean replay] in ``activations/lean.py``, NOTE [sparse replay] in ``activat
 """
 
 import logging
+from abc import ABC, abstractmethod
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.lean import Passing, wait_for_room
@@ -17,7 +18,7 @@ from vtensor.activations.store import ChunkStore
 logger = logging.getLogger(__name__)
 
 
-class LeanSteps:
+class LeanSteps(ABC):
     """The lean replay's methods of ``Iteration``, which holds the state named here."""
 
     store: ChunkStore
@@ -32,16 +33,17 @@ class LeanSteps:
     _turns: QuietTurns | None
     sparse: SparseBoundaries | None
 
+    @abstractmethod
     def live_bytes(self) -> int:
-        """Tracked device bytes now."""
-        raise NotImplementedError
+        """Tracked device bytes now (``Iteration.live_bytes``)."""
 
+    @abstractmethod
     def _sample(self, live: int) -> None:
-        raise NotImplementedError
+        """Take ``live`` into the books (``Iteration._sample``)."""
 
+    @abstractmethod
     def enforce(self, *, live_hint: int | None = None) -> None:
         """Keep the tracked bytes under the budget (``Iteration.enforce``)."""
-        raise NotImplementedError
 
     def _lean_begin(self, index: int, name: str) -> bool:
         """Step ``index`` named ``name`` of a lean replay begins; False: it left the plan."""
