@@ -90,6 +90,7 @@ def acting_steps(plan: Plan) -> dict[int, int]:
 
 _ACTING: dict[str, dict[int, int]] = {}
 _HOOKABLE: dict[str, bool] = {}
+_OCCURRENCES: dict[str, dict[str, list[int]]] = {}
 _KEPT = 64  # plans a cache keeps
 
 
@@ -101,6 +102,14 @@ def _kept(cache: dict[str, T], plan: Plan, make: Callable[[Plan], T]) -> T:
         if len(cache) >= _KEPT:
             cache.clear()
         found = cache[key] = make(plan)
+    return found
+
+
+def _occurrences(plan: Plan) -> dict[str, list[int]]:
+    """Each step name of ``plan`` with its indices, in order."""
+    found: dict[str, list[int]] = {}
+    for index, step in enumerate(plan.step_names):
+        found.setdefault(step, []).append(index)
     return found
 
 
@@ -174,11 +183,9 @@ class SparseBoundaries:
         self.watched = frozenset(fullest_steps(plan))  # where it reads the tracked bytes
         self._verify = verify
         self.rebuilding = 0
-        self._occurrences: dict[str, list[int]] = {}  # step name: its indices in the plan
-        for index, step in enumerate(plan.step_names):
-            self._occurrences.setdefault(step, []).append(index)
+        self._occurrences = _kept(_OCCURRENCES, plan, _occurrences)
         wanted = {plan.step_names[i] for i in self._acting}
-        self._calls = dict.fromkeys(self._occurrences, 0)
+        self._calls: dict[str, int] = {}  # by step name: the calls so far
         self._backward: dict[int, str] = {}
         self._handles: list[Any] = []
         self._last = 0
