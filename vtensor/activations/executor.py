@@ -38,7 +38,13 @@ class PlanExecutor:
         self.store = store
         # See NOTE [eviction timing]: True when the plan budgets op workspaces (count_workspaces).
         self.wait_early_evictions = wait_early_evictions
-        self.records: list[VTensor | None] = []  # None: passed to autograd (NOTE [passed])
+        # By plan position; None: passed to autograd (NOTE [passed]).
+        self.records: dict[int, VTensor | None] = {}
+        self.placed = 0  # saved storages placed so far
+        # NOTE [windowed saves] in activations/windows.py: the positions of the saves a
+        # windowed replay sees, in order; None: every save, in plan order.
+        self._order: tuple[int, ...] | None = None
+        self._position_of: dict[int, int] = {}  # plan position by vTensor vid
         self.diverged: str | None = None
         self.missed = 0  # planned evictions that could not be issued (vTensor still in use)
         self.issued_bytes = 0  # bytes of the evictions it issued (the guard's come on top)
@@ -65,6 +71,26 @@ class PlanExecutor:
             self.diverged = why
             logger.info("run diverged from its plan (%s); reactive policy for this iteration", why)
 
+    def follow(self, order: tuple[int, ...]) -> None:
+        """The saves this replay sees are the plan positions ``order`` (NOTE [windowed saves])."""
+        self._order = order
+
+    @property
+    def expected(self) -> int:
+        """How many saved storages this replay places when it follows the plan to the end."""
+        return self._count if self._order is None else len(self._order)
+
+    def next_position(self) -> int:
+        """The plan position of the next storage saved for the first time."""
+        order = self._order
+        if order is None:
+            return self.placed
+        return order[self.placed] if self.placed < len(order) else self._count + self.placed
+
+    def position_of(self, record: VTensor) -> int | None:
+        """The plan position of ``record``, if this replay placed it."""
+        return self._position_of.get(record.vid)
+
     def on_record(self, record: VTensor) -> None:
         """A vTensor was saved for the first time in this iteration."""
         self._place(record, record.nbytes)
@@ -75,14 +101,17 @@ class PlanExecutor:
         It is where the plan never moves it (NOTE [passed]) and the run still follows the plan
         once it is placed; where the plan moves it, it is not placed here (it becomes a vTensor).
         """
-        if len(self.records) in self._moved:
+        if self.next_position() in self._moved:
             return False
         self._place(None, nbytes)
         return self.active
 
     def _place(self, record: VTensor | None, nbytes: int) -> None:
-        position = len(self.records)
-        self.records.append(record)
+        position = self.next_position()
+        self.placed += 1
+        self.records[position] = record
+        if record is not None:
+            self._position_of[record.vid] = position
         if position >= self._count or self.plan.tensor_bytes[position] != nbytes:
             want = self.plan.tensor_bytes[position] if position < self._count else "none"
             self.diverge(f"saved tensor {position} has {nbytes} bytes, plan: {want}")
@@ -142,7 +171,5 @@ class PlanExecutor:
                 self.store.restore(record)
 
     def _record(self, move: TensorMove) -> VTensor | None:
-        if move.vid >= len(self.records):
-            return None
-        record = self.records[move.vid]
+        record = self.records.get(move.vid)
         return None if record is None or record.dead else record

@@ -20,6 +20,7 @@ from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.sparse import SparseBoundaries
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
+from vtensor.activations.windows import SaveLog
 from vtensor.measure.clock import device_now
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
@@ -95,6 +96,7 @@ class Iteration(LeanSteps):
             self.turn = quiet.take(executor, self.lean)
         self.quiet = self.turn is Turn.QUIET
         self.sparse: SparseBoundaries | None = None  # a sparse replay's hooks
+        self.save_log: SaveLog | None = None  # a check's saves (NOTE [windowed saves])
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)

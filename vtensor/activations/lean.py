@@ -105,7 +105,7 @@ class Passing:
         seen = self._seen.get(storage._cdata)
         if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
             return seen[1]
-        position = len(executor.records)
+        position = executor.next_position()
         if not executor.passes_next(storage.nbytes()):
             return None  # a vTensor; past a divergence the iteration leaves the lean replay
         self._seen[storage._cdata] = (StorageWeakRef(storage), position)  # type: ignore[no-untyped-call]

@@ -14,6 +14,7 @@ from vtensor.activations.quiet import QuietTurns
 from vtensor.activations.recorder import IterationBooks
 from vtensor.activations.sparse import SparseBoundaries
 from vtensor.activations.store import ChunkStore
+from vtensor.activations.windows import SaveLog, SaveWindows
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class LeanSteps(ABC):
     _lean_step: str
     _turns: QuietTurns | None
     sparse: SparseBoundaries | None
+    save_log: SaveLog | None
 
     @abstractmethod
     def live_bytes(self) -> int:
@@ -91,24 +93,43 @@ class LeanSteps(ABC):
             self._leave_lean()
 
     def sparse_ended(self, sparse: SparseBoundaries) -> None:
-        """Backward is done: a sparse replay whose run saved fewer tensors left its plan."""
+        """Backward is done: a sparse replay whose run saved fewer tensors left its plan.
+
+        So did one that never reached one of its acting steps.
+        """
         executor = self.executor
         if executor is not None and executor.active:
-            saved, count = len(executor.records), executor.plan.activation_count
+            saved, count = executor.placed, executor.expected
+            missed = sparse.missed()
             if saved < count:
                 self.leave_plan(f"{saved} tensors saved, plan: {count}")
+            elif missed:
+                self.leave_plan(f"step {missed[0]} never reached")
         sparse.after_backward()
 
     def prove_sparse(self, sparse: SparseBoundaries) -> None:
         """Tell the turns what a check found of ``sparse``'s counting (NOTE [sparse replay]).
 
         A check that left the plan (or broke off) proves nothing, unless an index disagreed.
+        With it go the windows its saves found (NOTE [windowed saves]), where every saved
+        storage was placed.
         """
         executor, turns = self.executor, self._turns
         if executor is None or turns is None:
             return
-        if sparse.mismatch or (self.lean and executor.active):
-            turns.prove(executor, sparse.proven(self.step_index))
+        followed = self.lean and executor.active
+        if sparse.mismatch or followed:
+            log = self.save_log
+            whole = followed and log is not None and executor.placed == executor.expected
+            windows = log.windows() if whole and log is not None else None
+            turns.prove(executor, sparse.proven(self.step_index), windows)
+
+    def windows(self) -> SaveWindows | None:
+        """Where this sparse replay pushes its saved-tensor hooks (NOTE [windowed saves])."""
+        executor, turns = self.executor, self._turns
+        if executor is None or turns is None or self.passing is None:
+            return None
+        return turns.windows(executor)
 
     def _leave_lean(self) -> None:
         self.lean = False

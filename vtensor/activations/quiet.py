@@ -53,6 +53,7 @@ from torch import nn
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.lean import replays_hookless
 from vtensor.activations.sparse import fullest_steps, replays_sparsely
+from vtensor.activations.windows import SaveWindows
 from vtensor.outputs import tensors_in
 from vtensor.planner.plan import Plan
 
@@ -103,6 +104,7 @@ class QuietTurns:
     def __init__(self) -> None:
         self._since: dict[str, int] = {}  # by plan digest: quiet replays since the last check
         self._proven: dict[str, bool] = {}  # by plan digest: what the checks found
+        self._windows: dict[str, SaveWindows | None] = {}  # by plan digest: the last check's
 
     @classmethod
     def shared(cls, plan_cache_dir: str | PathLike[str] | None) -> "QuietTurns":
@@ -139,10 +141,21 @@ class QuietTurns:
         self._since[key] = 0  # this one matches every saved tensor
         return checks
 
-    def prove(self, executor: PlanExecutor, agreed: bool) -> None:
-        """A check of ``executor``'s plan found its sparse counting ``agreed`` with the steps."""
+    def prove(
+        self, executor: PlanExecutor, agreed: bool, windows: SaveWindows | None = None
+    ) -> None:
+        """A check of ``executor``'s plan found its sparse counting ``agreed`` with the steps.
+
+        ``windows``: what it found of the saves (NOTE [windowed saves]); None: a sparse
+        replay of the plan runs the saved-tensor hooks for the whole step.
+        """
         key = executor.plan.digest()
         self._proven[key] = agreed and self._proven.get(key, True)
+        self._windows[key] = windows if self._proven[key] else None
+
+    def windows(self, executor: PlanExecutor) -> SaveWindows | None:
+        """The windows a sparse replay of ``executor``'s plan pushes its hooks in, if any."""
+        return self._windows.get(executor.plan.digest())
 
 
 _SHARED: dict[str, QuietTurns] = {}  # by plan cache directory (NOTE [quiet replay])

@@ -250,6 +250,7 @@ class SparseBoundaries:
             return
         self._last = index
         if index in self._acting:
+            self.hits.add(index)
             iteration.begin_step(step, index)
 
     def after_backward(self) -> None:
@@ -259,8 +260,12 @@ class SparseBoundaries:
 
     def proven(self, reached: int) -> bool:
         """Whether the check agreed: every index matched, every acting step up to ``reached``."""
-        wanted = {i for i in self._acting if 0 < i <= reached and i != self._after_backward}
-        return not self.mismatch and wanted <= self.hits
+        return not self.mismatch and not self.missed(reached)
+
+    def missed(self, reached: int | None = None) -> list[int]:
+        """The acting steps up to ``reached`` (default: all) that the run did not reach."""
+        wanted = (i for i in self._acting if i > 0 and i != self._after_backward)
+        return sorted(i for i in wanted if (reached is None or i <= reached) and i not in self.hits)
 
     def remove(self) -> None:
         """Take every hook off."""

@@ -15,6 +15,7 @@ from vtensor.activations.quiet import Turn, WatchedBoundaries
 from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.sparse import BothBoundaries, SparseBoundaries, acting_steps
 from vtensor.activations.units import UnitRecorder
+from vtensor.activations.windows import SaveLog, WindowedSaves
 
 
 @contextlib.contextmanager
@@ -33,6 +34,9 @@ def instrumented(
     quiet replay, which reads at its watched steps' modules only (NOTE [quiet replay]).
     """
     plan = chosen.executor.plan if chosen.executor is not None else chosen
+    # A quiet replay makes none (NOTE [quiet replay]).
+    hooks_pair = None if iteration.quiet else make_saved_tensor_hooks(iteration)
+    windowed = False  # NOTE [windowed saves] in activations/windows.py
     with contextlib.ExitStack() as stack:
         turn = iteration.turn
         if turn is Turn.QUIET:  # NOTE [quiet replay] in activations/quiet.py
@@ -43,6 +47,13 @@ def instrumented(
             sparse = _sparse(model, scan, iteration, chosen, verify=False)
             stack.callback(sparse.remove)
             iteration.boundaries = iteration.sparse = sparse
+            windows = iteration.windows()
+            if windows is not None and hooks_pair is not None:
+                assert chosen.executor is not None
+                chosen.executor.follow(windows.order)
+                saves = WindowedSaves(model, scan.names, windows, hooks_pair, iteration)
+                stack.callback(saves.remove)
+                windowed = True
         elif not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
@@ -52,6 +63,10 @@ def instrumented(
                 stack.callback(sparse.remove)
                 stack.callback(iteration.prove_sparse, sparse)  # once backward is done
                 iteration.boundaries = BothBoundaries(hooks, sparse)
+                assert chosen.executor is not None
+                log = iteration.save_log = SaveLog(scan.names, chosen.executor, iteration)
+                log.pack = hooks_pair[0] if hooks_pair is not None else None
+                stack.callback(log.remove)
         if plan.recompute:
             iteration.recomputed, iteration.selective = plan.recompute, plan.selective
             stack.enter_context(
@@ -72,8 +87,8 @@ def instrumented(
         if chosen.encode and scan.maskable:
             # After the recomputation's wrappers: a recomputed clamp keeps its own forward.
             iteration.encoded = stack.enter_context(masks_encoded(scan.maskable, scan.names)) > 0
-        if not iteration.quiet:
-            stack.enter_context(saved_tensors_hooks(*make_saved_tensor_hooks(iteration)))
+        if hooks_pair is not None and not windowed:
+            stack.enter_context(saved_tensors_hooks(*hooks_pair))
         yield
 
 

@@ -81,9 +81,10 @@ def test_a_swapping_plan_replays_sparsely_once_a_check_agreed(
     after = kinds[first + 1 :]
     assert after[: QUIET_RUN - 1] == ["sparse"] * (QUIET_RUN - 1)
     assert after[QUIET_RUN - 1] == "check" and after[QUIET_RUN] == "sparse"
-    # Every replay moves what the plan moves, within the budget.
+    # Every replay moves what the plan moves, within the budget. Released in place, a chunk
+    # is whole pages of the storage, wherever the allocator put it: up to a chunk per move.
     for report in reports[first:]:
-        assert report.bytes_out == reports[first].bytes_out
+        assert abs(report.bytes_out - reports[first].bytes_out) <= CHUNK * len(plan.moves)
         assert report.peak_device_bytes <= budget + CHUNK
         assert report.plan_source == "planned"
     acting = acting_steps(plan)
