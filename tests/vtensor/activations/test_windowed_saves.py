@@ -1,0 +1,164 @@
+"""Windowed saves (NOTE [windowed saves]): saved-tensor hooks only around what the plan moves."""
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_lean_replay import CHUNK, Hoarder, _peak, _step
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import vtensor
+import vtensor.activations.wiring as wiring
+from vtensor.activations.quiet import QUIET_RUN
+from vtensor.activations.windows import SaveWindows, windows_of
+
+
+@pytest.fixture
+def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The saves that reach the manager's pack hook, counted per iteration (one cell)."""
+    count = [0]
+    made = wiring.make_saved_tensor_hooks
+
+    def spied(target: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        pack, unpack = made(target)
+
+        def counted(tensor: torch.Tensor) -> Any:
+            count[0] += 1
+            return pack(tensor)
+
+        return counted, unpack
+
+    monkeypatch.setattr(wiring, "make_saved_tensor_hooks", spied)
+    return count
+
+
+def _windows(mm: vtensor.MemoryManager, model: nn.Module, x: torch.Tensor) -> SaveWindows | None:
+    plan = mm.plan_for(model, (x,))
+    assert plan is not None
+    return mm._quiet._windows.get(plan.digest())
+
+
+def _train(
+    model: nn.Module, x: torch.Tensor, fraction: float, tmp_path: Path, packs: list[int]
+) -> tuple[list[int], list[vtensor.IterationReport], SaveWindows | None, int]:
+    """Managed steps, each bit-identical to the unmanaged one: the saves hooked, the reports."""
+    ref = _step(model, x, None)
+    budget = int(fraction * _peak(model, x))
+    hooked, reports = [], []
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        for step in range(3 + 2 * (QUIET_RUN + 1)):
+            packs[0] = 0
+            assert all(map(torch.equal, ref, _step(model, x, mm))), f"step {step}"
+            hooked.append(packs[0])
+            reports.append(mm.report())
+        windows = _windows(mm, model, x)
+    return hooked, reports, windows, budget
+
+
+def test_a_sparse_replay_hooks_only_the_saves_inside_its_windows(
+    tmp_path: Path, packs: list[int]
+) -> None:
+    torch.manual_seed(0)
+    model, x = Hoarder(), torch.randn(4096, 64)
+    hooked, reports, windows, budget = _train(model, x, 0.6, tmp_path, packs)
+    assert windows is not None
+    first = next(i for i, r in enumerate(reports) if r.lean)
+    # The checks hook every save; the sparse replays between them only their windows' saves.
+    full = hooked[first]
+    later = hooked[first + 1 :]
+    assert min(later) < full and max(later) == full, hooked
+    assert later.count(min(later)) >= 2 * (QUIET_RUN - 1), hooked
+    for report in reports[first:]:
+        assert report.lean and report.plan_source == "planned"
+        assert report.bytes_out > 0 and report.peak_device_bytes <= budget + CHUNK
+    # Every window is a call of one of the model's modules that saves what the plan moves.
+    names = {name for name, _ in model.named_modules() if name}
+    assert {name for name, _ in windows.calls} <= names
+    assert len(windows.order) < min(later) + 1
+
+
+def test_windows_are_the_innermost_calls_around_the_moved_saves() -> None:
+    a, b, c = ("a", 0), ("a.b", 0), ("c", 0)
+    events = [
+        (0, (a,)),  # in a, outside its child b: not moved
+        (1, (a, b)),  # moved, inside b: b is its window
+        (2, ()),  # outside every call
+        (3, (c,)),  # moved: c is a window
+        (2, (c,)),  # 2 again, now inside a window: placed here, after 3
+        (1, (c,)),  # 1 again (moved), inside c
+    ]
+    found = windows_of(events, moved={1, 3})
+    assert found == SaveWindows(frozenset({b, c}), (1, 3, 2))
+    # A moved storage saved outside every call (by the loss, after the model): no windows.
+    assert windows_of([*events, (3, ())], moved={1, 3}) is None
+    assert windows_of(events, moved=set()) is None
+
+
+class TwoStages(nn.Module):
+    """Two hoarders, called one after the other by the training step, not by a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Hoarder(), Hoarder()
+
+
+def _two_stages(model: TwoStages, x: torch.Tensor, mm: vtensor.MemoryManager | None) -> Any:
+    model.zero_grad(set_to_none=True)
+    with mm.step(model, inputs=(x,)) if mm is not None else contextlib.nullcontext():
+        # ``sin`` saves the first stage's output again, outside every module call.
+        model.second(torch.sin(model.first(x))).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_a_moved_storage_saved_outside_every_module_keeps_the_hooks_for_the_whole_step(
+    tmp_path: Path, packs: list[int]
+) -> None:
+    torch.manual_seed(0)
+    model, x = TwoStages(), torch.randn(4096, 64)
+    ref = _two_stages(model, x, None)
+    with vtensor.MemoryManager(_peak(model.second, x), storage_dir=tmp_path) as mm:
+        hooked, reports = [], []
+        for _ in range(3 + QUIET_RUN):
+            packs[0] = 0
+            assert all(map(torch.equal, ref, _two_stages(model, x, mm)))
+            hooked.append(packs[0])
+            reports.append(mm.report())
+        plan = mm.plan_for(model, (x,))
+        assert plan is not None and plan.moves
+        assert mm._quiet._windows.get(plan.digest(), "none") is None
+    first = next(i for i, r in enumerate(reports) if r.lean)
+    assert all(r.lean and r.plan_source == "planned" for r in reports[first:])
+    assert set(hooked[first:]) == {hooked[first]}, hooked
+
+
+class Checkpointed(nn.Module):
+    """A block whose forward runs its layers under torch's non-reentrant checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+def test_windows_stay_outside_contexts_a_module_pushes(tmp_path: Path, packs: list[int]) -> None:
+    # The checkpointed blocks' layers run under checkpointing's own saved-tensor hooks: no
+    # window can be pushed under them, and the plan's moves around them keep their windows.
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(8):
+        layers.append(Checkpointed() if i % 3 == 1 else nn.Sequential(nn.Linear(64, 64), nn.Tanh()))
+    model, x = nn.Sequential(*layers), torch.randn(4096, 64)
+    hooked, reports, windows, _ = _train(model, x, 0.6, tmp_path, packs)
+    assert windows is not None
+    inside = {name for name, m in model.named_modules() if ".inner" in name}
+    assert not {name for name, _ in windows.calls} & inside
+    first = next(i for i, r in enumerate(reports) if r.lean)
+    assert min(hooked[first + 1 :]) < hooked[first], hooked
+    assert all(r.plan_source == "planned" for r in reports[first:])
