@@ -15,10 +15,12 @@ then take turns, a round of 12 steps each, from their own copies of the same wei
 the median step, the median of its round's ratio to the unmanaged round of the same turn, and
 the MiB a step moved. Swapping alone and the whole cover also run as "every hook": every
 replay checks every saved tensor and step, as a swapping replay did before sparse replays
-(NOTE [sparse replay] in ``vtensor/activations/sparse.py``). Training under each plan is
-bit-identical to training without it (the equivalence tests); the copies here train different
-numbers of steps before the timed rounds, so their weights are not compared. Run from the
-repository root::
+(NOTE [sparse replay] in ``vtensor/activations/sparse.py``); swapping alone also as "whole-step
+saves", sparse replays whose saved-tensor hooks are in force for the whole step, as before
+windowed saves (NOTE [windowed saves] in ``vtensor/activations/windows.py``). Training under
+each plan is bit-identical to training without it (the equivalence tests); the copies here
+train different numbers of steps before the timed rounds, so their weights are not compared.
+Run from the repository root::
 
     python -m benchmarks.cover_mixes --rounds 8 --out cover_mixes.jsonl      # the micro class
     python -m benchmarks.cover_mixes --device-class small
@@ -137,6 +139,16 @@ def _every_hook() -> Iterator[None]:
         yield
 
 
+_EVERY_HOOK, _WHOLE_STEP = "every_hook", "whole_step"
+
+
+@contextlib.contextmanager
+def _whole_step_saves() -> Iterator[None]:
+    """Sparse replays whose saved-tensor hooks are in force for the whole step."""
+    with mock.patch.object(quiet.QuietTurns, "windows", lambda _self, _executor: None):
+        yield
+
+
 def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]:
     """Profile, plan and train every mix; one row per mix and one for unmanaged."""
     c = settings.client
@@ -207,18 +219,23 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     # every saved tensor and step: the module boundaries, the saved-tensor hooks and every
     # watched reading, which a quiet replay (moving nothing) or a sparse one (swapping) leaves
     # out (NOTE [quiet replay], NOTE [sparse replay]); the difference is what they cost a step.
-    for again in [variants[1], *([variants[-1]] if cover[0] else [])]:
-        model = copy.deepcopy(again["model"])
-        units = f"{again['units']}, every hook"
-        variants.append({**again, "units": units, "model": model, "opt": _sgd(model), "hooked": 1})
-        variants[-1]["opt"].load_state_dict(again["opt"].state_dict())
+    # Swapping alone also as a sparse replay whose saved-tensor hooks are in force for the
+    # whole step, as before windowed saves (NOTE [windowed saves] in activations/windows.py).
+    alone, whole = variants[1], variants[-1]
+    for how, label in ((_WHOLE_STEP, "whole-step saves"), (_EVERY_HOOK, "every hook")):
+        for again in [alone, *([whole] if cover[0] and how == _EVERY_HOOK else [])]:
+            model = copy.deepcopy(again["model"])
+            units = f"{again['units']}, {label}"
+            variants.append({**again, "units": units, "model": model, "opt": _sgd(model), how: 1})
+            variants[-1]["opt"].load_state_dict(again["opt"].state_dict())
     for v in variants:
         v.update(rounds=[], moved=[], lean=[], sources=set())
     for _ in range(args.rounds):
         for v in variants:
             opened = manager(v["cache"]) if v["cache"] else None
             with (
-                _every_hook() if v.get("hooked") else contextlib.nullcontext(),
+                _every_hook() if v.get(_EVERY_HOOK) else contextlib.nullcontext(),
+                _whole_step_saves() if v.get(_WHOLE_STEP) else contextlib.nullcontext(),
                 opened or contextlib.nullcontext() as timed,
             ):
                 begin = time.perf_counter()
