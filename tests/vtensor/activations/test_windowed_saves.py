@@ -7,14 +7,18 @@ from typing import Any
 
 import pytest
 import torch
+from recompute_models import Block, Names, batch, model_with, peak_bytes
+from test_hybrid_plan import _HybridWins
 from test_lean_replay import CHUNK, Hoarder, _peak, _step
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import vtensor
+import vtensor.activations.planning
 import vtensor.activations.wiring as wiring
 from vtensor.activations.quiet import QUIET_RUN
 from vtensor.activations.windows import SaveWindows, windows_of
+from vtensor.planner.trace import Trace
 
 
 @pytest.fixture
@@ -162,3 +166,48 @@ def test_windows_stay_outside_contexts_a_module_pushes(tmp_path: Path, packs: li
     first = next(i for i, r in enumerate(reports) if r.lean)
     assert min(hooked[first + 1 :]) < hooked[first], hooked
     assert all(r.plan_source == "planned" for r in reports[first:])
+
+
+def _one_block(trace: Trace, _budget_bytes: int) -> tuple[tuple[Names, Names], ...]:
+    """One whole block recomputed; the plan swaps whatever the budget still needs."""
+    return (((next(u.name for u in trace.units if u.safe and "." not in u.name),), ()),)
+
+
+def test_a_plan_that_recomputes_and_swaps_replays_windowed_bit_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packs: list[int]
+) -> None:
+    # Dropout inside the blocks (its RNG state restored for the recomputation), one block
+    # behind one node, the rest swapped between the windows' saves.
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", _one_block)
+    monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
+    budget = int(peak_bytes(Block, tmp_path) * 0.5)
+    runs, hooked = [], []
+    for manager in (None, vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True)):
+        model = model_with(Block)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        grads = []
+        for step in range(4 + 2 * (QUIET_RUN + 1)):
+            x, y = batch(step % 2)  # two batches of one signature: the plan is replayed
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)  # dropout
+            packs[0] = 0
+            with manager.step(model, opt, (x, y)) if manager else contextlib.nullcontext():
+                nn.functional.cross_entropy(model(x), y).backward()
+            if manager is not None:
+                hooked.append((packs[0], manager.report()))
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            opt.step()
+        if manager is not None:
+            plan = manager.plan_for(model, inputs=batch(0))
+            windows = manager._quiet._windows.get(plan.digest()) if plan else None
+            manager.close()
+            assert plan is not None and plan.recompute and plan.moves
+            assert windows is not None
+        runs.append(grads)
+    for want, got in zip(*runs, strict=True):
+        assert all(map(torch.equal, want, got))
+    lean = [n for n, report in hooked if report.lean and report.recomputed]
+    assert min(lean) < max(lean), lean  # windowed replays among the checking ones
+    first = next(i for i, (_, r) in enumerate(hooked) if r.lean)
+    assert all(r.plan_source == "planned" and r.bytes_out for _, r in hooked[first:])
+    assert all(r.peak_device_bytes <= budget + (1 << 20) for _, r in hooked[-QUIET_RUN:])
