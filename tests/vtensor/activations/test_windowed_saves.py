@@ -209,5 +209,6 @@ def test_a_plan_that_recomputes_and_swaps_replays_windowed_bit_identically(
     lean = [n for n, report in hooked if report.lean and report.recomputed]
     assert min(lean) < max(lean), lean  # windowed replays among the checking ones
     first = next(i for i, (_, r) in enumerate(hooked) if r.lean)
-    assert all(r.plan_source == "planned" and r.bytes_out for _, r in hooked[first:])
+    # No replay left its plan (a race's replays are "raced").
+    assert all(r.plan_source != "fallback" and r.bytes_out for _, r in hooked[first:])
     assert all(r.peak_device_bytes <= budget + (1 << 20) for _, r in hooked[-QUIET_RUN:])
