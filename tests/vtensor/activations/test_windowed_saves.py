@@ -212,3 +212,37 @@ def test_a_plan_that_recomputes_and_swaps_replays_windowed_bit_identically(
     # No replay left its plan (a race's replays are "raced").
     assert all(r.plan_source != "fallback" and r.bytes_out for _, r in hooked[first:])
     assert all(r.peak_device_bytes <= budget + (1 << 20) for _, r in hooked[-QUIET_RUN:])
+
+
+class Shared(nn.Module):
+    """One layer called at two places of the forward, each call a window of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.shared(x)
+        for layer in self.layers[:3]:
+            x = layer(x)
+        x = self.shared(x)
+        for layer in self.layers[3:]:
+            x = layer(x)
+        return x
+
+
+def test_windows_count_the_calls_of_a_module_called_at_two_places(
+    tmp_path: Path, packs: list[int]
+) -> None:
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(4096, 64)
+    hooked, reports, windows, budget = _train(model, x, 0.6, tmp_path, packs)
+    assert windows is not None
+    first = next(i for i, r in enumerate(reports) if r.lean)
+    assert min(hooked[first + 1 :]) < hooked[first], hooked
+    for report in reports[first:]:
+        assert report.plan_source == "planned" and report.bytes_out > 0
+        assert report.peak_device_bytes <= budget + CHUNK
+    # The shared layer's calls are told apart: its second call is a window of its own.
+    assert any(call == 1 for name, call in windows.calls if name.startswith("shared"))
