@@ -46,12 +46,17 @@ def _windows(mm: vtensor.MemoryManager, model: nn.Module, x: torch.Tensor) -> Sa
     return mm._quiet._windows.get(plan.digest())
 
 
-def _train(
-    model: nn.Module, x: torch.Tensor, fraction: float, tmp_path: Path, packs: list[int]
-) -> tuple[list[int], list[vtensor.IterationReport], SaveWindows | None, int]:
-    """Managed steps, each bit-identical to the unmanaged one: the saves hooked, the reports."""
+def _windowed(
+    model: nn.Module, x: torch.Tensor, tmp_path: Path, packs: list[int]
+) -> tuple[SaveWindows, list[int]]:
+    """Managed steps at 60 % of the peak, each bit-identical to the unmanaged one.
+
+    Checks that the sparse replays between the checks hook fewer saves than the checks, and
+    that every lean replay follows its plan within the budget. The windows and, per lean
+    replay, the saves hooked.
+    """
     ref = _step(model, x, None)
-    budget = int(fraction * _peak(model, x))
+    budget = int(0.6 * _peak(model, x))
     hooked, reports = [], []
     with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
         for step in range(3 + 2 * (QUIET_RUN + 1)):
@@ -60,7 +65,14 @@ def _train(
             hooked.append(packs[0])
             reports.append(mm.report())
         windows = _windows(mm, model, x)
-    return hooked, reports, windows, budget
+    assert windows is not None
+    first = next(i for i, r in enumerate(reports) if r.lean)
+    for report in reports[first:]:
+        assert report.lean and report.plan_source == "planned"
+        assert report.bytes_out > 0 and report.peak_device_bytes <= budget + CHUNK
+    # The first lean replay checks every save; the sparse ones after it only their windows'.
+    assert min(hooked[first + 1 :]) < hooked[first], hooked
+    return windows, hooked[first:]
 
 
 def test_a_sparse_replay_hooks_only_the_saves_inside_its_windows(
@@ -68,17 +80,10 @@ def test_a_sparse_replay_hooks_only_the_saves_inside_its_windows(
 ) -> None:
     torch.manual_seed(0)
     model, x = Hoarder(), torch.randn(4096, 64)
-    hooked, reports, windows, budget = _train(model, x, 0.6, tmp_path, packs)
-    assert windows is not None
-    first = next(i for i, r in enumerate(reports) if r.lean)
-    # The checks hook every save; the sparse replays between them only their windows' saves.
-    full = hooked[first]
-    later = hooked[first + 1 :]
-    assert min(later) < full and max(later) == full, hooked
+    windows, hooked = _windowed(model, x, tmp_path, packs)
+    full, later = hooked[0], hooked[1:]
+    assert max(later) == full, hooked  # the next check
     assert later.count(min(later)) >= 2 * (QUIET_RUN - 1), hooked
-    for report in reports[first:]:
-        assert report.lean and report.plan_source == "planned"
-        assert report.bytes_out > 0 and report.peak_device_bytes <= budget + CHUNK
     # Every window is a call of one of the model's modules that saves what the plan moves.
     names = {name for name, _ in model.named_modules() if name}
     assert {name for name, _ in windows.calls} <= names
@@ -159,13 +164,9 @@ def test_windows_stay_outside_contexts_a_module_pushes(tmp_path: Path, packs: li
     for i in range(8):
         layers.append(Checkpointed() if i % 3 == 1 else nn.Sequential(nn.Linear(64, 64), nn.Tanh()))
     model, x = nn.Sequential(*layers), torch.randn(4096, 64)
-    hooked, reports, windows, _ = _train(model, x, 0.6, tmp_path, packs)
-    assert windows is not None
+    windows, _ = _windowed(model, x, tmp_path, packs)
     inside = {name for name, m in model.named_modules() if ".inner" in name}
     assert not {name for name, _ in windows.calls} & inside
-    first = next(i for i, r in enumerate(reports) if r.lean)
-    assert min(hooked[first + 1 :]) < hooked[first], hooked
-    assert all(r.plan_source == "planned" for r in reports[first:])
 
 
 def _one_block(trace: Trace, _budget_bytes: int) -> tuple[tuple[Names, Names], ...]:
@@ -237,12 +238,6 @@ def test_windows_count_the_calls_of_a_module_called_at_two_places(
 ) -> None:
     torch.manual_seed(0)
     model, x = Shared(), torch.randn(4096, 64)
-    hooked, reports, windows, budget = _train(model, x, 0.6, tmp_path, packs)
-    assert windows is not None
-    first = next(i for i, r in enumerate(reports) if r.lean)
-    assert min(hooked[first + 1 :]) < hooked[first], hooked
-    for report in reports[first:]:
-        assert report.plan_source == "planned" and report.bytes_out > 0
-        assert report.peak_device_bytes <= budget + CHUNK
+    windows, _ = _windowed(model, x, tmp_path, packs)
     # The shared layer's calls are told apart: its second call is a window of its own.
     assert any(call == 1 for name, call in windows.calls if name.startswith("shared"))
