@@ -64,6 +64,7 @@ class ModelScan:
             [scan once]).
         holders: the modules' ``_parameters`` and ``_buffers`` that hold any.
         members: what ``holders`` held, in order, when the model was scanned.
+        modules: each module but the root by its step name (``module`` finds the root too).
     """
 
     names: dict[int, str]
@@ -74,6 +75,12 @@ class ModelScan:
     tensors: tuple[object, ...] = ()
     holders: tuple[dict[str, Any], ...] = ()
     members: list[int] = dataclasses.field(default_factory=list)
+    # Not the root: the scan is kept beside a weak reference to it (``ScanCache``).
+    modules: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
+
+    def module(self, model: nn.Module, name: str) -> nn.Module | None:
+        """The module of ``model`` (scanned as this) whose step name is ``name``, if any."""
+        return model if name == "model" else self.modules.get(name)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelScan":
@@ -84,10 +91,13 @@ class ModelScan:
         structure: list[object] = []
         maskable: list[nn.Module] = []
         holders: list[dict[str, Any]] = []
+        modules: dict[str, nn.Module] = {}
         # Direct members of each module (``_parameters``, ``_buffers``): the public iterators
         # walk the module tree again for every module they are called on.
         for qualname, module in model.named_modules():
             names[id(module)] = qualname or "model"
+            if qualname:
+                modules[qualname] = module
             # An empty one fills only through a registration.
             holders += [own for own in (module._parameters, module._buffers) if own]
             structure += (id(module), type(module))
@@ -109,6 +119,7 @@ class ModelScan:
             tuple(maskable),
             holders=tuple(holders),
             members=_members(holders),
+            modules=modules,
         )
         return dataclasses.replace(scan, tensors=_tensors_structure(scan))
 

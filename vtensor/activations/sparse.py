@@ -42,6 +42,7 @@ from typing import Any, Protocol, TypeVar
 from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.rebuild import REBUILT_KEY
 from vtensor.outputs import tensors_in
 from vtensor.planner.plan import Plan
@@ -170,7 +171,7 @@ class SparseBoundaries:
     def __init__(
         self,
         model: nn.Module,
-        names: Mapping[int, str],
+        scan: ModelScan,
         plan: Plan,
         iteration: Stepper,
         acting: Mapping[int, int],
@@ -191,9 +192,11 @@ class SparseBoundaries:
         self._last = 0
         self.hits: set[int] = set()  # the indices reached (``verify``)
         self.mismatch = ""  # the first index the counting gave that the full hooks did not
-        for module in model.modules():
-            name = names.get(id(module), "")
-            if not name:
+        # By name, not by walking the model's modules: this runs at every step.
+        steps = (step.partition(":") for step in wanted)
+        for name in sorted({name for phase, _, name in steps if phase in _PHASES and name}):
+            module = scan.module(model, name)
+            if module is None:
                 continue
             if f"forward:{name}" in wanted:
                 self._handles.append(module.register_forward_pre_hook(self._before(name)))

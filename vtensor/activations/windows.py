@@ -48,6 +48,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.store import VTensor
 
 Call = tuple[str, int]  # a module's step name and the number of its forward call, from 0
@@ -169,7 +170,7 @@ class WindowedSaves:
     def __init__(
         self,
         model: nn.Module,
-        names: Mapping[int, str],
+        scan: ModelScan,
         windows: SaveWindows,
         hooks: tuple[Callable[..., Any], Callable[..., Any]],
         iteration: Counting,
@@ -184,10 +185,9 @@ class WindowedSaves:
         self._calls: dict[str, int] = {}
         self._pushed: list[bool] = []
         self._handles: list[Any] = []
-        wanted = {name for name, _ in windows.calls}
-        for module in model.modules():
-            name = names.get(id(module), "")
-            if name in wanted:
+        for name in sorted({name for name, _ in windows.calls}):  # by name: at every step
+            module = scan.module(model, name)
+            if module is not None:
                 self._handles.append(module.register_forward_pre_hook(self._before(name)))
                 self._handles.append(module.register_forward_hook(self._after, always_call=True))
 

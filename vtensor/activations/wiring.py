@@ -51,7 +51,7 @@ def instrumented(
             if windows is not None and hooks_pair is not None:
                 assert chosen.executor is not None
                 chosen.executor.follow(windows.order)
-                saves = WindowedSaves(model, scan.names, windows, hooks_pair, iteration)
+                saves = WindowedSaves(model, scan, windows, hooks_pair, iteration)
                 stack.callback(saves.remove)
                 windowed = True
         elif not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
@@ -98,4 +98,4 @@ def _sparse(
     """The hooks of the steps ``chosen``'s plan acts at (NOTE [sparse replay])."""
     assert chosen.executor is not None
     plan = chosen.executor.plan
-    return SparseBoundaries(model, scan.names, plan, iteration, acting_steps(plan), verify=verify)
+    return SparseBoundaries(model, scan, plan, iteration, acting_steps(plan), verify=verify)
