@@ -33,8 +33,9 @@ What it gives up: a windowed replay matches only the saves inside its windows wi
 so a run that leaves the plan outside them is noticed only at the next acting step or at the
 end of backward, where fewer saves than the plan's leave it; and the guard that takes over can
 evict only what was saved inside a window. A change of the run cannot make it swap wrongly: a
-storage saved outside the windows is never evicted, and one placed at another's position is
-swapped and restored as any other, its bytes unchanged.
+storage saved outside the windows is never evicted (autograd's own reference to it pins it, as
+any reference outside the store does: ``ChunkStore.evictable``), and one placed at another's
+position is swapped and restored as any other, its bytes unchanged.
 """
 
 import contextlib
