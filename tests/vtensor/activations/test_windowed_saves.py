@@ -241,3 +241,45 @@ def test_windows_count_the_calls_of_a_module_called_at_two_places(
     windows, _ = _windowed(model, x, tmp_path, packs)
     # The shared layer's calls are told apart: its second call is a window of its own.
     assert any(call == 1 for name, call in windows.calls if name.startswith("shared"))
+
+
+class Reuser(Hoarder):
+    """The hoarder, whose forward can use each layer's output again between the layers."""
+
+    reuse = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            if self.reuse:
+                x = x * torch.sigmoid(x)  # saves ``x`` again, outside every window
+        return x
+
+
+def test_a_moved_storage_saved_again_outside_the_windows_stays_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packs: list[int]
+) -> None:
+    windowed: list[bool] = []  # per sparse replay (no check): whether it had windows
+    made = wiring.WindowedSaves
+
+    def spied(*args: Any) -> Any:
+        windowed.append(True)
+        return made(*args)
+
+    monkeypatch.setattr(wiring, "WindowedSaves", spied)
+    torch.manual_seed(0)
+    model, x = Reuser(), torch.randn(4096, 64)
+    budget = int(0.6 * _peak(model, x))
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        for _ in range(3 + QUIET_RUN):
+            _step(model, x, mm)
+        assert _windows(mm, model, x) is not None
+        # The run changes: the storages the plan moves are also saved by ops outside every
+        # window, whose saved tensors autograd holds. Those references pin them: the plan's
+        # evictions of them are not issued, and the gradients stay exact.
+        model.reuse = True
+        want = _step(model, x, None)
+        windowed.clear()
+        got = _step(model, x, mm)
+    assert windowed == [True]  # a windowed replay
+    assert all(map(torch.equal, want, got))
