@@ -53,7 +53,8 @@ class PlanExecutor:
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
         self._count = plan.activation_count  # the parameter side is ParamPlanExecutor's
         self.watched = frozenset(plan.watched_steps)  # NOTE [lean replay]
-        self._moved = {m.vid for m in plan.moves if m.vid < self._count}
+        # The plan positions it moves (the parameter side's are not its own).
+        self.moved = frozenset(m.vid for m in plan.moves if m.vid < self._count)
         for move in plan.moves:
             if move.vid >= self._count:
                 continue
@@ -101,7 +102,7 @@ class PlanExecutor:
         It is where the plan never moves it (NOTE [passed]) and the run still follows the plan
         once it is placed; where the plan moves it, it is not placed here (it becomes a vTensor).
         """
-        if self.next_position() in self._moved:
+        if self.next_position() in self.moved:
             return False
         self._place(None, nbytes)
         return self.active

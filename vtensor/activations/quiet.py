@@ -52,6 +52,7 @@ from torch import nn
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.lean import replays_hookless
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.sparse import fullest_steps, replays_sparsely
 from vtensor.activations.windows import SaveWindows
 from vtensor.outputs import tensors_in
@@ -176,15 +177,15 @@ class WatchedBoundaries:
     def __init__(
         self,
         model: nn.Module,
+        scan: ModelScan,
         plan: Plan,
         iteration: Reader,
     ) -> None:
         self._iteration = iteration
         self._handles: list[Any] = []
         for phase, name in watched_modules(plan) or []:
-            try:  # step names are qualified names, "model" for the root (``ModelScan.names``)
-                module = model if name == "model" else model.get_submodule(name)
-            except AttributeError:
+            module = scan.module(model, name)
+            if module is None:
                 continue  # not this model's (the plan key would have differed)
             step = f"{phase}:{name}"
             if phase == "forward":

@@ -127,9 +127,7 @@ class SaveLog:
         """The windows of the saves logged (``windows_of``); None where there are none."""
         if not self.complete:
             return None
-        plan = self._executor.plan
-        moved = {m.vid for m in plan.moves if m.vid < plan.activation_count}
-        return windows_of(self.events, moved)
+        return windows_of(self.events, self._executor.moved)
 
     def remove(self) -> None:
         """Take its module hooks off."""

@@ -41,7 +41,7 @@ def instrumented(
         turn = iteration.turn
         if turn is Turn.QUIET:  # NOTE [quiet replay] in activations/quiet.py
             assert chosen.executor is not None
-            watched = WatchedBoundaries(model, chosen.executor.plan, iteration)
+            watched = WatchedBoundaries(model, scan, chosen.executor.plan, iteration)
             stack.callback(watched.remove)
         elif turn is Turn.SPARSE:  # NOTE [sparse replay] in activations/sparse.py
             sparse = _sparse(model, scan, iteration, chosen, verify=False)
