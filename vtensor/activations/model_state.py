@@ -5,6 +5,7 @@ manager never swaps them (``ParamOffload`` does), and with the batch they are th
 """
 
 import dataclasses
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from torch import nn
 
 from vtensor.activations.encodings import MASKABLE
 from vtensor.errors import InfeasibleBudgetError
-from vtensor.planner.keys import architecture_fingerprint
+from vtensor.planner.keys import architecture_fingerprint, dtype_of
 from vtensor.sizes import format_bytes
 
 
@@ -65,6 +66,9 @@ class ModelScan:
         holders: the modules' ``_parameters`` and ``_buffers`` that hold any.
         members: what ``holders`` held, in order, when the model was scanned.
         modules: each module but the root by its step name (``module`` finds the root too).
+        state: ``parameters`` then ``buffers``.
+        dtype: the parameters' :func:`~vtensor.planner.keys.dtype_of`, for the plan key (a
+            dtype changes with a conversion, which the scan's checks see: NOTE [scan once]).
     """
 
     names: dict[int, str]
@@ -74,9 +78,11 @@ class ModelScan:
     maskable: tuple[nn.Module, ...] = ()
     tensors: tuple[object, ...] = ()
     holders: tuple[dict[str, Any], ...] = ()
-    members: list[int] = dataclasses.field(default_factory=list)
+    members: list[object] = dataclasses.field(default_factory=list)
     # Not the root: the scan is kept beside a weak reference to it (``ScanCache``).
     modules: dict[str, nn.Module] = dataclasses.field(default_factory=dict)
+    state: tuple[torch.Tensor, ...] = ()
+    dtype: str = "none"
 
     def module(self, model: nn.Module, name: str) -> nn.Module | None:
         """The module of ``model`` (scanned as this) whose step name is ``name``, if any."""
@@ -121,7 +127,9 @@ class ModelScan:
             members=_members(holders),
             modules=modules,
         )
-        return dataclasses.replace(scan, tensors=_tensors_structure(scan))
+        state = (*scan.parameters, *scan.buffers)
+        tensors, dtype = _tensors_structure(scan), dtype_of(scan.parameters)
+        return dataclasses.replace(scan, tensors=tensors, state=state, dtype=dtype)
 
 
 # NOTE [scan once]: walking a model's modules costs about 2 us a module (0.45 ms a step for
@@ -129,10 +137,18 @@ class ModelScan:
 # So a manager walks a model again only when a module, parameter or buffer was registered on
 # any module of the process since its last walk (torch's global registration hooks see every
 # assignment and ``register_*`` call) or when the scanned modules' parameters or buffers
-# changed: another shape, dtype or ``requires_grad``, or another tensor in the module's own dict
-# (read there at every step, 0.1 ms: ``Module._apply`` under ``torch.__future__``'s overwrite
-# on conversion puts new ones there without a registration, and their storages must be
-# protected), or one deleted. A module deleted without a replacement stays in the scan: its
+# changed: another tensor in the module's own dict (``Module._apply`` under
+# ``torch.__future__``'s overwrite on conversion puts new ones there without a registration, and
+# their storages must be protected), or one deleted, or another ``requires_grad``, or another
+# shape or dtype. What is read at every step is what is cheap to read together: the dicts'
+# members, the parameters' ``requires_grad`` and the data pointers of the parameters and
+# buffers, which the state's reading shares (NOTE [state once]). Shapes and dtypes are compared
+# only when a data pointer moved: a tensor's shape or dtype changes with its data (``.data``
+# assigned, ``set_``, a conversion) but for an in-place view (``p.data = p.data[:k]``,
+# ``resize_`` to fewer elements). Such a change is then seen as an in-place hyperparameter
+# change is (NOTE [fingerprint once]): the replay leaves its plan if what it saves differs.
+# Reading shapes too cost 0.14 ms a step on MobileNetV2, most of it reaching tensors the step
+# had pushed out of the caches. A module deleted without a replacement stays in the scan: its
 # name is unused, which changes nothing the step does. Storages are not cached: a parameter
 # whose ``.data`` was replaced is protected by its new storage at the next step.
 _registrations = 0
@@ -159,12 +175,16 @@ class ScanCache:
 
     NOTE [scan once]. Holds the model weakly and drops the scan when the model goes, so neither
     the model nor its parameters outlive their last reference for the manager's sake.
+    ``pointers`` are the data pointers of the scan's parameters and buffers, as :meth:`of`
+    last read them.
     """
 
     def __init__(self) -> None:
         self._model: weakref.ref[nn.Module] | None = None
         self._registrations = -1
         self._scan: ModelScan | None = None
+        self._flags: list[bool] = []
+        self.pointers: list[int] = []
 
     def of(self, model: nn.Module) -> ModelScan:
         """The scan of ``model``: the last one while it still holds, else a new walk."""
@@ -176,16 +196,26 @@ class ScanCache:
             and self._model() is model
             and self._registrations == _registrations
             and _same_members(scan)
-            and _tensors_structure(scan) == scan.tensors
+            and list(map(_requires_grad, scan.parameters)) == self._flags
         ):
-            return scan
+            pointers = list(map(_data_ptr, scan.state))  # map: half a comprehension's time
+            if pointers == self.pointers or _tensors_structure(scan) == scan.tensors:
+                self.pointers = pointers
+                return scan
         self._registrations = _registrations
         self._scan = scan = ModelScan.of(model)
         self._model = weakref.ref(model, self._dropped)
+        self._flags = list(map(_requires_grad, scan.parameters))
+        self.pointers = list(map(_data_ptr, scan.state))
         return scan
 
     def _dropped(self, _: "weakref.ref[nn.Module]") -> None:
         self._scan = None
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+_grad = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _tensors_structure(scan: ModelScan) -> tuple[object, ...]:
@@ -194,14 +224,18 @@ def _tensors_structure(scan: ModelScan) -> tuple[object, ...]:
     return (*parameters, *[(b.shape, b.dtype) for b in scan.buffers])
 
 
-def _members(holders: Sequence[dict[str, Any]]) -> list[int]:
-    """The identities of what ``holders`` hold (the scan keeps the tensors: none is reused)."""
-    return [id(value) for held in holders for value in held.values()]
+def _members(holders: Sequence[dict[str, Any]]) -> list[object]:
+    """What ``holders`` hold, in order."""
+    return list(_chain(map(dict.values, holders)))
 
 
 def _same_members(scan: ModelScan) -> bool:
     """Whether the modules still hold the very tensors they held when scanned."""
-    return _members(scan.holders) == scan.members
+    members = _members(scan.holders)
+    return len(members) == len(scan.members) and all(map(operator.is_, members, scan.members))
+
+
+_chain = itertools.chain.from_iterable
 
 
 class Fingerprint:
@@ -227,8 +261,12 @@ class Fingerprint:
 
 def state_tensors(scan: ModelScan, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Parameters, buffers, gradients and the optimizer's state tensors."""
-    tensors: list[torch.Tensor] = [*scan.parameters, *scan.buffers]
-    tensors += [p.grad for p in scan.parameters if p.grad is not None]
+    return [*scan.state, *_made_by_steps(scan, optimizer)]
+
+
+def _made_by_steps(scan: ModelScan, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The gradients and the optimizer's state tensors: made and replaced by the steps."""
+    tensors = [g for g in map(_grad, scan.parameters) if g is not None]
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
@@ -276,9 +314,6 @@ def _with_inputs(seen: dict[int, int], inputs: Sequence[torch.Tensor], device: t
     return sum(seen.values()) + sum(extra.values())
 
 
-_data_ptr = torch.Tensor.data_ptr
-
-
 class StateStorages:
     """A manager's :func:`state_storages`, read again only when a state tensor's data moved.
 
@@ -287,12 +322,13 @@ class StateStorages:
     Python object per tensor (MobileNetV2's 630 state tensors: 0.26 ms, against 0.05 ms for
     their data pointers). A manager keeps the last reading while the state's tensors, in order,
     have the same data pointers: a storage replaced (``.data`` assigned, ``set_``) is made while
-    the old one still exists, so its data lies elsewhere. Zero-size storages, which may share
-    the null pointer, make every step read again. The inputs are read at every step.
+    the old one still exists, so its data lies elsewhere. Those of the parameters and buffers
+    are the scan's (``ScanCache.pointers``, read with its checks). Zero-size storages, which
+    may share the null pointer, make every step read again. The inputs are read at every step.
     """
 
     def __init__(self) -> None:
-        self._last: tuple[tuple[torch.device, list[int]], set[int], dict[int, int]] | None = None
+        self._last: tuple[tuple[object, ...], set[int], dict[int, int]] | None = None
 
     def of(
         self,
@@ -300,12 +336,17 @@ class StateStorages:
         optimizer: torch.optim.Optimizer | None,
         inputs: Sequence[torch.Tensor],
         device: torch.device,
+        pointers: list[int],
     ) -> tuple[set[int], int]:
-        """What :func:`state_storages` returns; the set is the manager's: read it only."""
-        tensors = state_tensors(scan, optimizer)
-        key = (device, list(map(_data_ptr, tensors)))  # map: half a comprehension's time
-        if self._last is None or self._last[0] != key or 0 in key[1]:
-            self._last = (key, *_state_seen(tensors, device))
+        """What :func:`state_storages` returns; the set is the manager's: read it only.
+
+        ``pointers`` are the data pointers of ``scan.state``, read at this step.
+        """
+        made = _made_by_steps(scan, optimizer)
+        made_pointers = list(map(_data_ptr, made))
+        key = (device, pointers, made_pointers)
+        if self._last is None or self._last[0] != key or 0 in pointers or 0 in made_pointers:
+            self._last = (key, *_state_seen([*scan.state, *made], device))
         _, protected, seen = self._last
         return protected, _with_inputs(seen, inputs, device)
 

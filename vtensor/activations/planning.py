@@ -22,7 +22,7 @@ from vtensor.activations.store import ChunkStore
 from vtensor.activations.undecided import Undecided, park, take_up
 from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache
-from vtensor.planner.keys import PlanKey, dtype_of, input_signature
+from vtensor.planner.keys import PlanKey, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates, unit_regrowth
@@ -97,7 +97,7 @@ class PlanBook:
         return PlanKey(
             architecture=self._fingerprint.of(model, scan),
             input_signature=input_signature(*inputs),
-            dtype=dtype_of(scan.parameters),
+            dtype=scan.dtype,
             budget_bytes=self.budget_bytes,
             chunk_bytes=self.chunk_bytes,
             device_kind=device.type,

@@ -260,7 +260,9 @@ class MemoryManager:
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
-        protected, state_bytes = self._states.of(scan, optimizer, inputs, device)
+        protected, state_bytes = self._states.of(
+            scan, optimizer, inputs, device, self._scans.pointers
+        )
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         peaks = self._peaks = self._peaks or IndependentPeak(
             device, enabled=self.measure_peaks, rss=self.count_workspaces
