@@ -2,12 +2,16 @@
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
+from vtensor.planner.recompute import unit_regrowth
+from vtensor.planner.recomputed import cached_selective, through_one_node
+from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,9 @@ class Trials:
             NOTE [one-node recomputation] in ``activations/rebuild.py``).
         kept: candidates never dropped as recomputing more than another (NOTE [dominated
             candidates]): what ``torch.utils.checkpoint`` on every block does.
+        cached: the modules that, recomputed selectively, go behind one node with their
+            convolutions' outputs kept (``cached_selective``, NOTE [cached products] in
+            ``activations/product_cache.py``).
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
@@ -61,10 +68,16 @@ class Trials:
     encoded: bool = False
     one_node: tuple[str, ...] = ()
     kept: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    cached: tuple[str, ...] = ()
 
     def one_node_of(self, names: tuple[str, ...], selective: tuple[str, ...]) -> tuple[str, ...]:
-        """Of the modules ``names`` recomputes, those recomputed whole through one node."""
-        return tuple(n for n in names if n in self.one_node and n not in selective)
+        """Of the modules ``names`` recomputes, those recomputed through one node.
+
+        Whole, or selectively with their convolutions' outputs kept (NOTE [cached products]).
+        """
+        return tuple(
+            n for n in names if (n in self.cached if n in selective else n in self.one_node)
+        )
 
     def profiled(self, plan: Plan | None, predicted_s: float) -> Plan | None:
         """The next candidate was profiled into ``plan``: its hybrid plan, kept to race."""
@@ -118,6 +131,28 @@ class Trials:
     def candidates(self) -> list[Plan]:
         """The plans to race: the hybrid ones, then the swap-only one."""
         return [*self.plans, *([self.swap_only] if self.swap_only is not None else [])]
+
+
+def trials_of(
+    trace: Trace,
+    candidates: Sequence[tuple[tuple[str, ...], tuple[str, ...]]],
+    others: list[Plan],
+    swap_only: Plan | None,
+) -> Trials:
+    """The trials of ``candidates``, found on the profiled iteration ``trace``.
+
+    The last candidate, every block recomputed, is never dropped (NOTE [dominated candidates]).
+    """
+    return Trials(
+        list(candidates),
+        others,
+        swap_only,
+        unit_regrowth(trace),
+        trace.encoded,
+        one_node=tuple(u.name for u in trace.units if through_one_node(u)),
+        kept=tuple(candidates[-1:]),
+        cached=tuple(u.name for u in trace.units if cached_selective(u)),
+    )
 
 
 def _recomputes_all_of(

@@ -12,7 +12,7 @@ from torch import nn
 from vtensor.activations.encoding_choice import EncodingChoice
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
-from vtensor.activations.iteration_plan import IterationPlan, Trials
+from vtensor.activations.iteration_plan import IterationPlan, Trials, trials_of
 from vtensor.activations.margin import Profile, plan_again, remake
 from vtensor.activations.model_state import Fingerprint, ModelScan
 from vtensor.activations.race import PlanRace
@@ -25,8 +25,7 @@ from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import PlanKey, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import predicted_step_s, recompute_candidates, unit_regrowth
-from vtensor.planner.recomputed import through_one_node
+from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -379,12 +378,7 @@ class PlanBook:
             # [recomputation's working set] in activations/recorder.py).
             candidates = recompute_candidates(trace, self.budget_bytes)
             if candidates:
-                growth = unit_regrowth(trace)
-                whole = tuple(u.name for u in trace.units if through_one_node(u))
-                every_block = candidates[-1:]  # never dropped (NOTE [dominated candidates])
-                self._trial[signature] = Trials(
-                    list(candidates), others, plan, growth, trace.encoded, whole, every_block
-                )
+                self._trial[signature] = trials_of(trace, candidates, others, plan)
                 return plan
         return self._race_or_only(signature, Trials([], others, plan)) if others else plan
 

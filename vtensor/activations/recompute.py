@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from vtensor.activations.product_cache import ProductCache
 from vtensor.activations.rebuild import REBUILT_KEY, Rebuild, RebuildHost, Rerun
 from vtensor.activations.selective import save_products
 from vtensor.errors import VTensorError
@@ -103,7 +104,9 @@ def recompute_modules(
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
     Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]); those in
-    ``one_node`` (whole) go behind one autograd node instead (NOTE [one-node recomputation]).
+    ``one_node`` go behind one autograd node instead (NOTE [one-node recomputation]), whole or,
+    where also in ``selective``, with their convolutions' outputs kept (NOTE [cached
+    products]).
     ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
     host with no plan to place them (NOTE [recomputed growth] in ``activations/policy.py``).
 
@@ -141,7 +144,7 @@ def recompute_modules(
                 target,
                 name in selective,
                 expected,
-                one_node=name in one_node and name not in selective,
+                one_node=name in one_node,
             )
             wrapped.append(module)
         yield
@@ -159,7 +162,11 @@ def _checkpointed(
     *,
     one_node: bool = False,
 ) -> Callable[..., Any]:
-    """``forward`` recomputed: through torch's checkpointing, or behind one node."""
+    """``forward`` recomputed: through torch's checkpointing, or behind one node.
+
+    Behind one node and ``selective``: with the convolutions' outputs kept (NOTE [cached
+    products]).
+    """
 
     def contexts() -> tuple[contextlib.AbstractContextManager[Any], Any]:
         if not selective:
@@ -177,7 +184,10 @@ def _checkpointed(
         # manager's saved-tensor hooks (which may swap them), not by a reference here.
         tensors = call.hand_over()
         if one_node:
-            return _rebuild(module, forward, call, (args, kwargs), tensors, target, regrowth_bytes)
+            cache = ProductCache(module) if selective else None
+            return _rebuild(
+                module, forward, call, (args, kwargs), tensors, target, regrowth_bytes, cache
+            )
         pending = [(args, kwargs)]
 
         def again(*inputs: torch.Tensor) -> Any:
@@ -206,17 +216,26 @@ def _rebuild(
     tensors: list[torch.Tensor],
     target: RecomputeHost,
     regrowth_bytes: int,
+    cache: ProductCache | None = None,
 ) -> Any:
-    """``module``'s forward behind one ``Rebuild`` node (NOTE [one-node recomputation])."""
+    """``module``'s forward behind one ``Rebuild`` node (NOTE [one-node recomputation]).
+
+    With a ``cache``, its convolutions answered from it in the second run (NOTE [cached
+    products]).
+    """
     pending = [own]
+    keeping = cache.keeping if cache is not None else contextlib.nullcontext
+    answering = cache.answering if cache is not None else contextlib.nullcontext
 
     def first() -> Any:
         args, kwargs = pending.pop()
-        return forward(*args, **kwargs)
+        with keeping():
+            return forward(*args, **kwargs)
 
     def rerun(inputs: Sequence[torch.Tensor]) -> Any:
         args, kwargs = call.rebuild(inputs)
-        output = forward(*args, **kwargs)
+        with answering():
+            output = forward(*args, **kwargs)
         if target.boundaries is not None:  # the unit's own, as its first forward would have
             target.boundaries.mark(module, output)
         return output
@@ -244,6 +263,8 @@ def _rebuild(
     def finish() -> None:
         put_back(values)
         values.clear()
+        if cache is not None:
+            cache.clear()
 
     run = Rerun(first, context, rerun, finish, len(tensors), params)
     run.note_state(tensors)

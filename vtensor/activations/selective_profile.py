@@ -21,6 +21,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vtensor.activations.product_cache import batched, product_leaves
 from vtensor.activations.recompute import RecomputeTarget
 from vtensor.activations.selective import is_product
 from vtensor.activations.store import VTensor
@@ -48,6 +49,11 @@ class SelectiveProfile:
         why_not: why it may not be recomputed selectively ("" if it may).
         tail_share: the share of its ops' time after its last save (NOTE [one-node
             recomputation] in ``activations/rebuild.py``).
+        cached: behind one node, its convolutions' outputs may be kept instead (NOTE [cached
+            products] in ``activations/product_cache.py``): each product op it ran was the
+            convolution of one of its plain convolution modules, called on a batched input.
+        cached_s: what recomputing it selectively costs that way: its non-product ops and its
+            Python once more, without a dispatch mode.
     """
 
     selective_s: float
@@ -55,6 +61,8 @@ class SelectiveProfile:
     products: tuple[tuple[int | None, int], ...]
     why_not: str
     tail_share: float = 0.0
+    cached: bool = False
+    cached_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.ops_s = 0.0
         self.tail = tail  # [the ops' time since the last save]
         self.products: list[tuple[torch.Tensor, int]] = []
+        self.product_ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         began = time.perf_counter()
@@ -109,6 +118,7 @@ class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.ops_s += took
         self.tail[0] += took
         if is_product(func):
+            self.product_ops += 1
             self.products += [(t, t._version) for t in tensors_in(out)]
         else:
             self.other_s += took
@@ -149,7 +159,8 @@ def profile_selective(
 
     args, kwargs = call
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never)
-    with replaying(module, start, target), torch.enable_grad(), hooks, recorder:
+    convolutions = _Convolutions(module, recorder)
+    with replaying(module, start, target), torch.enable_grad(), hooks, recorder, convolutions:
         began = device_now(target.device)
         again = tensors_in(module.forward(*args, **kwargs))
         wall_s = device_now(target.device) - began
@@ -171,7 +182,46 @@ def profile_selective(
         products=tuple((mapped.get(c), n) for c, n in sizes.items()),
         why_not=why,
         tail_share=tail[0] / recorder.ops_s if recorder.ops_s > 0 else 0.0,
+        cached=convolutions.answer_all(),
+        cached_s=recorder.other_s + max(0.0, plain_s - recorder.ops_s),
     )
+
+
+class _Convolutions:
+    """While a unit runs again: whether its convolution modules ran all its product ops.
+
+    Each call of one of its cacheable modules (NOTE [cached products]) must run exactly one
+    product op, on a batched input, and the unit no product op outside them.
+    """
+
+    def __init__(self, unit: nn.Module, recorder: _OpRecorder) -> None:
+        self.recorder = recorder
+        self.leaves = product_leaves(unit)
+        self.calls = 0
+        self.fits = True
+        self._at: list[int] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> None:
+        for leaf in self.leaves:
+            self._handles.append(leaf.register_forward_pre_hook(self._pre))
+            self._handles.append(leaf.register_forward_hook(self._post))
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.fits = self.fits and len(args) == 1 and batched(module, args[0])
+        self._at.append(self.recorder.product_ops)
+
+    def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self.calls += 1
+        self.fits = self.fits and self.recorder.product_ops - self._at.pop() == 1
+
+    def answer_all(self) -> bool:
+        """Whether a cache can answer every product op the unit ran."""
+        return self.fits and self.calls > 0 and self.recorder.product_ops == self.calls
 
 
 def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) -> float:
@@ -198,7 +248,11 @@ def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) 
 def with_selective(
     unit: TraceUnit, profile: SelectiveProfile, position: dict[int, int]
 ) -> TraceUnit:
-    """``unit`` with what recomputing it selectively frees and keeps (trace vids)."""
+    """``unit`` with what recomputing it selectively frees and keeps (trace vids).
+
+    Behind one node where it can be (NOTE [cached products]), at that cost.
+    """
+    cached = profile.cached and unit.one_node
     products = {position[v] for v in profile.product_vids if v in position}
     # Product outputs that are vTensors are counted by vid: inner ones leave the manager, the
     # others (used outside the unit) stay its to move.
@@ -207,7 +261,8 @@ def with_selective(
         unit,
         selective_safe=not profile.why_not,
         why_not_selective=profile.why_not,
-        selective_s=profile.selective_s,
+        selective_s=profile.cached_s if cached else profile.selective_s,
+        cached_products=cached,
         selective_vids=tuple(v for v in unit.inner_vids if v not in products),
         product_vids=tuple(v for v in unit.inner_vids if v in products),
         product_bytes=unsaved,

@@ -69,6 +69,7 @@ class Undecided:
                 "growth": {n: list(g) for n, g in self.trials.growth.items()},
                 "encoded": self.trials.encoded,
                 "one_node": list(self.trials.one_node),
+                "cached": list(self.trials.cached),
                 "kept": [[list(n), list(s)] for n, s in self.trials.kept],
             }
         race = None
@@ -120,7 +121,8 @@ class Undecided:
             whole = tuple(str(n) for n in t.get("one_node", ()))
             kept = tuple((tuple(n), tuple(s)) for n, s in t.get("kept", ()))
             encoded = bool(t.get("encoded"))
-            trials = Trials(pending, plans_so_far, swap_only, growth, encoded, whole, kept)
+            cached = tuple(str(n) for n in t.get("cached", ()))
+            trials = Trials(pending, plans_so_far, swap_only, growth, encoded, whole, kept, cached)
         race = None
         if raw["race"] is not None:
             r = raw["race"]

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 12
+PLAN_SCHEMA_VERSION = 13
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,10 @@ class Plan:
             there while a replay follows the plan, where it fills the budget (the trace's
             ``growth_bytes``, NOTE [step reserve] in ``planner/reserves.py``); empty:
             ``reserve_bytes`` everywhere.
-        one_node: of ``recompute``, the modules recomputed whole through one autograd node
-            (NOTE [one-node recomputation] in ``activations/rebuild.py``); the others through
-            torch's checkpointing.
+        one_node: of ``recompute``, the modules recomputed through one autograd node (NOTE
+            [one-node recomputation] in ``activations/rebuild.py``): whole, or, those also in
+            ``selective``, with their convolutions' outputs kept (NOTE [cached products] in
+            ``activations/product_cache.py``); the others through torch's checkpointing.
     """
 
     budget_bytes: int

@@ -23,6 +23,14 @@ def through_one_node(unit: TraceUnit) -> bool:
     return unit.one_node and unit.tail_s <= ONE_NODE_MAX_TAIL_SHARE * unit.forward_s
 
 
+def cached_selective(unit: TraceUnit) -> bool:
+    """Whether ``unit``, recomputed selectively, goes behind one node (NOTE [cached products]).
+
+    NOTE [cached products] is in ``activations/product_cache.py``.
+    """
+    return unit.cached_products and unit.one_node and unit.selective_safe
+
+
 def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] = ()) -> Trace:
     """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
 
@@ -88,6 +96,9 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
             else:
                 extra[freed] += tensor.nbytes
         _add_working(trace, unit, first, unit.name in partial, extra, part_extra)
+        if unit.name in partial and cached_selective(unit):
+            for index in range(first, last + 1):  # its output's gradient, as below
+                extra[index] += unit.output_bytes
         if unit.name not in partial:
             if through_one_node(unit):
                 # Its output's gradient stays until its backward ends (NOTE [one-node

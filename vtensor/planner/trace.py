@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 14
+TRACE_SCHEMA_VERSION = 15
 
 
 class TensorKind(StrEnum):
@@ -131,7 +131,8 @@ class TraceUnit:
         why_not_selective: the first reason it may not be recomputed selectively.
         selective_s: what a selective recompute costs: its non-product ops' measured time, its
             Python once more and a dispatch mode's overhead twice (NOTE [dispatch cost] in
-            ``activations/selective_profile.py``).
+            ``activations/selective_profile.py``), or without the dispatch mode where
+            ``cached_products``.
         selective_vids: the inner vTensors no product op made: what a selective recompute
             frees from its forward to its backward.
         product_vids: the inner vTensors product ops made: SAC's cache holds them instead of
@@ -148,6 +149,10 @@ class TraceUnit:
         working_bytes: how far its forward took the bytes it made, the tensors it saved
             included: what running it again holds at its peak (NOTE [recomputation's working
             set] in ``activations/recorder.py``).
+        cached_products: recomputed selectively, it goes behind one node with its
+            convolutions' outputs kept from its forward (NOTE [cached products] in
+            ``activations/product_cache.py``); it holds its output's gradient through its
+            backward then, as a unit recomputed whole through one node does.
     """
 
     name: str
@@ -168,6 +173,7 @@ class TraceUnit:
     one_node: bool = False
     tail_s: float = 0.0
     working_bytes: int = 0
+    cached_products: bool = False
 
 
 @dataclass(frozen=True)

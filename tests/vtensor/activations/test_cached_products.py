@@ -1,0 +1,246 @@
+"""Selective recomputation behind one node with its convolutions cached (NOTE [cached products])."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from recompute_models import Names, only
+from test_hybrid_plan import _HybridWins
+from torch import nn
+
+import vtensor
+import vtensor.activations.planning
+from vtensor.activations.recompute import recompute_modules
+from vtensor.planner.trace import Trace
+
+STEPS = 3
+
+
+class Host:
+    """What ``recompute_modules`` tells (no manager)."""
+
+    recomputing = 0
+    boundaries: Any = None
+
+    def recompute_began(self, regrowth_bytes: int) -> None:
+        pass
+
+    def recompute_ended(self) -> None:
+        pass
+
+
+class Inverted(nn.Module):
+    """MobileNetV2's inverted residual: expand, depthwise, project; batch norm, in-place ReLU6."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        hidden = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(width, hidden, 1, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False),
+            nn.GroupNorm(4, hidden),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, width, 1),
+            nn.BatchNorm2d(width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class Functional(Inverted):
+    """Its depthwise convolution by ``F.conv2d``: a product op outside a convolution module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dw = self.body[3]
+        h = self.body[2](self.body[1](self.body[0](x)))
+        h = nn.functional.conv2d(h, dw.weight, None, 1, 1, 1, dw.groups)
+        return x + self.body[7](self.body[6](self.body[5](self.body[4](h))))
+
+
+class Reflected(Inverted):
+    """Its depthwise convolution pads by reflection (``F.pad`` then the convolution)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__(width)
+        self.body[3].padding_mode = "reflect"
+
+
+class Dense(nn.Module):
+    """Linear layers: their products are matrix products, which no cache answers."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.fc(x.transpose(1, 3))).transpose(1, 3))
+
+
+def _model(*kinds: type[nn.Module]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        *(kind() for kind in kinds),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
+
+
+def _batch(step: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(size, 3, 16, 16, generator=g), torch.randint(0, 5, (size,), generator=g)
+
+
+def _loss(model: nn.Module, step: int, size: int = 4) -> torch.Tensor:
+    x, y = _batch(step, size)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+class _Convolutions:
+    """Counts the convolutions computed, forward and in backward."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        conv = nn.Conv2d._conv_forward
+
+        def counted(module: nn.Conv2d, *args: Any) -> torch.Tensor:
+            self.count += 1
+            return conv(module, *args)
+
+        monkeypatch.setattr(nn.Conv2d, "_conv_forward", counted)
+
+
+@pytest.mark.parametrize("by_grad", [False, True], ids=["backward", "autograd.grad"])
+def test_cached_products_give_the_gradients_without_computing_a_convolution_again(
+    monkeypatch: pytest.MonkeyPatch, by_grad: bool
+) -> None:
+    convolutions = _Convolutions(monkeypatch)
+    model, twin = _model(Inverted, Inverted), _model(Inverted, Inverted)
+    names = ["1", "2"]
+    for step in range(STEPS):
+        twin.zero_grad(set_to_none=True)
+        _loss(twin, step).backward()  # type: ignore[no-untyped-call]
+        model.zero_grad(set_to_none=True)
+        convolutions.count = 0
+        with recompute_modules(model, names, Host(), names, one_node=names):  # type: ignore[arg-type]
+            loss = _loss(model, step)
+            forward = convolutions.count
+            if by_grad:
+                for p, g in zip(
+                    model.parameters(),
+                    torch.autograd.grad(loss, list(model.parameters())),
+                    strict=True,
+                ):
+                    p.grad = g
+            else:
+                loss.backward()  # type: ignore[no-untyped-call]
+        assert forward == 7 and convolutions.count == forward  # none again in backward
+        assert all(map(torch.equal, _grads(twin), _grads(model))), f"step {step}"
+        for a, b in zip(twin.buffers(), model.buffers(), strict=True):
+            assert torch.equal(a, b)  # batch norm's statistics updated once
+
+
+def test_a_second_backward_computes_the_convolutions_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    convolutions = _Convolutions(monkeypatch)
+    model, twin = _model(Inverted), _model(Inverted)
+    loss = _loss(twin, 0)
+    loss.backward(retain_graph=True)  # type: ignore[no-untyped-call]
+    loss.backward()  # type: ignore[no-untyped-call]
+    convolutions.count = 0
+    with recompute_modules(model, ["1"], Host(), ["1"], one_node=["1"]):  # type: ignore[arg-type]
+        loss = _loss(model, 0)
+        forward = convolutions.count
+        loss.backward(retain_graph=True)  # type: ignore[no-untyped-call]
+        assert convolutions.count == forward
+        loss.backward()  # type: ignore[no-untyped-call]
+        assert convolutions.count == forward + 3  # nothing kept for a second run
+    assert all(map(torch.equal, _grads(twin), _grads(model)))
+
+
+def _units(model: nn.Module, tmp_path: Path) -> dict[str, Any]:
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path, recompute=True) as mm:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mm.step(model, opt, inputs=_batch(0)):
+            _loss(model, 0).backward()  # type: ignore[no-untyped-call]
+        assert mm.trace is not None
+        return {u.name: u for u in mm.trace.units}
+
+
+def test_the_profile_keeps_products_only_where_convolution_modules_make_them_all(
+    tmp_path: Path,
+) -> None:
+    units = _units(_model(Inverted, Functional, Reflected, Dense), tmp_path)
+    assert units["1"].cached_products and units["1"].selective_safe and units["1"].one_node
+    for name in ("2", "3", "4"):  # F.conv2d; reflection padding; matrix products
+        assert units[name].selective_safe and not units[name].cached_products, name
+    # Without the dispatch mode, recomputing selectively costs less than recomputing whole.
+    assert units["1"].selective_s < units["1"].forward_s
+
+
+def _every_inverted(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
+    names = tuple(u.name for u in trace.units if u.cached_products and "." not in u.name)
+    return names, names
+
+
+def _train(
+    model: nn.Module, mm: vtensor.MemoryManager | None, steps: int
+) -> list[list[torch.Tensor]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if mm is None:
+            _loss(model, step, 32).backward()  # type: ignore[no-untyped-call]
+        else:
+            with mm.step(model, opt, inputs=_batch(step, 32)):
+                _loss(model, step, 32).backward()  # type: ignore[no-untyped-call]
+        grads.append(_grads(model))
+        opt.step()
+    return grads
+
+
+def test_a_plan_with_cached_products_trains_bit_identically_within_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(_every_inverted))
+    monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
+    kinds = (Inverted, Inverted, Inverted)
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as probe:
+        _train(_model(*kinds), probe, 2)
+        peak = max(r.peak_device_bytes for r in probe.reports)
+    budget = int(0.7 * peak)
+    want = _train(_model(*kinds), None, 8)
+    model = _model(*kinds)
+    cache = tmp_path / "plans"
+    with vtensor.MemoryManager(
+        budget, storage_dir=tmp_path, recompute=True, plan_cache_dir=cache
+    ) as mm:
+        grads = _train(model, mm, 8)
+        plan = mm.plan_for(model, _batch(0, 32))
+        reports = mm.reports
+    assert plan is not None and plan.selective == ("1", "2", "3") == plan.one_node
+    replays = [r for r in reports if r.recomputed and r.plan_source == "planned"]
+    assert replays and all(r.peak_device_bytes <= budget for r in replays)
+    for step, (a, b) in enumerate(zip(want, grads, strict=True)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+    # From the plan cache, in another manager: the same plan, the same gradients.
+    again = _model(*kinds)
+    with vtensor.MemoryManager(
+        budget, storage_dir=tmp_path, recompute=True, plan_cache_dir=cache
+    ) as mm:
+        grads = _train(again, mm, 3)
+        assert mm.reports[0].plan_source == "cached" and mm.reports[0].recomputed
+    for step, (a, b) in enumerate(zip(want[:3], grads, strict=True)):
+        assert all(map(torch.equal, a, b)), f"cached, step {step}"
