@@ -8,13 +8,17 @@ each block really adds to a training step. Per model (the main job's CNN from
 ``conf/config.yaml`` and the benchmarks' MobileNetV2): one iteration is profiled under a manager
 whose budget never binds, with recomputation on; then, in this one process, the model trains
 without a manager, unchanged and with one block at a time recomputed through the manager's own
-mechanism (``recompute_modules``: torch's checkpointing, whole or selectively, and whole
-through one autograd node where the profile allows it, NOTE [one-node recomputation] in
-``vtensor/activations/rebuild.py``), the variants taking turns step by step from the same
+mechanism (``recompute_modules``: torch's checkpointing, whole or selectively, whole through
+one autograd node where the profile allows it, NOTE [one-node recomputation] in
+``vtensor/activations/rebuild.py``, and selectively through one node with the convolutions'
+outputs kept where it allows that, NOTE [cached products] in
+``vtensor/activations/product_cache.py``), the variants taking turns step by step from the same
 weights. Per block: predicted and measured cost in ms (measured: the median step with it
-recomputed, less the median unchanged step), and the bytes each way frees. The blocks are the
-largest group of sibling units (the model's feature stack); a last row recomputes every block
-at once, whole, through checkpointing and through one node. Run from the repository root::
+recomputed, less the median unchanged step), and the bytes each way frees (selectively: the
+same both ways). The profile prices a unit's selective recomputation the way a plan would run
+it: behind one node where it can, else through torch's selective checkpointing (SAC). The
+blocks are the largest group of sibling units (the model's feature stack); a last row
+recomputes every block at once, each way. Run from the repository root::
 
     python -m benchmarks.recompute_cost --out recompute_cost.jsonl
     python -m benchmarks.recompute_cost --models main --repeats 30    # the main job's CNN alone
@@ -112,10 +116,17 @@ def measure(
             variants.append((f"{u.name} one node", [u.name], [], [u.name]))
         if u.selective_safe:
             variants.append((f"{u.name} selective", [u.name], [u.name], []))
-    # Every block at once: the two whole mechanisms' difference summed over the stack.
+        if u.cached_products:
+            variants.append((f"{u.name} cached", [u.name], [u.name], [u.name]))
+    # Every block at once: the mechanisms' differences summed over the stack.
     every = [u.name for u in blocks]
+    units = {u.name: u for u in blocks}
+    partial = [u.name for u in blocks if u.selective_safe]
+    cached = [u.name for u in blocks if u.cached_products]
     variants.append(("every block whole", every, [], []))
     variants.append(("every block one node", every, [], [u.name for u in blocks if u.one_node]))
+    variants.append(("every block selective", partial, partial, []))
+    variants.append(("every block cached", partial, partial, cached))
     times: dict[str, list[float]] = {v[0]: [] for v in variants}
     x, y = batch(1)
     for i in range(steps + 1):
@@ -140,10 +151,15 @@ def measure(
         if u.selective_safe:
             measured = statistics.median(times[f"{u.name} selective"]) - base
             row |= {
-                "selective_predicted_ms": u.selective_s * 1e3,
                 "selective_measured_ms": measured * 1e3,
                 "selective_frees_mib": selective_bytes(trace, u) / MIB,
             }
+            # The profile prices a unit one way: behind one node where it can be, else SAC.
+            way = "cached" if u.cached_products else "selective"
+            row[f"{way}_predicted_ms"] = u.selective_s * 1e3
+        if u.cached_products:
+            measured = statistics.median(times[f"{u.name} cached"]) - base
+            row["cached_measured_ms"] = measured * 1e3
         rows.append(row | {"unchanged_step_ms": base * 1e3, "steps": steps})
     rows.append(
         {
@@ -154,6 +170,11 @@ def measure(
             "one_node_measured_ms": (statistics.median(times["every block one node"]) - base) * 1e3,
             "whole_frees_mib": sum(inner_bytes(trace, u) for u in blocks) / MIB,
             "one_node_blocks": sum(u.one_node for u in blocks),
+            "selective_measured_ms": (statistics.median(times["every block selective"]) - base)
+            * 1e3,
+            "selective_frees_mib": sum(selective_bytes(trace, units[n]) for n in partial) / MIB,
+            "cached_measured_ms": (statistics.median(times["every block cached"]) - base) * 1e3,
+            "cached_blocks": len(cached),
             "unchanged_step_ms": base * 1e3,
             "steps": steps,
         }
@@ -192,11 +213,13 @@ def main() -> None:
         rows += measure(describe_model, model, batch, repeats(args, 15, 2))
     keys = [f"{way}_{what}" for way in ("whole", "selective") for what in COLUMNS]
     keys.insert(2, "one_node_measured_ms")
+    keys += ["cached_predicted_ms", "cached_measured_ms"]
     print(
         "\n| model | block | whole: predicted ms | measured ms | one node: measured ms "
-        "| frees MiB | selective: predicted ms | measured ms | frees MiB |"
+        "| frees MiB | selective (SAC): predicted ms | measured ms | frees MiB "
+        "| cached: predicted ms | measured ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['block']} | " + " | ".join(_cell(r, k) for k in keys) + " |")
     write_json_lines(args.out, env, tagged("recompute_cost", rows))
