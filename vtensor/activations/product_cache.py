@@ -19,11 +19,12 @@ dispatch mode, at module level:
 The outputs are held from the first forward to the unit's backward, as SAC's cache holds them,
 and the planner counts them so (``with_recompute`` in ``planner/recomputed.py``). A module
 answered this way is a plain convolution: of exactly those types, zero padding given as
-numbers, its ``forward`` not replaced, called with a batched input; the profile checks that
-each of its calls runs one product op and that the unit runs no other (``TraceUnit.
-cached_products``). A call that finds no kept output for it (a second backward through the same
-graph; a call out of the first run's order) computes the convolution again: slower, never
-different.
+numbers, its ``forward`` not replaced, called with a batched input and autocast off (autocast
+casts the input and the weight inside the call, which the kept output's backward would not
+see). The profile checks that each of its calls runs one product op and that the unit runs no
+other (``TraceUnit.cached_products``). A call that finds no kept output for it (a second
+backward through the same graph; a call out of the first run's order; autocast turned on
+since) computes the convolution again: slower, never different.
 """
 
 import contextlib
@@ -51,10 +52,18 @@ def product_leaves(unit: nn.Module) -> list[nn.Module]:
     return [m for m in unit.modules() if cacheable(m)]
 
 
-def batched(module: nn.Module, x: object) -> bool:
-    """Whether ``x`` is a batched input of the convolution ``module``."""
+def answerable(module: nn.Module, x: object) -> bool:
+    """Whether a kept output can answer the call of the convolution ``module`` on ``x``.
+
+    ``x`` is a batched input and autocast is off on its device: autocast casts the input and
+    the weight inside ``F.conv2d``, and the kept output's backward would take the uncast ones.
+    """
     stride = cast(tuple[int, ...], module.stride)
-    return isinstance(x, torch.Tensor) and x.dim() == len(stride) + 2
+    return (
+        isinstance(x, torch.Tensor)
+        and x.dim() == len(stride) + 2
+        and not torch.is_autocast_enabled(x.device.type)
+    )
 
 
 class ProductCache:
@@ -98,7 +107,7 @@ class ProductCache:
 
     def _keep(self, leaf: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = type(leaf).forward(leaf, x)
-        if batched(leaf, x):
+        if answerable(leaf, x):
             self.kept.append((leaf, x.shape, out))
         return out
 
@@ -106,7 +115,7 @@ class ProductCache:
         k, self._next = self._next, self._next + 1
         if k < len(self.kept):
             kept_leaf, shape, out = self.kept[k]
-            if kept_leaf is leaf and out is not None and x.shape == shape:
+            if kept_leaf is leaf and out is not None and x.shape == shape and answerable(leaf, x):
                 self.kept[k] = (kept_leaf, shape, None)  # the graph holds it from here
                 bias = leaf.bias
                 settings = (leaf.stride, leaf.padding, leaf.dilation, leaf.groups)

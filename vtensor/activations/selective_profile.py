@@ -21,7 +21,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vtensor.activations.product_cache import batched, product_leaves
+from vtensor.activations.product_cache import answerable, product_leaves
 from vtensor.activations.recompute import RecomputeTarget
 from vtensor.activations.selective import is_product
 from vtensor.activations.store import VTensor
@@ -51,7 +51,8 @@ class SelectiveProfile:
             recomputation] in ``activations/rebuild.py``).
         cached: behind one node, its convolutions' outputs may be kept instead (NOTE [cached
             products] in ``activations/product_cache.py``): each product op it ran was the
-            convolution of one of its plain convolution modules, called on a batched input.
+            convolution of one of its plain convolution modules, on an input a kept output can
+            answer.
         cached_s: what recomputing it selectively costs that way: its non-product ops and its
             Python once more, without a dispatch mode.
     """
@@ -191,7 +192,8 @@ class _Convolutions:
     """While a unit runs again: whether its convolution modules ran all its product ops.
 
     Each call of one of its cacheable modules (NOTE [cached products]) must run exactly one
-    product op, on a batched input, and the unit no product op outside them.
+    product op, on an input a kept output can answer (``answerable``), and the unit no product
+    op outside them.
     """
 
     def __init__(self, unit: nn.Module, recorder: _OpRecorder) -> None:
@@ -212,7 +214,7 @@ class _Convolutions:
             handle.remove()
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.fits = self.fits and len(args) == 1 and batched(module, args[0])
+        self.fits = self.fits and len(args) == 1 and answerable(module, args[0])
         self._at.append(self.recorder.product_ops)
 
     def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:

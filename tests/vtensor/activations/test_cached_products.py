@@ -244,3 +244,33 @@ def test_a_plan_with_cached_products_trains_bit_identically_within_its_budget(
         assert mm.reports[0].plan_source == "cached" and mm.reports[0].recomputed
     for step, (a, b) in enumerate(zip(want[:3], grads, strict=True)):
         assert all(map(torch.equal, a, b)), f"cached, step {step}"
+
+
+def test_under_autocast_the_convolutions_are_computed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Autocast casts a convolution's input and weight inside F.conv2d: a kept output's backward
+    # would take the uncast ones. Under it the profile finds nothing to keep and a run keeps
+    # nothing: the convolutions run again, as a whole unit's would, and the gradients agree.
+    convolutions = _Convolutions(monkeypatch)
+    model, twin = _model(Inverted), _model(Inverted)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _loss(twin, 0).backward()  # type: ignore[no-untyped-call]
+        convolutions.count = 0
+        with recompute_modules(model, ["1"], Host(), ["1"], one_node=["1"]):  # type: ignore[arg-type]
+            loss = _loss(model, 0)
+            forward = convolutions.count
+            loss.backward()  # type: ignore[no-untyped-call]
+    assert convolutions.count == forward + 3
+    assert all(map(torch.equal, _grads(twin), _grads(model)))
+
+
+def test_under_autocast_the_profile_keeps_no_product(tmp_path: Path) -> None:
+    model = _model(Inverted)
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path, recompute=True) as mm:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mm.step(model, opt, inputs=_batch(0)), torch.autocast("cpu", dtype=torch.bfloat16):
+            _loss(model, 0).backward()  # type: ignore[no-untyped-call]
+        assert mm.trace is not None
+        unit = next(u for u in mm.trace.units if u.name == "1")
+    assert unit.selective_safe and not unit.cached_products
