@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite: set up .venv, run pytest over tests/, then rerun the vtensor equivalence
-# tests with dirty freed memory (MALLOC_PERTURB_) so a use-after-evict bug cannot hide.
+# tests (and the cached products') with dirty freed memory (MALLOC_PERTURB_) so a
+# use-after-evict bug cannot hide.
 #
 # Extra arguments go to the first pytest run, e.g. `scripts/test.sh -k equivalence -x`.
 set -euo pipefail
@@ -44,10 +45,12 @@ run_pytest "$PY" -m pytest -q tests/vtensor "$@"
 run_pytest "$PY" -m pytest -q tests --ignore=tests/vtensor "$@"
 
 EQUIVALENCE=tests/vtensor/activations/test_equivalence.py
+# Selective units behind one node, their convolutions' outputs kept (NOTE [cached products]).
+CACHED=tests/vtensor/activations/test_cached_products.py
 if [[ -f "$EQUIVALENCE" ]]; then
     # 165 = 0xa5: glibc fills freed (and new) malloc memory with this byte pattern.
-    echo "test: rerunning $EQUIVALENCE with MALLOC_PERTURB_=165" >&2
-    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE"
+    echo "test: rerunning $EQUIVALENCE and $CACHED with MALLOC_PERTURB_=165" >&2
+    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE" "$CACHED"
 fi
 
 exit "$failed"

@@ -11,6 +11,7 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
+from vtensor.activations.product_cache import FromCache
 from vtensor.activations.recompute import recompute_modules
 from vtensor.planner.trace import Trace
 
@@ -274,3 +275,85 @@ def test_under_autocast_the_profile_keeps_no_product(tmp_path: Path) -> None:
         assert mm.trace is not None
         unit = next(u for u in mm.trace.units if u.name == "1")
     assert unit.selective_safe and not unit.cached_products
+
+
+def _answered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the convolutions answered from a cache."""
+    answered = [0]
+    apply = FromCache.apply
+
+    def counted(*args: Any) -> Any:
+        answered[0] += 1
+        return apply(*args)
+
+    monkeypatch.setattr(FromCache, "apply", counted)
+    return answered
+
+
+def _cached_blocks(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
+    """Every block of the stack (``blocks.<i>``, ``features.<i>``) that can be, selectively."""
+    names = tuple(u.name for u in trace.units if u.cached_products and u.name.count(".") == 1)
+    return names, names
+
+
+def test_the_zoo_resnet_with_its_blocks_cached_trains_bit_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The equivalence test's model and comparison at 75 % of its peak, with the choice forced:
+    # every basic block (convolutions, batch norms, in-place ReLUs, a downsampling shortcut)
+    # recomputed selectively behind one node. (At 60 % that choice alone breaks the budget in
+    # its trial, as it does through SAC, which holds the same: the plan then swaps.)
+    fraction = 0.75
+    from test_equivalence import _assert_identical, _reference, _train, _unmanaged_peak_bytes
+
+    from benchmarks.zoo import ZOO
+
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(_cached_blocks))
+    monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
+    answered = _answered(monkeypatch)
+    steps = 12
+    budget = int(fraction * _unmanaged_peak_bytes("resnet"))
+    with vtensor.MemoryManager(
+        budget, chunk_bytes=64 * 1024, storage_dir=tmp_path, recompute=True
+    ) as mm:
+        result = _train(ZOO["resnet"], mm, steps)
+    kept = [r for r in result.reports if r.recomputed]
+    assert kept and all(set(r.selective) == set(r.recomputed) for r in kept)
+    assert all(n.startswith("blocks.") for n in kept[0].recomputed)
+    assert answered[0] >= len(kept)  # convolutions answered from the cache
+    assert result.reports[-1].plan_source == "planned" and result.reports[-1].recomputed
+    assert all(r.peak_device_bytes <= budget + 64 * 1024 for r in result.reports[1:])
+    _assert_identical(_reference("resnet", steps), result, f"resnet at {fraction:.0%}, cached")
+
+
+def test_the_main_jobs_cnn_with_its_blocks_cached_trains_bit_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The main job's MobileNetV2-class CNN (group norms, ReLU6, depthwise convolutions, skips)
+    # at 75 % of its peak, every inverted residual recomputed selectively behind one node.
+    from edgefl.models.mobilenet import MobileNetV2Small
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return MobileNetV2Small(3, 5, width_mult=0.5, head_channels=32)
+
+    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(_cached_blocks))
+    monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as probe:
+        _train(build(), probe, 2)
+        peak = max(r.peak_device_bytes for r in probe.reports)
+    budget = int(0.75 * peak)
+    ref, model = build(), build()
+    want = _train(ref, None, 10)
+    answered = _answered(monkeypatch)
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
+        grads = _train(model, mm, 10)
+        reports = mm.reports
+    kept = reports[-1]
+    assert kept.plan_source == "planned" and kept.recomputed
+    assert set(kept.selective) == set(kept.recomputed)
+    assert all(n.startswith("features.") for n in kept.recomputed) and answered[0] > 0
+    assert all(r.peak_device_bytes <= budget for r in reports[1:])
+    for step, (a, b) in enumerate(zip(want, grads, strict=True)):
+        assert all(map(torch.equal, a, b)), f"step {step}"
+    assert all(map(torch.equal, ref.state_dict().values(), model.state_dict().values()))
