@@ -4,11 +4,13 @@ NOTE [hybrid plan]
 Every saved byte is kept, swapped or recomputed. A unit (a module, NOTE [recompute] in
 ``activations/recompute.py``) can be recomputed two ways. Whole, it frees its inner tensors from its
 forward to its backward at the price of its measured forward time. Selectively (NOTE [selective
-recompute] in ``activations/selective.py``), torch's selective activation checkpointing keeps the
-outputs of its product ops (convolutions, matrix products) in a cache the manager does not see and
-recomputes only the rest: it frees the inner tensors no product op made, at the price of its
-non-product ops' time, and holds its product outputs, unswappable, from their making through its
-backward. Either way recomputation brings the freed tensors back all at once, at the start of the
+recompute] in ``activations/selective.py``), the outputs of its product ops (convolutions, matrix
+products) are kept in a cache the manager does not see (torch's selective activation
+checkpointing's, or, behind one node, the unit's own where all its products are its convolution
+modules': NOTE [cached products] in ``activations/product_cache.py``) and only the rest is
+recomputed: it frees the inner tensors no product op made, at the price of its non-product ops'
+time (and SAC's dispatch mode, where it runs through it), and holds its product outputs,
+unswappable, from their making through its backward. Either way recomputation brings the freed tensors back all at once, at the start of the
 unit's backward, where swapping would bring them back one by one (each then leaves after its last
 use: NOTE [recomputed lifetimes] in ``recomputed.py``). The options cheapest per freed byte are
 taken first until they cover the deficit (the peak over the budget), never two nested units nor
@@ -23,10 +25,10 @@ does not see. So the choice is tested, not trusted, and is not the only one trie
 safe unit recomputed, selectively where it may be (what checkpointing every block does), is a second
 candidate, and the fewest outermost units recomputed whole that cover the deficit, cheapest per byte
 first (one that would not fit giving way to the units inside it), a third: selective
-recomputation runs every op of its unit through a Python dispatch mode, which a unit recomputed
-whole does not pay (NOTE [dispatch cost] in ``activations/selective_profile.py``), and in a
-process with glibc's default allocator that third candidate was the fastest on MobileNetV2 at
-half its peak. The fourth is every outermost
+recomputation through SAC runs every op of its unit through a Python dispatch mode, which a unit
+recomputed whole does not pay (NOTE [dispatch cost] in ``activations/selective_profile.py``), and
+in a process with glibc's default allocator that third candidate was the fastest on MobileNetV2
+at half its peak. The fourth is every outermost
 safe unit whole, what ``torch.utils.checkpoint`` on every block does: where it fits it moves
 nothing, and a plan that moves nothing replays lean once a full replay needed no guard (NOTE
 [step reserve] in ``planner/reserves.py``), so the race always holds what a user's one line of
