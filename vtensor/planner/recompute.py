@@ -8,34 +8,33 @@ recompute] in ``activations/selective.py``), the outputs of its product ops (con
 products) are kept in a cache the manager does not see (torch's selective activation
 checkpointing's, or, behind one node, the unit's own where all its products are its convolution
 modules': NOTE [cached products] in ``activations/product_cache.py``) and only the rest is
-recomputed: it frees the inner tensors no product op made, at the price of its non-product ops'
-time (and SAC's dispatch mode, where it runs through it), and holds its product outputs,
-unswappable, from their making through its backward. Either way recomputation brings the freed tensors back all at once, at the start of the
-unit's backward, where swapping would bring them back one by one (each then leaves after its last
-use: NOTE [recomputed lifetimes] in ``recomputed.py``). The options cheapest per freed byte are
-taken first until they cover the deficit (the peak over the budget), never two nested units nor
-both options of one, and an option is taken only if the iteration with it (``with_recompute``)
-still has a feasible floor; where the deficit is still not covered, selective units are recomputed
-whole instead, those adding the most bytes per second first. At every point of that order the
-option of least time that would finish the cover alone is priced too, and the least total time
-wins (NOTE [cheapest finish]). What remains is left to the swap planner. No bandwidth model decides
-between the two: on a CPU the swap engine's work (sealing, system calls, page faults on return)
-takes cores from compute even where the planner hides the transfer, which a model of the disk alone
-does not see. So the choice is tested, not trusted, and is not the only one tried: every outermost
-safe unit recomputed, selectively where it may be (what checkpointing every block does), is a second
-candidate, and the fewest outermost units recomputed whole that cover the deficit, cheapest per byte
-first (one that would not fit giving way to the units inside it), a third: selective
-recomputation through SAC runs every op of its unit through a Python dispatch mode, which a unit
-recomputed whole does not pay (NOTE [dispatch cost] in ``activations/selective_profile.py``), and
-in a process with glibc's default allocator that third candidate was the fastest on MobileNetV2
-at half its peak. The fourth is every outermost
-safe unit whole, what ``torch.utils.checkpoint`` on every block does: where it fits it moves
-nothing, and a plan that moves nothing replays lean once a full replay needed no guard (NOTE
-[step reserve] in ``planner/reserves.py``), so the race always holds what a user's one line of
-checkpointing would do; on the held-out ViT the race had kept swapping alone, 1.07x
-checkpointing's step. Each is profiled in an iteration
-of its own, its trace planned by ``plan_lgm``, and the hybrid plans and the swap-only one are then
-replayed in turn and the fastest replay kept (NOTE [plan race] in ``activations/race.py``).
+recomputed: it frees the inner tensors no product op made, at the price of its non-product ops' time
+(and SAC's dispatch mode, where it runs through it), and holds its product outputs, unswappable,
+from their making through its backward. Either way recomputation brings the freed tensors back all
+at once, at the start of the unit's backward, where swapping would bring them back one by one (each
+then leaves after its last use: NOTE [recomputed lifetimes] in ``recomputed.py``). The options
+cheapest per freed byte are taken first until they cover the deficit (the peak over the budget),
+never two nested units nor both options of one, and an option is taken only if the iteration with it
+(``with_recompute``) still has a feasible floor; where the deficit is still not covered, selective
+units are recomputed whole instead, those adding the most bytes per second first. At every point of
+that order the option of least time that would finish the cover alone is priced too, and the least
+total time wins (NOTE [cheapest finish]). What remains is left to the swap planner. No bandwidth
+model decides between the two: on a CPU the swap engine's work (sealing, system calls, page faults
+on return) takes cores from compute even where the planner hides the transfer, which a model of the
+disk alone does not see. So the choice is tested, not trusted, and is not the only one tried: every
+outermost safe unit recomputed, selectively where it may be (what checkpointing every block does),
+is a second candidate, and the fewest outermost units recomputed whole that cover the deficit,
+cheapest per byte first (one that would not fit giving way to the units inside it), a third:
+selective recomputation through SAC runs every op of its unit through a Python dispatch mode, which
+a unit recomputed whole does not pay (NOTE [dispatch cost] in ``activations/selective_profile.py``),
+and in a process with glibc's default allocator that third candidate was the fastest on MobileNetV2
+at half its peak. The fourth is every outermost safe unit whole, what ``torch.utils.checkpoint`` on
+every block does: where it fits it moves nothing, and a plan that moves nothing replays lean once a
+full replay needed no guard (NOTE [step reserve] in ``planner/reserves.py``), so the race always
+holds what a user's one line of checkpointing would do; on the held-out ViT the race had kept
+swapping alone, 1.07x checkpointing's step. Each is profiled in an iteration of its own, its trace
+planned by ``plan_lgm``, and the hybrid plans and the swap-only one are then replayed in turn and
+the fastest replay kept (NOTE [plan race] in ``activations/race.py``).
 """
 
 from collections.abc import Sequence
