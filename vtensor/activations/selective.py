@@ -11,7 +11,10 @@ whole forward, and frees only what they made. The cache holds its tensors outsid
 saved tensors, so the manager never sees them: the planner counts them as unmanaged bytes
 (NOTE [hybrid plan] in ``planner/recompute.py``). The rest is as for a unit recomputed whole
 (NOTE [recompute] in ``activations/recompute.py``): non-reentrant checkpointing with the RNG
-state preserved, the manager's hooks ignoring the second forward, the buffers put back.
+state preserved, the manager's hooks ignoring the second forward, the buffers put back. Where
+one autograd node can stand for the unit and all its products are its convolution modules', it
+goes behind that node instead, keeping their outputs itself, without SAC's dispatch mode (NOTE
+[cached products] in ``activations/product_cache.py``).
 
 SAC checks at recomputation that a cached output was not modified in place since it was
 cached, and raises otherwise. Profiling therefore marks a unit unsafe to recompute selectively

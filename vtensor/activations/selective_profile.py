@@ -242,7 +242,9 @@ def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) 
     ``recompute_cost``). So the cost is the non-product ops, the unit's Python outside its ops
     (``plain_s - ops_s``) once, and the mode's overhead (``wall_s - plain_s``: the profile's
     own mode stands in for torch's) twice. Without it the planner took selective recomputation
-    for the cheapest way to free bytes where recomputing whole freed them for less.
+    for the cheapest way to free bytes where recomputing whole freed them for less. A unit
+    behind one node with its convolutions' outputs kept (NOTE [cached products]) pays no
+    dispatch mode: its cost is the non-product ops and the Python once more (``cached_s``).
     """
     return other_s + max(0.0, plain_s - ops_s) + 2 * max(0.0, wall_s - plain_s)
 
