@@ -106,7 +106,7 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     race.record(0.2, lean=True)
     growth = {"a": (300, 200), "b": (100, 0)}
     kept = ((("a", "b"), ()),)  # never dropped as recomputing more (NOTE [dominated candidates])
-    trials = Trials([pending], [hybrid], swap_only, growth, encoded=True, kept=kept)
+    trials = Trials([pending], [hybrid], swap_only, growth, True, ("a",), kept, cached=("b",))
     undecided = Undecided(trials, race, [(hybrid, (trace, 7, 9))])
     back = Undecided.from_dict(json.loads(json.dumps(undecided.to_dict())))
     assert back.trials is not None and back.race is not None
@@ -114,6 +114,8 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     assert back.trials.kept == kept
     trial = back.trials.next_trial("s", None)
     assert trial.regrowth == {"a": 300, "b": 0} and trial.encode  # b selective; as profiled
+    # a whole behind one node, b selectively behind one, its convolutions kept
+    assert trial.one_node == ("a", "b") and back.trials.cached == ("b",)
     assert back.trials.plans[0] is back.race.plans[0] is back.candidates[0][0]
     assert back.trials.swap_only is back.race.plans[1]
     assert back.race.plans == [hybrid, swap_only]
