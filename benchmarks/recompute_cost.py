@@ -50,6 +50,7 @@ from benchmarks.common import (
 from benchmarks.zoo import workloads
 from vtensor.activations.recompute import recompute_modules
 from vtensor.planner.recompute import inner_bytes, selective_bytes
+from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Trace, TraceUnit
 
 MIB = 1 << 20
@@ -141,7 +142,7 @@ def measure(
         row: dict[str, Any] = {
             "model": describe_model,
             "block": u.name,
-            "whole_predicted_ms": u.forward_s * 1e3,
+            "whole_predicted_ms": whole_s(u) * 1e3,
             "whole_measured_ms": (statistics.median(times[f"{u.name} whole"]) - base) * 1e3,
             "whole_frees_mib": inner_bytes(trace, u) / MIB,
         }
@@ -165,7 +166,7 @@ def measure(
         {
             "model": describe_model,
             "block": "every block",
-            "whole_predicted_ms": sum(u.forward_s for u in blocks) * 1e3,
+            "whole_predicted_ms": sum(whole_s(u) for u in blocks) * 1e3,
             "whole_measured_ms": (statistics.median(times["every block whole"]) - base) * 1e3,
             "one_node_measured_ms": (statistics.median(times["every block one node"]) - base) * 1e3,
             "whole_frees_mib": sum(inner_bytes(trace, u) for u in blocks) / MIB,

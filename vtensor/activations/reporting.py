@@ -9,6 +9,7 @@ import torch
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, PlanSource, Policy
+from vtensor.activations.rerun_cost import mechanism_costs
 from vtensor.activations.store import ChunkStore
 from vtensor.measure.independent import IndependentPeak
 from vtensor.planner.trace import Trace, TraceUnit
@@ -96,7 +97,9 @@ def iteration_trace(iteration: Iteration, budget_bytes: int, chunk_bytes: int | 
     units: tuple[TraceUnit, ...] = ()
     if iteration.units is not None:
         position = {vid: i for i, vid in enumerate(sorted(books.tensors))}
-        units = iteration.units.units(position, trace.tensors, [s.name for s in trace.steps])
+        names = [s.name for s in trace.steps]
+        costs = mechanism_costs(str(iteration.device))  # once per process and device
+        units = iteration.units.units(position, trace.tensors, names, costs)
     return dataclasses.replace(
         trace,
         recomputed=iteration.recomputed,

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vtensor.activations.product_cache import answerable, product_leaves
 from vtensor.activations.recompute import RecomputeTarget
+from vtensor.activations.rerun_cost import MechanismCosts
 from vtensor.activations.selective import is_product
 from vtensor.activations.store import VTensor
 from vtensor.measure.clock import device_now
@@ -55,6 +56,7 @@ class SelectiveProfile:
             answer.
         cached_s: what recomputing it selectively costs that way: its non-product ops and its
             Python once more, without a dispatch mode.
+        cached_calls: how many convolution calls a cache would answer.
     """
 
     selective_s: float
@@ -64,6 +66,7 @@ class SelectiveProfile:
     tail_share: float = 0.0
     cached: bool = False
     cached_s: float = 0.0
+    cached_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ def profile_selective(
         tail_share=tail[0] / recorder.ops_s if recorder.ops_s > 0 else 0.0,
         cached=convolutions.answer_all(),
         cached_s=recorder.other_s + max(0.0, plain_s - recorder.ops_s),
+        cached_calls=convolutions.calls,
     )
 
 
@@ -250,13 +254,19 @@ def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) 
 
 
 def with_selective(
-    unit: TraceUnit, profile: SelectiveProfile, position: dict[int, int]
+    unit: TraceUnit, profile: SelectiveProfile, position: dict[int, int], costs: MechanismCosts
 ) -> TraceUnit:
     """``unit`` with what recomputing it selectively frees and keeps (trace vids).
 
-    Behind one node where it can be (NOTE [cached products]), at that cost.
+    Behind one node where it can be (NOTE [cached products]), at that cost; either way with
+    the mechanism's own (NOTE [mechanism cost]).
     """
     cached = profile.cached and unit.one_node
+    if cached:
+        mechanism_s = costs.one_node_s + profile.cached_calls * costs.cached_call_s
+        selective_s = profile.cached_s + mechanism_s
+    else:
+        selective_s = profile.selective_s + costs.checkpoint_s
     products = {position[v] for v in profile.product_vids if v in position}
     # Product outputs that are vTensors are counted by vid: inner ones leave the manager, the
     # others (used outside the unit) stay its to move.
@@ -265,7 +275,7 @@ def with_selective(
         unit,
         selective_safe=not profile.why_not,
         why_not_selective=profile.why_not,
-        selective_s=profile.cached_s if cached else profile.selective_s,
+        selective_s=selective_s,
         cached_products=cached,
         selective_vids=tuple(v for v in unit.inner_vids if v not in products),
         product_vids=tuple(v for v in unit.inner_vids if v in products),

@@ -45,6 +45,7 @@ one process and 3.4 ms in two others, enough to change the cheapest cover of its
 class (``features.1, features.2.body, features.3`` instead of ``features.2, features.3``).
 """
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from vtensor.activations.hooks import Removable
 from vtensor.activations.rebuild import one_node
 from vtensor.activations.recompute import CallSnapshot, RecomputeTarget
 from vtensor.activations.recorder import UnitHighs
+from vtensor.activations.rerun_cost import MechanismCosts
 from vtensor.activations.selective_profile import (
     ProfileTarget,
     SelectiveProfile,
@@ -69,7 +71,7 @@ from vtensor.activations.selective_profile import (
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
-from vtensor.planner.recomputed import in_backward
+from vtensor.planner.recomputed import in_backward, through_one_node
 from vtensor.planner.trace import TraceTensor, TraceUnit
 
 _SIMPLE = (int, float, bool, str, type(None))
@@ -215,12 +217,18 @@ class UnitRecorder:
         self.seen[name].working_bytes = working
 
     def units(
-        self, position: dict[int, int], tensors: Sequence[TraceTensor], step_names: Sequence[str]
+        self,
+        position: dict[int, int],
+        tensors: Sequence[TraceTensor],
+        step_names: Sequence[str],
+        costs: MechanismCosts,
     ) -> tuple[TraceUnit, ...]:
         """The candidates as trace units (``position``: store vid -> trace vid).
 
         A unit's inner tensors are those saved inside its forward, not its inputs, and used
         only by backward steps of itself or its submodules; units without any are left out.
+        ``costs``: what each way of recomputing costs beyond the unit's ops (NOTE [mechanism
+        cost] in ``activations/rerun_cost.py``).
         """
         units = []
         for seen in self.seen.values():
@@ -250,8 +258,10 @@ class UnitRecorder:
                 one_node=seen.one_node,
                 working_bytes=seen.working_bytes,
             )
+            way_s = costs.one_node_s if through_one_node(unit) else costs.checkpoint_s
+            unit = dataclasses.replace(unit, overhead_s=way_s)
             if seen.selective is not None:
-                unit = with_selective(unit, seen.selective, position)
+                unit = with_selective(unit, seen.selective, position, costs)
             units.append(unit)
         return tuple(units)
 

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
 from vtensor.planner.memory_model import simulate
 from vtensor.planner.plan import Plan
-from vtensor.planner.recomputed import product_bytes, with_recompute
+from vtensor.planner.recomputed import product_bytes, whole_s, with_recompute
 from vtensor.planner.trace import TensorKind, Trace, TraceUnit
 
 
@@ -118,7 +118,7 @@ def choose_recompute(
     safe = [u for u in trace.units if u.safe]
     if whole_outermost:
         return _fewest_whole(trace, budget_bytes, deficit, safe), ()
-    options = [(u, False, u.forward_s, inner_bytes(trace, u)) for u in safe]
+    options = [(u, False, whole_s(u), inner_bytes(trace, u)) for u in safe]
     options += [
         (u, True, u.selective_s, selective_bytes(trace, u)) for u in safe if u.selective_safe
     ]
@@ -163,7 +163,7 @@ def choose_recompute(
             selective.remove(name)
             freed += extra
     if freed >= deficit:
-        spent = sum(units[n].selective_s if n in selective else units[n].forward_s for n in chosen)
+        spent = sum(units[n].selective_s if n in selective else whole_s(units[n]) for n in chosen)
         finishes.append((spent, chosen, selective))
     if finishes:
         _, chosen, selective = min(finishes, key=lambda f: f[0])  # the first of equals
@@ -225,7 +225,7 @@ def _fewest_whole(
     frees = {u.name: inner_bytes(trace, u) for u in safe}
 
     def rank(u: TraceUnit) -> tuple[float, str]:
-        return u.forward_s / frees[u.name], u.name
+        return whole_s(u) / frees[u.name], u.name
 
     pool = sorted((u for u in _outermost(safe) if frees[u.name] > 0), key=rank)
     chosen: list[str] = []
@@ -301,7 +301,7 @@ def recompute_candidates(
 def _upgrade(trace: Trace, unit: TraceUnit) -> tuple[float, int]:
     """(seconds per byte, bytes) recomputing ``unit`` whole adds to recomputing it selectively."""
     extra = inner_bytes(trace, unit) - selective_bytes(trace, unit)
-    return (unit.forward_s - unit.selective_s) / max(extra, 1), extra
+    return (whole_s(unit) - unit.selective_s) / max(extra, 1), extra
 
 
 def predicted_step_s(trace: Trace, plan: Plan | None) -> float:

@@ -23,6 +23,14 @@ def through_one_node(unit: TraceUnit) -> bool:
     return unit.one_node and unit.tail_s <= ONE_NODE_MAX_TAIL_SHARE * unit.forward_s
 
 
+def whole_s(unit: TraceUnit) -> float:
+    """What recomputing ``unit`` whole costs: its forward and the mechanism's own work.
+
+    NOTE [mechanism cost] is in ``activations/rerun_cost.py``.
+    """
+    return unit.forward_s + unit.overhead_s
+
+
 def cached_selective(unit: TraceUnit) -> bool:
     """Whether ``unit``, recomputed selectively, goes behind one node (NOTE [cached products]).
 

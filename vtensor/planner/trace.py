@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 15
+TRACE_SCHEMA_VERSION = 16
 
 
 class TensorKind(StrEnum):
@@ -116,7 +116,7 @@ class TraceUnit:
         first_step: index of the forward step its forward began with.
         last_step: index of the last forward step inside its forward.
         forward_s: measured wall time of its forward run again on its own (what recomputing it
-            costs, NOTE [unit time] in ``activations/units.py``).
+            whole costs, with ``overhead_s``: NOTE [unit time] in ``activations/units.py``).
         inner_vids: the vTensors (trace vids) saved inside its forward, made there and used
             only by its own backward steps: the bytes recomputing it would not keep.
         input_vids: vTensors saved inside its forward that are its inputs: a recomputed unit
@@ -132,7 +132,7 @@ class TraceUnit:
         selective_s: what a selective recompute costs: its non-product ops' measured time, its
             Python once more and a dispatch mode's overhead twice (NOTE [dispatch cost] in
             ``activations/selective_profile.py``), or without the dispatch mode where
-            ``cached_products``.
+            ``cached_products``; the mechanism's own cost included (NOTE [mechanism cost]).
         selective_vids: the inner vTensors no product op made: what a selective recompute
             frees from its forward to its backward.
         product_vids: the inner vTensors product ops made: SAC's cache holds them instead of
@@ -153,6 +153,9 @@ class TraceUnit:
             convolutions' outputs kept from its forward (NOTE [cached products] in
             ``activations/product_cache.py``); it holds its output's gradient through its
             backward then, as a unit recomputed whole through one node does.
+        overhead_s: what recomputing it whole costs beyond its forward: the work of the
+            mechanism it would go through, one node or torch's checkpointing, measured once per
+            process (NOTE [mechanism cost] in ``activations/rerun_cost.py``).
     """
 
     name: str
@@ -174,6 +177,7 @@ class TraceUnit:
     tail_s: float = 0.0
     working_bytes: int = 0
     cached_products: bool = False
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -373,3 +373,19 @@ def test_every_block_whole_comes_last_even_where_it_is_also_the_cheapest(
     )
     trace = unit_trace([("a", 0.01, 100 * KB, True), ("b", 0.01, 100 * KB, True)])
     assert recompute_candidates(trace, 1) == (selective, every)
+
+
+def test_a_units_mechanism_cost_counts_against_covering_with_many_small_units() -> None:
+    # NOTE [mechanism cost]: two small units free the deficit for 2 ms of forward, one big unit
+    # for 4 ms; with 3 ms a unit of the mechanism's own work, the big one is the cheaper cover.
+    units: list[Unit] = [
+        ("s1", 0.001, 100 * KB, True),
+        ("s2", 0.001, 100 * KB, True),
+        ("big", 0.004, 220 * KB, True),
+    ]
+    trace = unit_trace(units)
+    assert choose_recompute(trace, demand(trace) - 150 * KB) == (("s1", "s2"), ())
+    costly = dataclasses.replace(
+        trace, units=tuple(dataclasses.replace(u, overhead_s=0.003) for u in trace.units)
+    )
+    assert choose_recompute(costly, demand(costly) - 150 * KB) == (("big",), ())
