@@ -36,10 +36,13 @@ its forward alone. The first run's window held the profiled iteration's work at 
 point and, as each unit inside it ended, that unit's snapshot, check and selective profile:
 the main job's CNN's blocks measured 1.2-31 ms where recomputing one cost 0.3-5.3 ms, the
 more so the more units a block holds (benchmarks/README.md, ``recompute_cost``), so the planner
-ranked recomputing whole dearer than it is and took selective recomputation instead. The second
-run has no autograd (recomputation has, for the graph it does not keep), and it leaves out
-what the recomputation's allocations cost in backward (fresh pages under glibc's default
-settings): the predictions sit 1.5-3.3x under the measured costs, ranked as they are. It runs
+ranked recomputing whole dearer than it is and took selective recomputation instead. What
+the mechanism that runs it again costs of its own is added to it (NOTE [mechanism cost] in
+``activations/rerun_cost.py``). What stays out: the second run has no autograd (a
+recomputation has, for the graph it rebuilds, where one node's first run has none), and the
+recomputation's allocations in backward (fresh pages under glibc's default settings): on the
+main job's CNN a block recomputed whole behind one node was predicted at 0.6-2.8 ms and added
+0.9-3.9 ms to the step, every block at once 12.8 ms against 14.8 ms. It runs
 twice and the lesser time counts: one run alone put a stage of the main job's CNN at 4.2 ms in
 one process and 3.4 ms in two others, enough to change the cheapest cover of its smallest
 class (``features.1, features.2.body, features.3`` instead of ``features.2, features.3``).
