@@ -95,7 +95,7 @@ def iteration_trace(iteration: Iteration, budget_bytes: int, chunk_bytes: int | 
         extra, iteration.baseline_bytes, budget_bytes, chunk_bytes, iteration.device.type
     )
     units: tuple[TraceUnit, ...] = ()
-    if iteration.units is not None:
+    if iteration.units is not None and iteration.units.seen:
         position = {vid: i for i, vid in enumerate(sorted(books.tensors))}
         names = [s.name for s in trace.steps]
         costs = mechanism_costs(str(iteration.device))  # once per process and device
