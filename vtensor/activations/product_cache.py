@@ -1,4 +1,4 @@
-"""Selective recomputation behind one node: the convolutions' outputs kept from the first run.
+"""Selective recomputation behind one node: the product ops' outputs kept from the first run.
 
 NOTE [cached products]
 Recomputed selectively under torch's selective checkpointing (NOTE [selective recompute] in
@@ -6,173 +6,147 @@ Recomputed selectively under torch's selective checkpointing (NOTE [selective re
 but every op of it, products too, goes through a Python dispatch mode twice: on the main job's
 CNN that made selective recomputation cost what recomputing whole does (NOTE [dispatch cost]
 in ``activations/selective_profile.py``). Where one node can stand for the unit (NOTE
-[one-node recomputation] in ``activations/rebuild.py``) and every product op it runs is the
-convolution of one of its ``nn.Conv1d``/``2d``/``3d`` modules, the node does the same without a
-dispatch mode, at module level:
+[one-node recomputation] in ``activations/rebuild.py``) and every product op it runs runs inside
+a call of one of its ``nn.Conv1d``/``2d``/``3d`` or ``nn.Linear`` modules, the node does the
+same with a dispatch mode inside those calls only:
 
-- the first forward (without autograd) keeps each such module's output, in call order;
-- the second (in backward, with autograd) answers each call of those modules with the output it
-  kept, through ``FromCache``, a node whose backward is the one autograd gives a convolution
-  (``aten.convolution_backward`` on the same input, weight and settings: the same gradients,
-  bit for bit); everything else runs again.
+- the first forward (without autograd) keeps the output of each product op those calls run,
+  in order, with the op and its tensor arguments' shapes;
+- the second (in backward, with autograd) runs everything again, those calls too, but in
+  them a product op that matches the next kept one (the same op on arguments of the same
+  shapes) is answered with the kept output instead of being computed. Autograd records the
+  op as it records it without recomputation (the mode sits below autograd), so the backward is
+  autograd's own for that op, on the same inputs: the same gradients, bit for bit, whatever
+  the op's backward does with its operands' strides (a matrix product's) or whether autocast
+  cast them inside the call.
 
 The outputs are held from the first forward to the unit's backward, as SAC's cache holds them,
 and the planner counts them so (``with_recompute`` in ``planner/recomputed.py``). A module
-answered this way is a plain convolution: of exactly those types, zero padding given as
-numbers, its ``forward`` not replaced, called with a batched input and autocast off (autocast
-casts the input and the weight inside the call, which the kept output's backward would not
-see). The profile checks that each of its calls runs one product op and that the unit runs no
-other (``TraceUnit.cached_products``). A call that finds no kept output for it (a second
-backward through the same graph; a call out of the first run's order; autocast turned on
-since) computes the convolution again: slower, never different.
+answered this way is of exactly those types, its ``forward`` not replaced; the profile checks
+that the unit runs no product op outside their calls (``TraceUnit.cached_products``). A product
+op that finds no matching kept output (a second backward through the same graph; a call out
+of the first run's order) is computed, and nothing kept is used from then on: slower, never
+different.
 """
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+from vtensor.activations.selective import is_product
+
+PRODUCT_LEAVES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+_Shapes = tuple[torch.Size, ...]
 
 
 def cacheable(module: nn.Module) -> bool:
-    """Whether ``FromCache`` can answer ``module``'s calls (NOTE [cached products])."""
-    return (
-        type(module) in CONVOLUTIONS
-        and "forward" not in module.__dict__
-        and module.padding_mode == "zeros"
-        and not isinstance(module.padding, str)
-    )
+    """Whether a cache may answer the product ops of ``module``'s calls (NOTE [cached products])."""
+    return type(module) in PRODUCT_LEAVES and "forward" not in module.__dict__
 
 
 def product_leaves(unit: nn.Module) -> list[nn.Module]:
-    """The modules of ``unit`` (itself included) whose outputs a cache may hold."""
+    """The modules of ``unit`` (itself included) whose product ops a cache may answer."""
     return [m for m in unit.modules() if cacheable(m)]
 
 
-def answerable(module: nn.Module, x: object) -> bool:
-    """Whether a kept output can answer the call of the convolution ``module`` on ``x``.
-
-    ``x`` is a batched input and autocast is off on its device: autocast casts the input and
-    the weight inside ``F.conv2d``, and the kept output's backward would take the uncast ones.
-    """
-    stride = cast(tuple[int, ...], module.stride)
-    return (
-        isinstance(x, torch.Tensor)
-        and x.dim() == len(stride) + 2
-        and not torch.is_autocast_enabled(x.device.type)
-    )
+def shapes_of(args: Sequence[Any]) -> _Shapes:
+    """The shapes of an op's tensor arguments, in order: what a kept output must match."""
+    return tuple(a.shape for a in args if isinstance(a, torch.Tensor))
 
 
 class ProductCache:
-    """The outputs of a unit's convolutions from its first run, handed to its second."""
+    """The outputs of a unit's product ops from its first run, handed to its second."""
 
     def __init__(self, unit: nn.Module) -> None:
         self.leaves = product_leaves(unit)
-        self.kept: list[tuple[nn.Module, torch.Size, torch.Tensor | None]] = []
+        self.kept: list[tuple[Any, _Shapes, torch.Tensor | None]] = []
         self._next = 0
+        self._keeping = _Keeping(self.kept)
+        self._answering = _Answering(self)
 
     @contextlib.contextmanager
     def keeping(self) -> Iterator[None]:
-        """The first run: each convolution's output is kept."""
+        """The first run: each product op's output in the leaves' calls is kept."""
         self.kept.clear()
-        with self._patched(self._keep):
+        with self._patched(self._keeping):
             yield
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
-        """The second run: each convolution answered with the output kept for its call."""
+        """The second run: each product op in the leaves' calls answered from what is kept."""
         self._next = 0
-        with self._patched(self._answer):
+        with self._patched(self._answering):
             yield
 
     def clear(self) -> None:
         """Let go of what is still kept."""
         self.kept.clear()
 
+    def answer(self, op: Any, args: Sequence[Any]) -> torch.Tensor | None:
+        """The kept output for this call of ``op`` (``None``: compute it)."""
+        k, self._next = self._next, self._next + 1
+        if k < len(self.kept):
+            kept_op, shapes, out = self.kept[k]
+            if kept_op is op and out is not None and shapes == shapes_of(args):
+                self.kept[k] = (kept_op, shapes, None)  # the graph holds it from here
+                return out.detach()  # a tensor of its own for autograd to record
+        self.kept.clear()  # out of order: nothing kept answers a later op either
+        return None
+
     @contextlib.contextmanager
-    def _patched(self, call: Any) -> Iterator[None]:
-        # Into the instance's dict, as ``recompute_modules`` does: hooks cannot skip a forward.
+    def _patched(self, mode: TorchDispatchMode) -> Iterator[None]:
+        # Into the instance's dict, as ``recompute_modules`` does: the mode is in force inside
+        # the leaves' own forward only, so the unit's other ops run without Python dispatch.
         patched = []
         try:
             for leaf in self.leaves:
-                leaf.__dict__["forward"] = _bound(call, leaf)
+                leaf.__dict__["forward"] = _inside(mode, leaf)
                 patched.append(leaf)
             yield
         finally:
             for leaf in patched:
                 leaf.__dict__.pop("forward", None)
 
-    def _keep(self, leaf: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = type(leaf).forward(leaf, x)
-        if answerable(leaf, x):
-            self.kept.append((leaf, x.shape, out))
+
+def _inside(mode: TorchDispatchMode, leaf: nn.Module) -> Any:
+    forward = type(leaf).forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return forward(leaf, *args, **kwargs)
+
+    return run
+
+
+class _Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs each op; keeps each product op's output with the op and its arguments' shapes."""
+
+    def __init__(self, kept: list[tuple[Any, _Shapes, torch.Tensor | None]]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kept = kept
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if is_product(func) and isinstance(out, torch.Tensor):
+            self.kept.append((func, shapes_of(args), out))
         return out
 
-    def _answer(self, leaf: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        k, self._next = self._next, self._next + 1
-        if k < len(self.kept):
-            kept_leaf, shape, out = self.kept[k]
-            if kept_leaf is leaf and out is not None and x.shape == shape and answerable(leaf, x):
-                self.kept[k] = (kept_leaf, shape, None)  # the graph holds it from here
-                bias = leaf.bias
-                settings = (leaf.stride, leaf.padding, leaf.dilation, leaf.groups)
-                return FromCache.apply(x, leaf.weight, bias, _Kept(out, settings))  # type: ignore[no-any-return,no-untyped-call]
-        self.kept.clear()  # out of order: nothing kept is the answer to a later call either
-        return type(leaf).forward(leaf, x)  # type: ignore[no-any-return]
 
+class _Answering(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Answers each product op from the cache where it can; runs every other op."""
 
-def _bound(call: Any, leaf: nn.Module) -> Any:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return call(leaf, x)  # type: ignore[no-any-return]
+    def __init__(self, cache: ProductCache) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.cache = cache
 
-    return forward
-
-
-class _Kept:
-    """A kept output and its convolution's settings, handed to ``FromCache`` once."""
-
-    __slots__ = ("out", "settings")
-
-    def __init__(self, out: torch.Tensor, settings: tuple[Any, ...]) -> None:
-        self.out: torch.Tensor | None = out
-        self.settings = settings
-
-
-class FromCache(torch.autograd.Function):
-    """A convolution answered from the cache; its backward is the convolution's own."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: _Kept
-    ) -> torch.Tensor:
-        """The kept output, with the inputs its backward needs saved."""
-        ctx.save_for_backward(x, weight)
-        ctx.settings = kept.settings
-        ctx.bias_sizes = None if bias is None else list(bias.shape)
-        out, kept.out = kept.out, None
-        assert out is not None
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """What autograd's node for ``aten.convolution`` computes, by the same call."""
-        x, weight = ctx.saved_tensors
-        stride, padding, dilation, groups = ctx.settings
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad,
-            x,
-            weight,
-            ctx.bias_sizes,
-            list(stride),
-            list(padding),
-            list(dilation),
-            False,
-            [0] * len(stride),
-            groups,
-            mask,
-        )
-        return gx, gw, gb, None
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_product(func):
+            out = self.cache.answer(func, args)
+            if out is not None:
+                return out
+        return func(*args, **(kwargs or {}))

@@ -7,8 +7,9 @@ The mechanism that runs it again has a cost of its own, whatever the unit: behin
 (NOTE [one-node recomputation] in ``activations/rebuild.py``) the node itself, the call's
 snapshot, the RNG and autocast state kept and restored, and a nested run of autograd's engine
 over the rebuilt graph; under torch's checkpointing its frame, its saved-tensor hooks and
-their handles; with the convolutions' outputs kept (NOTE [cached products] in
-``activations/product_cache.py``), a Python node per convolution call, forward and backward.
+their handles; with the product ops' outputs kept (NOTE [cached products] in
+``activations/product_cache.py``), a dispatch mode in force inside each product leaf's call,
+in both runs.
 Left out, a unit's predicted cost was its forward alone: on the main job's CNN 0.2-1.9 ms a
 block where recomputing one added 0.9-3.6 ms to the step (benchmarks/README.md,
 ``recompute_cost``), so the cheapest cover of a deficit took many small units (ten blocks
@@ -48,7 +49,8 @@ class MechanismCosts:
         one_node_s: a unit recomputed whole behind one node, or selectively with its
             convolutions' outputs kept.
         checkpoint_s: a unit recomputed under torch's checkpointing, whole or selectively.
-        cached_call_s: each call of a convolution answered from what the first run kept.
+        cached_call_s: each product op answered from what the first run kept (a convolution
+            module's call: the mode entered twice, the op dispatched through it twice).
     """
 
     one_node_s: float

@@ -21,7 +21,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vtensor.activations.product_cache import answerable, product_leaves
+from vtensor.activations.product_cache import product_leaves
 from vtensor.activations.recompute import RecomputeTarget
 from vtensor.activations.rerun_cost import MechanismCosts
 from vtensor.activations.selective import is_product
@@ -50,13 +50,13 @@ class SelectiveProfile:
         why_not: why it may not be recomputed selectively ("" if it may).
         tail_share: the share of its ops' time after its last save (NOTE [one-node
             recomputation] in ``activations/rebuild.py``).
-        cached: behind one node, its convolutions' outputs may be kept instead (NOTE [cached
-            products] in ``activations/product_cache.py``): each product op it ran was the
-            convolution of one of its plain convolution modules, on an input a kept output can
-            answer.
+        cached: behind one node, its product ops' outputs may be kept instead (NOTE [cached
+            products] in ``activations/product_cache.py``): each product op it ran ran inside
+            a call of one of its convolution or linear modules.
         cached_s: what recomputing it selectively costs that way: its non-product ops and its
-            Python once more, without a dispatch mode.
-        cached_calls: how many convolution calls a cache would answer.
+            Python once more, without SAC's dispatch mode (a mode in force inside those calls
+            only is the mechanism's cost, NOTE [mechanism cost]).
+        cached_calls: how many product ops a cache would answer.
     """
 
     selective_s: float
@@ -163,8 +163,8 @@ def profile_selective(
 
     args, kwargs = call
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never)
-    convolutions = _Convolutions(module, recorder)
-    with replaying(module, start, target), torch.enable_grad(), hooks, recorder, convolutions:
+    leaves = _Leaves(module, recorder)
+    with replaying(module, start, target), torch.enable_grad(), hooks, recorder, leaves:
         began = device_now(target.device)
         again = tensors_in(module.forward(*args, **kwargs))
         wall_s = device_now(target.device) - began
@@ -186,25 +186,24 @@ def profile_selective(
         products=tuple((mapped.get(c), n) for c, n in sizes.items()),
         why_not=why,
         tail_share=tail[0] / recorder.ops_s if recorder.ops_s > 0 else 0.0,
-        cached=convolutions.answer_all(),
+        cached=leaves.answer_all(),
         cached_s=recorder.other_s + max(0.0, plain_s - recorder.ops_s),
-        cached_calls=convolutions.calls,
+        cached_calls=leaves.inside,
     )
 
 
-class _Convolutions:
-    """While a unit runs again: whether its convolution modules ran all its product ops.
+class _Leaves:
+    """While a unit runs again: whether its product leaves' calls ran all its product ops.
 
-    Each call of one of its cacheable modules (NOTE [cached products]) must run exactly one
-    product op, on an input a kept output can answer (``answerable``), and the unit no product
-    op outside them.
+    A cache answers product ops inside the calls of its cacheable modules only (NOTE [cached
+    products]): the unit must run none outside them, and at least one inside.
     """
 
     def __init__(self, unit: nn.Module, recorder: _OpRecorder) -> None:
         self.recorder = recorder
         self.leaves = product_leaves(unit)
         self.calls = 0
-        self.fits = True
+        self.inside = 0  # product ops run inside their calls
         self._at: list[int] = []
         self._handles: list[Any] = []
 
@@ -217,17 +216,16 @@ class _Convolutions:
         for handle in self._handles:
             handle.remove()
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.fits = self.fits and len(args) == 1 and answerable(module, args[0])
+    def _pre(self, _module: nn.Module, _args: Any) -> None:
         self._at.append(self.recorder.product_ops)
 
     def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         self.calls += 1
-        self.fits = self.fits and self.recorder.product_ops - self._at.pop() == 1
+        self.inside += self.recorder.product_ops - self._at.pop()
 
     def answer_all(self) -> bool:
         """Whether a cache can answer every product op the unit ran."""
-        return self.fits and self.calls > 0 and self.recorder.product_ops == self.calls
+        return self.inside > 0 and self.recorder.product_ops == self.inside
 
 
 def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) -> float:
@@ -247,8 +245,9 @@ def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) 
     (``plain_s - ops_s``) once, and the mode's overhead (``wall_s - plain_s``: the profile's
     own mode stands in for torch's) twice. Without it the planner took selective recomputation
     for the cheapest way to free bytes where recomputing whole freed them for less. A unit
-    behind one node with its convolutions' outputs kept (NOTE [cached products]) pays no
-    dispatch mode: its cost is the non-product ops and the Python once more (``cached_s``).
+    behind one node with its product ops' outputs kept (NOTE [cached products]) pays no
+    dispatch mode around the whole unit: its cost is the non-product ops and the Python once
+    more (``cached_s``), and the mechanism's, a mode inside its product leaves' calls among it.
     """
     return other_s + max(0.0, plain_s - ops_s) + 2 * max(0.0, wall_s - plain_s)
 

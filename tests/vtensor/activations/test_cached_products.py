@@ -1,4 +1,4 @@
-"""Selective recomputation behind one node with its convolutions cached (NOTE [cached products])."""
+"""Selective recomputation behind one node, product outputs kept (NOTE [cached products])."""
 
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,7 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
-from vtensor.activations.product_cache import FromCache
+from vtensor.activations.product_cache import ProductCache
 from vtensor.activations.recompute import recompute_modules
 from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Trace
@@ -109,10 +109,11 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 class _Convolutions:
-    """Counts the convolutions computed, forward and in backward."""
+    """Counts the convolution modules' calls (answered or computed) and the answered ones."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
+        self.answered = _answered(monkeypatch)
         conv = nn.Conv2d._conv_forward
 
         def counted(module: nn.Conv2d, *args: Any) -> torch.Tensor:
@@ -120,6 +121,10 @@ class _Convolutions:
             return conv(module, *args)
 
         monkeypatch.setattr(nn.Conv2d, "_conv_forward", counted)
+
+    @property
+    def computed(self) -> int:
+        return self.count - self.answered[0]
 
 
 @pytest.mark.parametrize("by_grad", [False, True], ids=["backward", "autograd.grad"])
@@ -133,7 +138,7 @@ def test_cached_products_give_the_gradients_without_computing_a_convolution_agai
         twin.zero_grad(set_to_none=True)
         _loss(twin, step).backward()  # type: ignore[no-untyped-call]
         model.zero_grad(set_to_none=True)
-        convolutions.count = 0
+        convolutions.count = convolutions.answered[0] = 0
         with recompute_modules(model, names, Host(), names, one_node=names):  # type: ignore[arg-type]
             loss = _loss(model, step)
             forward = convolutions.count
@@ -146,7 +151,8 @@ def test_cached_products_give_the_gradients_without_computing_a_convolution_agai
                     p.grad = g
             else:
                 loss.backward()  # type: ignore[no-untyped-call]
-        assert forward == 7 and convolutions.count == forward  # none again in backward
+        # In backward, each block's three convolutions answered from the cache, none computed.
+        assert forward == 7 and convolutions.answered[0] == 6 and convolutions.computed == forward
         assert all(map(torch.equal, _grads(twin), _grads(model))), f"step {step}"
         for a, b in zip(twin.buffers(), model.buffers(), strict=True):
             assert torch.equal(a, b)  # batch norm's statistics updated once
@@ -160,15 +166,68 @@ def test_a_second_backward_computes_the_convolutions_again(
     loss = _loss(twin, 0)
     loss.backward(retain_graph=True)  # type: ignore[no-untyped-call]
     loss.backward()  # type: ignore[no-untyped-call]
-    convolutions.count = 0
+    convolutions.count = convolutions.answered[0] = 0
     with recompute_modules(model, ["1"], Host(), ["1"], one_node=["1"]):  # type: ignore[arg-type]
         loss = _loss(model, 0)
         forward = convolutions.count
         loss.backward(retain_graph=True)  # type: ignore[no-untyped-call]
-        assert convolutions.count == forward
+        assert convolutions.answered[0] == 3 and convolutions.computed == forward
         loss.backward()  # type: ignore[no-untyped-call]
-        assert convolutions.count == forward + 3  # nothing kept for a second run
+        assert convolutions.answered[0] == 3  # nothing kept for a second run
+        assert convolutions.computed == forward + 3
     assert all(map(torch.equal, _grads(twin), _grads(model)))
+
+
+class Mlp(nn.Module):
+    """A transformer's MLP block on (batch, tokens, width): layer norm, two linears, GELU."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+@pytest.mark.parametrize("by_grad", [False, True], ids=["backward", "autograd.grad"])
+def test_linear_products_answered_give_the_gradients_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, by_grad: bool
+) -> None:
+    # A matrix product's backward takes branches on its operands' strides: answered below
+    # autograd, the op is recorded as without recomputation, and its backward is the same.
+    # Contiguous tokens (a 3-d input) and a transposed image (Dense: a 4-d strided input).
+    answered = _answered(monkeypatch)
+
+    def tokens(step: int) -> torch.Tensor:
+        return torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(step))
+
+    for make, batch, units in (
+        (lambda: nn.Sequential(Mlp(), Mlp()), tokens, ["0", "1"]),
+        (lambda: _model(Dense, Dense), lambda step: _batch(step)[0], ["1", "2"]),
+    ):
+        torch.manual_seed(0)
+        model = make()
+        torch.manual_seed(0)
+        twin = make()
+        for step in range(STEPS):
+            answered[0] = 0
+            twin.zero_grad(set_to_none=True)
+            twin(batch(step)).square().sum().backward()  # type: ignore[no-untyped-call]
+            model.zero_grad(set_to_none=True)
+            with recompute_modules(model, units, Host(), units, one_node=units):  # type: ignore[arg-type]
+                loss = model(batch(step)).square().sum()
+                if by_grad:
+                    params = list(model.parameters())
+                    for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+                        p.grad = g
+                else:
+                    loss.backward()  # type: ignore[no-untyped-call]
+            assert answered[0] == sum(
+                isinstance(m, nn.Linear) for u in units for m in model.get_submodule(u).modules()
+            )
+            assert all(map(torch.equal, _grads(twin), _grads(model))), f"step {step}"
 
 
 def _units(model: nn.Module, tmp_path: Path) -> dict[str, Any]:
@@ -180,13 +239,16 @@ def _units(model: nn.Module, tmp_path: Path) -> dict[str, Any]:
         return {u.name: u for u in mm.trace.units}
 
 
-def test_the_profile_keeps_products_only_where_convolution_modules_make_them_all(
+def test_the_profile_keeps_products_only_where_product_leaves_make_them_all(
     tmp_path: Path,
 ) -> None:
     units = _units(_model(Inverted, Functional, Reflected, Dense), tmp_path)
-    assert units["1"].cached_products and units["1"].selective_safe and units["1"].one_node
-    for name in ("2", "3", "4"):  # F.conv2d; reflection padding; matrix products
-        assert units[name].selective_safe and not units[name].cached_products, name
+    # Convolutions (reflection padding runs outside the product op); a linear layer.
+    for name in ("1", "3", "4"):
+        unit = units[name]
+        assert unit.cached_products and unit.selective_safe and unit.one_node, name
+    # F.conv2d: a product op outside a convolution module, which SAC recomputes around.
+    assert units["2"].selective_safe and not units["2"].cached_products
     # Without the dispatch mode, recomputing selectively costs less than recomputing whole.
     assert units["1"].selective_s < whole_s(units["1"])
 
@@ -248,26 +310,27 @@ def test_a_plan_with_cached_products_trains_bit_identically_within_its_budget(
         assert all(map(torch.equal, a, b)), f"cached, step {step}"
 
 
-def test_under_autocast_the_convolutions_are_computed_again(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("kinds", "products"), [((Inverted,), 3), ((Reflected, Dense), 4)], ids=["conv", "linear"]
+)
+def test_under_autocast_kept_outputs_answer_with_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch, kinds: tuple[type[nn.Module], ...], products: int
 ) -> None:
-    # Autocast casts a convolution's input and weight inside F.conv2d: a kept output's backward
-    # would take the uncast ones. Under it the profile finds nothing to keep and a run keeps
-    # nothing: the convolutions run again, as a whole unit's would, and the gradients agree.
-    convolutions = _Convolutions(monkeypatch)
-    model, twin = _model(Inverted), _model(Inverted)
+    # Autocast casts a product op's operands inside the module's call: the mode, below
+    # autograd, answers the op on the cast operands, and autograd records the casts and the op
+    # as it does without recomputation.
+    answered = _answered(monkeypatch)
+    model, twin = _model(*kinds), _model(*kinds)
+    names = [str(i + 1) for i in range(len(kinds))]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _loss(twin, 0).backward()  # type: ignore[no-untyped-call]
-        convolutions.count = 0
-        with recompute_modules(model, ["1"], Host(), ["1"], one_node=["1"]):  # type: ignore[arg-type]
-            loss = _loss(model, 0)
-            forward = convolutions.count
-            loss.backward()  # type: ignore[no-untyped-call]
-    assert convolutions.count == forward + 3
+        with recompute_modules(model, names, Host(), names, one_node=names):  # type: ignore[arg-type]
+            _loss(model, 0).backward()  # type: ignore[no-untyped-call]
+    assert answered[0] == products  # every product op of the units in backward
     assert all(map(torch.equal, _grads(twin), _grads(model)))
 
 
-def test_under_autocast_the_profile_keeps_no_product(tmp_path: Path) -> None:
+def test_under_autocast_the_profile_keeps_products(tmp_path: Path) -> None:
     model = _model(Inverted)
     with vtensor.MemoryManager("1GiB", storage_dir=tmp_path, recompute=True) as mm:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -275,19 +338,20 @@ def test_under_autocast_the_profile_keeps_no_product(tmp_path: Path) -> None:
             _loss(model, 0).backward()  # type: ignore[no-untyped-call]
         assert mm.trace is not None
         unit = next(u for u in mm.trace.units if u.name == "1")
-    assert unit.selective_safe and not unit.cached_products
+    assert unit.selective_safe and unit.cached_products
 
 
 def _answered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the convolutions answered from a cache."""
+    """Counts the product ops answered from a cache."""
     answered = [0]
-    apply = FromCache.apply
+    answer = ProductCache.answer
 
-    def counted(*args: Any) -> Any:
-        answered[0] += 1
-        return apply(*args)
+    def counted(cache: ProductCache, op: Any, args: Any) -> Any:
+        out = answer(cache, op, args)
+        answered[0] += out is not None
+        return out
 
-    monkeypatch.setattr(FromCache, "apply", counted)
+    monkeypatch.setattr(ProductCache, "answer", counted)
     return answered
 
 
