@@ -20,9 +20,9 @@ So each mechanism's cost is measured here on a unit too small for its ops to cou
 1x1 convolutions on a 2x2 input), trained a step at a time with and without it, the variants
 in turn, the median of each kept; the profile adds it to what each unit's recomputation is
 predicted to cost (``TraceUnit.overhead_s``, and within ``selective_s``). On this machine's
-CPU: 0.2 ms behind one node, 0.25 ms under checkpointing, 0.05 ms a kept convolution. It runs
-once per process and device, outside any step (no manager's hooks are in force then), in about
-0.1 s on a CPU.
+CPU: 0.2 ms behind one node, 0.26-0.28 ms under checkpointing, 0.05 ms a product op answered.
+It runs once per process and device, outside any step (no manager's hooks are in force then),
+in about 0.1 s on a CPU.
 """
 
 import functools
