@@ -6,9 +6,9 @@ Recomputed selectively under torch's selective checkpointing (NOTE [selective re
 but every op of it, products too, goes through a Python dispatch mode twice: on the main job's
 CNN that made selective recomputation cost what recomputing whole does (NOTE [dispatch cost]
 in ``activations/selective_profile.py``). Where one node can stand for the unit (NOTE
-[one-node recomputation] in ``activations/rebuild.py``) and every product op it runs runs inside
-a call of one of its ``nn.Conv1d``/``2d``/``3d`` or ``nn.Linear`` modules, the node does the
-same with a dispatch mode inside those calls only:
+[one-node recomputation] in ``activations/rebuild.py``) and it runs product ops inside calls of
+its ``nn.Conv1d``/``2d``/``3d`` or ``nn.Linear`` modules (its product leaves), the node does
+much the same with a dispatch mode inside those calls only:
 
 - the first forward (without autograd) keeps the output of each product op those calls run,
   in order, with the op and its tensor arguments' shapes;
@@ -20,13 +20,17 @@ same with a dispatch mode inside those calls only:
   the op's backward does with its operands' strides (a matrix product's) or whether autocast
   cast them inside the call.
 
-The outputs are held from the first forward to the unit's backward, as SAC's cache holds them,
-and the planner counts them so (``with_recompute`` in ``planner/recomputed.py``). A module
-answered this way is of exactly those types, its ``forward`` not replaced; the profile checks
-that the unit runs no product op outside their calls (``TraceUnit.cached_products``). A product
-op that finds no matching kept output (a second backward through the same graph; a call out
-of the first run's order) is computed, and nothing kept is used from then on: slower, never
-different.
+Product ops outside those calls (``F.conv2d``, a transformer's attention scores and weighted
+values) run again with the rest, as SAC would not: their outputs are freed too, at the cost of
+computing them again, and an attention's T x T probabilities, saved by its softmax and its
+product with the values, are among what recomputing the block frees. The kept outputs are held
+from the first forward to the unit's backward, as SAC's cache holds them, and the planner counts
+them so (``with_recompute`` in ``planner/recomputed.py``); the profile finds which product ops
+ran inside the leaves' calls, what they kept and what the others cost
+(``TraceUnit.cached_products``). A leaf is of exactly those types, its ``forward`` not replaced.
+A product op that finds no matching kept output (a second backward through the same graph; a
+call out of the first run's order) is computed, and nothing kept is used from then on: slower,
+never different.
 """
 
 import contextlib

@@ -50,13 +50,16 @@ class SelectiveProfile:
         why_not: why it may not be recomputed selectively ("" if it may).
         tail_share: the share of its ops' time after its last save (NOTE [one-node
             recomputation] in ``activations/rebuild.py``).
-        cached: behind one node, its product ops' outputs may be kept instead (NOTE [cached
-            products] in ``activations/product_cache.py``): each product op it ran ran inside
-            a call of one of its convolution or linear modules.
-        cached_s: what recomputing it selectively costs that way: its non-product ops and its
-            Python once more, without SAC's dispatch mode (a mode in force inside those calls
-            only is the mechanism's cost, NOTE [mechanism cost]).
+        cached: behind one node, the outputs of the product ops it ran inside calls of its
+            convolution and linear modules may be kept instead (NOTE [cached products] in
+            ``activations/product_cache.py``), its other product ops run again.
+        cached_s: what recomputing it selectively costs that way: its non-product ops, its
+            product ops outside those calls and its Python once more, without SAC's dispatch
+            mode (a mode in force inside those calls only is the mechanism's cost, NOTE
+            [mechanism cost]).
         cached_calls: how many product ops a cache would answer.
+        cached_vids: of ``product_vids``, those a cache would keep.
+        cached_kept: as ``products``, the product outputs a cache would keep.
     """
 
     selective_s: float
@@ -67,6 +70,8 @@ class SelectiveProfile:
     cached: bool = False
     cached_s: float = 0.0
     cached_calls: int = 0
+    cached_vids: frozenset[int] = frozenset()
+    cached_kept: tuple[tuple[int | None, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,15 +110,23 @@ def replaying(module: nn.Module, start: StartState, target: RecomputeTarget) -> 
 
 
 class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Times each op; keeps the outputs of product ops with their versions when made."""
+    """Times each op; keeps the outputs of product ops with their versions when made.
+
+    ``leaf_depth`` is above 0 inside a call of a product leaf (``_Leaves``): the product ops
+    run there are those a cache would answer (NOTE [cached products]).
+    """
 
     def __init__(self, tail: list[float]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.other_s = 0.0
         self.ops_s = 0.0
+        self.outside_s = 0.0  # product ops run outside the leaves' calls
         self.tail = tail  # [the ops' time since the last save]
         self.products: list[tuple[torch.Tensor, int]] = []
+        self.in_leaves: set[int] = set()  # storages product ops made inside the leaves' calls
         self.product_ops = 0
+        self.leaf_ops = 0
+        self.leaf_depth = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         began = time.perf_counter()
@@ -123,7 +136,13 @@ class _OpRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.tail[0] += took
         if is_product(func):
             self.product_ops += 1
-            self.products += [(t, t._version) for t in tensors_in(out)]
+            made = tensors_in(out)
+            self.products += [(t, t._version) for t in made]
+            if self.leaf_depth:
+                self.leaf_ops += 1
+                self.in_leaves.update(t.untyped_storage()._cdata for t in made)
+            else:
+                self.outside_s += took
         else:
             self.other_s += took
         return out
@@ -180,31 +199,31 @@ def profile_selective(
         why = why or "it modifies a product output in place"
     if any(c in sizes for c in outputs):
         why = why or "a product output leaves it"
+    kept = {c: n for c, n in sizes.items() if c in recorder.in_leaves}
     return SelectiveProfile(
         selective_s=selective_cost(recorder.other_s, recorder.ops_s, plain_s, wall_s),
         product_vids=frozenset(mapped[c] for c in sizes if c in mapped),
         products=tuple((mapped.get(c), n) for c, n in sizes.items()),
         why_not=why,
         tail_share=tail[0] / recorder.ops_s if recorder.ops_s > 0 else 0.0,
-        cached=leaves.answer_all(),
-        cached_s=recorder.other_s + max(0.0, plain_s - recorder.ops_s),
-        cached_calls=leaves.inside,
+        cached=recorder.leaf_ops > 0,
+        cached_s=recorder.other_s + recorder.outside_s + max(0.0, plain_s - recorder.ops_s),
+        cached_calls=recorder.leaf_ops,
+        cached_vids=frozenset(mapped[c] for c in kept if c in mapped),
+        cached_kept=tuple((mapped.get(c), n) for c, n in kept.items()),
     )
 
 
 class _Leaves:
-    """While a unit runs again: whether its product leaves' calls ran all its product ops.
+    """While a unit runs again: marks the calls of its product leaves for the recorder.
 
-    A cache answers product ops inside the calls of its cacheable modules only (NOTE [cached
-    products]): the unit must run none outside them, and at least one inside.
+    A cache answers the product ops run inside those calls only (NOTE [cached products]); the
+    unit's other product ops run again.
     """
 
     def __init__(self, unit: nn.Module, recorder: _OpRecorder) -> None:
         self.recorder = recorder
         self.leaves = product_leaves(unit)
-        self.calls = 0
-        self.inside = 0  # product ops run inside their calls
-        self._at: list[int] = []
         self._handles: list[Any] = []
 
     def __enter__(self) -> None:
@@ -217,15 +236,10 @@ class _Leaves:
             handle.remove()
 
     def _pre(self, _module: nn.Module, _args: Any) -> None:
-        self._at.append(self.recorder.product_ops)
+        self.recorder.leaf_depth += 1
 
     def _post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        self.calls += 1
-        self.inside += self.recorder.product_ops - self._at.pop()
-
-    def answer_all(self) -> bool:
-        """Whether a cache can answer every product op the unit ran."""
-        return self.inside > 0 and self.recorder.product_ops == self.inside
+        self.recorder.leaf_depth -= 1
 
 
 def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) -> float:
@@ -266,10 +280,15 @@ def with_selective(
         selective_s = profile.cached_s + mechanism_s
     else:
         selective_s = profile.selective_s + costs.checkpoint_s
-    products = {position[v] for v in profile.product_vids if v in position}
+    kept_vids, kept = (
+        (profile.cached_vids, profile.cached_kept)
+        if cached
+        else (profile.product_vids, profile.products)
+    )
+    products = {position[v] for v in kept_vids if v in position}
     # Product outputs that are vTensors are counted by vid: inner ones leave the manager, the
     # others (used outside the unit) stay its to move.
-    unsaved = sum(n for v, n in profile.products if v is None or v not in position)
+    unsaved = sum(n for v, n in kept if v is None or v not in position)
     return dataclasses.replace(
         unit,
         selective_safe=not profile.why_not,

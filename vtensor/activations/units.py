@@ -261,11 +261,11 @@ class UnitRecorder:
                 one_node=seen.one_node,
                 working_bytes=seen.working_bytes,
             )
-            way_s = costs.one_node_s if through_one_node(unit) else costs.checkpoint_s
-            unit = dataclasses.replace(unit, overhead_s=way_s)
             if seen.selective is not None:
                 unit = with_selective(unit, seen.selective, position, costs)
-            units.append(unit)
+            # After its tail is known: a long one keeps it with checkpointing.
+            way_s = costs.one_node_s if through_one_node(unit) else costs.checkpoint_s
+            units.append(dataclasses.replace(unit, overhead_s=way_s))
         return tuple(units)
 
 
