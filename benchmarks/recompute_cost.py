@@ -5,23 +5,25 @@ forward time (recomputing it whole, NOTE [unit time] in ``vtensor/activations/un
 the cost of recomputing it selectively (NOTE [dispatch cost] in
 ``vtensor/activations/selective_profile.py``). This script checks both against what recomputing
 each block really adds to a training step. Per model (the main job's CNN from
-``conf/config.yaml`` and the benchmarks' MobileNetV2): one iteration is profiled under a manager
-whose budget never binds, with recomputation on; then, in this one process, the model trains
-without a manager, unchanged and with one block at a time recomputed through the manager's own
-mechanism (``recompute_modules``: torch's checkpointing, whole or selectively, whole through
-one autograd node where the profile allows it, NOTE [one-node recomputation] in
-``vtensor/activations/rebuild.py``, and selectively through one node with the convolutions'
-outputs kept where it allows that, NOTE [cached products] in
-``vtensor/activations/product_cache.py``), the variants taking turns step by step from the same
-weights. Per block: predicted and measured cost in ms (measured: the median step with it
-recomputed, less the median unchanged step), and the bytes each way frees (selectively: the
-same both ways). The profile prices a unit's selective recomputation the way a plan would run
-it: behind one node where it can, else through torch's selective checkpointing (SAC). The
-blocks are the largest group of sibling units (the model's feature stack); a last row
-recomputes every block at once, each way. Run from the repository root::
+``conf/config.yaml``, and the benchmarks' MobileNetV2 and char GPT at half batch): one
+iteration is profiled under a manager whose budget never binds, with recomputation on; then,
+in this one process, the model trains without a manager, unchanged and with one block at a
+time recomputed through the manager's own mechanism (``recompute_modules``: torch's
+checkpointing, whole or selectively, whole through one autograd node where the profile allows
+it, NOTE [one-node recomputation] in ``vtensor/activations/rebuild.py``, and selectively
+through one node with its product leaves' outputs kept where it allows that, NOTE [cached
+products] in ``vtensor/activations/product_cache.py``), the variants taking turns step by
+step from the same weights. Per block: predicted and measured cost in ms (measured: the median
+step with it recomputed, less the median unchanged step), and the bytes each way frees
+(selectively, the way the profile prices: behind one node only its product leaves' outputs
+are kept, where SAC keeps every product op's). The profile prices a unit's selective
+recomputation the way a plan would run it: behind one node where it can, else through torch's
+selective checkpointing (SAC). The blocks are the largest group of sibling units (the model's
+feature stack); a last row recomputes every block at once, each way. Run from the repository root::
 
     python -m benchmarks.recompute_cost --out recompute_cost.jsonl
     python -m benchmarks.recompute_cost --models main --repeats 30    # the main job's CNN alone
+    python -m benchmarks.recompute_cost --models gpt --repeats 10    # the char GPT's blocks
     python -m benchmarks.recompute_cost --quick    # CI-sized; its rows are not results
 """
 
@@ -56,6 +58,11 @@ from vtensor.planner.trace import Trace, TraceUnit
 MIB = 1 << 20
 COLUMNS = ("predicted_ms", "measured_ms", "frees_mib")
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
 
 
 class _Host:
@@ -71,14 +78,14 @@ class _Host:
         """Nothing to measure."""
 
 
-def _profiled(model: nn.Module, batch: Batch) -> Trace:
+def _profiled(model: nn.Module, batch: Batch, loss: Loss) -> Trace:
     """The trace of one iteration profiled with recomputation on, under a budget never met."""
     with vtensor.MemoryManager(
         1 << 40, storage_dir=tempfile.mkdtemp(prefix="recompute-cost-"), recompute=True
     ) as mm:
         x, y = batch(0)
         with mm.step(model, None, (x, y)):
-            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            loss(model, x, y).backward()  # type: ignore[no-untyped-call]
         model.zero_grad(set_to_none=True)
         if mm.trace is None:
             raise SystemExit("the manager recorded no trace")
@@ -94,19 +101,19 @@ def _blocks(trace: Trace) -> list[TraceUnit]:
     return [u for u in largest if u.safe]
 
 
-def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Loss) -> float:
     began = time.perf_counter()
-    nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+    loss(model, x, y).backward()  # type: ignore[no-untyped-call]
     took = time.perf_counter() - began
     model.zero_grad(set_to_none=True)
     return took
 
 
 def measure(
-    describe_model: str, model: nn.Module, batch: Batch, steps: int
+    describe_model: str, model: nn.Module, batch: Batch, steps: int, loss: Loss = _cross_entropy
 ) -> list[dict[str, Any]]:
     """Per block: predicted and measured cost of recomputing it whole and selectively."""
-    trace = _profiled(model, batch)
+    trace = _profiled(model, batch, loss)
     blocks = _blocks(trace)
     host = _Host()
     # (name, recomputed, selectively, through one node)
@@ -133,7 +140,7 @@ def measure(
     for i in range(steps + 1):
         for name, names, selective, one_node in variants:
             with recompute_modules(model, names, host, selective, one_node=one_node):
-                took = _step(model, x, y)
+                took = _step(model, x, y, loss)
             if i:  # the first round warms each variant up
                 times[name].append(took)
     base = statistics.median(times["unchanged"])
@@ -193,9 +200,10 @@ def main() -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=("main", "mobilenet"),
+        choices=("main", "mobilenet", "gpt"),
         default=["main", "mobilenet"],
-        help="the main job's CNN, the benchmarks' MobileNetV2 (default: both)",
+        help="the main job's CNN, the benchmarks' MobileNetV2 and char GPT, at half batch "
+        "(default: the first two)",
     )
     add_repeats(parser, "timed steps per variant", full=15, quick=2)
     add_quick(parser, "CI-sized models, two steps")
@@ -206,12 +214,13 @@ def main() -> None:
     print(describe(env), flush=True)
     rows = []
     for name in args.models:
+        loss: Loss = _cross_entropy
         if name == "main":
             describe_model, model, batch = main_job_model()
         else:
-            w = workloads(args.quick, 0.5)["mobilenet"]
-            describe_model, model, batch = w.describe, w.build(), w.batch
-        rows += measure(describe_model, model, batch, repeats(args, 15, 2))
+            w = workloads(args.quick, 0.5)[name]
+            describe_model, model, batch, loss = w.describe, w.build(), w.batch, w.loss
+        rows += measure(describe_model, model, batch, repeats(args, 15, 2), loss)
     keys = [f"{way}_{what}" for way in ("whole", "selective") for what in COLUMNS]
     keys.insert(2, "one_node_measured_ms")
     keys += ["cached_predicted_ms", "cached_measured_ms"]
