@@ -22,8 +22,9 @@ much the same with a dispatch mode inside those calls only:
 
 Product ops outside those calls (``F.conv2d``, a transformer's attention scores and weighted
 values) run again with the rest, as SAC would not: their outputs are freed too, at the cost of
-computing them again, and an attention's T x T probabilities, saved by its softmax and its
-product with the values, are among what recomputing the block frees. The kept outputs are held
+computing them again (an attention's T x T raw scores, which SAC keeps). The profile prices
+both ways and takes this one unless SAC frees a byte for less (``with_selective`` in
+``activations/selective_profile.py``). The kept outputs are held
 from the first forward to the unit's backward, as SAC's cache holds them, and the planner counts
 them so (``with_recompute`` in ``planner/recomputed.py``); the profile finds which product ops
 ran inside the leaves' calls, what they kept and what the others cost

@@ -267,39 +267,65 @@ def selective_cost(other_s: float, ops_s: float, plain_s: float, wall_s: float) 
 
 
 def with_selective(
-    unit: TraceUnit, profile: SelectiveProfile, position: dict[int, int], costs: MechanismCosts
+    unit: TraceUnit,
+    profile: SelectiveProfile,
+    position: dict[int, int],
+    costs: MechanismCosts,
+    sizes: Sequence[int],
 ) -> TraceUnit:
     """``unit`` with what recomputing it selectively frees and keeps (trace vids).
 
-    Behind one node where it can be (NOTE [cached products]), at that cost; either way with
-    the mechanism's own (NOTE [mechanism cost]).
+    ``sizes``: the trace's tensors' bytes, by trace vid. Behind one node with its product
+    leaves' outputs kept where it can be (NOTE [cached products]), unless SAC, keeping every
+    product op's output, costs less per byte it frees (a transformer block's attention products
+    run again behind one node, which SAC keeps); either way with the mechanism's own cost (NOTE
+    [mechanism cost]).
     """
-    cached = profile.cached and unit.one_node
-    if cached:
+    sac = _Way(profile.selective_s + costs.checkpoint_s, profile.product_vids, profile.products)
+    way, cached = sac, False
+    if profile.cached and unit.one_node:
         mechanism_s = costs.one_node_s + profile.cached_calls * costs.cached_call_s
-        selective_s = profile.cached_s + mechanism_s
-    else:
-        selective_s = profile.selective_s + costs.checkpoint_s
-    kept_vids, kept = (
-        (profile.cached_vids, profile.cached_kept)
-        if cached
-        else (profile.product_vids, profile.products)
-    )
-    products = {position[v] for v in kept_vids if v in position}
-    # Product outputs that are vTensors are counted by vid: inner ones leave the manager, the
-    # others (used outside the unit) stay its to move.
-    unsaved = sum(n for v, n in kept if v is None or v not in position)
+        node = _Way(profile.cached_s + mechanism_s, profile.cached_vids, profile.cached_kept)
+        if node.per_byte(unit, position, sizes) <= sac.per_byte(unit, position, sizes):
+            way, cached = node, True
+    products = way.products_in(position)
     return dataclasses.replace(
         unit,
         selective_safe=not profile.why_not,
         why_not_selective=profile.why_not,
-        selective_s=selective_s,
+        selective_s=way.seconds,
         cached_products=cached,
         selective_vids=tuple(v for v in unit.inner_vids if v not in products),
         product_vids=tuple(v for v in unit.inner_vids if v in products),
-        product_bytes=unsaved,
+        product_bytes=way.unsaved(position),
         tail_s=profile.tail_share * unit.forward_s,
     )
+
+
+@dataclass(frozen=True)
+class _Way:
+    """One way of recomputing a unit selectively: its cost and the product outputs it keeps."""
+
+    seconds: float
+    kept_vids: frozenset[int]  # store vids
+    kept: tuple[tuple[int | None, int], ...]  # (store vid or None, bytes) per product output
+
+    def products_in(self, position: dict[int, int]) -> set[int]:
+        """The kept product outputs that are vTensors of the trace (trace vids)."""
+        return {position[v] for v in self.kept_vids if v in position}
+
+    def unsaved(self, position: dict[int, int]) -> int:
+        """Bytes of the kept product outputs that are no vTensor of the trace."""
+        # Product outputs that are vTensors are counted by vid: inner ones leave the manager,
+        # the others (used outside the unit) stay its to move.
+        return sum(n for v, n in self.kept if v is None or v not in position)
+
+    def per_byte(self, unit: TraceUnit, position: dict[int, int], sizes: Sequence[int]) -> float:
+        """Seconds per byte it frees (inf where it frees none)."""
+        products = self.products_in(position)
+        freed = sum(sizes[v] for v in unit.inner_vids if v not in products)
+        freed -= self.unsaved(position)
+        return self.seconds / freed if freed > 0 else float("inf")
 
 
 def _never(_packed: None) -> torch.Tensor:

@@ -234,6 +234,7 @@ class UnitRecorder:
         cost] in ``activations/rerun_cost.py``).
         """
         units = []
+        sizes = [t.nbytes for t in tensors]
         for seen in self.seen.values():
             own = {i for i, step in enumerate(step_names) if in_backward(step, seen.name)}
             inputs = {position[v] for v in seen.input_vids if v in position}
@@ -262,7 +263,7 @@ class UnitRecorder:
                 working_bytes=seen.working_bytes,
             )
             if seen.selective is not None:
-                unit = with_selective(unit, seen.selective, position, costs)
+                unit = with_selective(unit, seen.selective, position, costs, sizes)
             # After its tail is known: a long one keeps it with checkpointing.
             way_s = costs.one_node_s if through_one_node(unit) else costs.checkpoint_s
             units.append(dataclasses.replace(unit, overhead_s=way_s))
