@@ -45,12 +45,13 @@ run_pytest "$PY" -m pytest -q tests/vtensor "$@"
 run_pytest "$PY" -m pytest -q tests --ignore=tests/vtensor "$@"
 
 EQUIVALENCE=tests/vtensor/activations/test_equivalence.py
-# Selective units behind one node, their convolutions' outputs kept (NOTE [cached products]).
+# Selective units behind one node, their product leaves' outputs kept (NOTE [cached products]).
 CACHED=tests/vtensor/activations/test_cached_products.py
+LEAVES=tests/vtensor/activations/test_product_leaves.py
 if [[ -f "$EQUIVALENCE" ]]; then
     # 165 = 0xa5: glibc fills freed (and new) malloc memory with this byte pattern.
-    echo "test: rerunning $EQUIVALENCE and $CACHED with MALLOC_PERTURB_=165" >&2
-    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE" "$CACHED"
+    echo "test: rerunning $EQUIVALENCE, $CACHED and $LEAVES with MALLOC_PERTURB_=165" >&2
+    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE" "$CACHED" "$LEAVES"
 fi
 
 exit "$failed"
