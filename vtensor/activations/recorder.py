@@ -24,17 +24,21 @@ class OpenStep:
     # NOTE [backward parts] in planner/memory_model.py: the unmanaged peak of each part so far,
     # and whether a backward node ended since the part's last unpack.
     parts: list[int] = field(default_factory=lambda: [0])
+    bases: list[int] = field(default_factory=lambda: [-1])  # each part's first sample
     node_ended: bool = False
 
     def note_unmanaged(self, nbytes: int) -> None:
         """A sample of ``nbytes`` not in vTensors: the step's and its part's peak."""
         self.unmanaged_peak = max(self.unmanaged_peak, nbytes)
         self.parts[-1] = max(self.parts[-1], nbytes)
+        if self.bases[-1] < 0:
+            self.bases[-1] = nbytes
 
     def begin_part(self) -> None:
         """A saved tensor is unpacked: a new part begins if a backward node ended since."""
         if self.node_ended:
             self.parts.append(0)
+            self.bases.append(-1)
             self.node_ended = False
 
     def transient_bytes(self, rss_high_water: int, rss_now: int, live_now: int) -> int:
@@ -183,6 +187,7 @@ class IterationBooks:
                 part_peak_bytes=tuple(max(p, 0) + (transient if counted else 0) for p in step.parts)
                 if len(step.parts) > 1
                 else (),
+                part_base_bytes=tuple(max(b, 0) for b in step.bases) if len(step.parts) > 1 else (),
             )
         )
 

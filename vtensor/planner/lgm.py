@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 # Measured on the development machine: swap-file writes with fdatasync, cold reads.
 DEFAULT_WRITE_BYTES_PER_S = 0.3e9
 DEFAULT_READ_BYTES_PER_S = 1.2e9
-PLANNER_VERSION = "lgm-belady/11"  # name/version; bump when plans change meaning
+PLANNER_VERSION = "lgm-belady/12"  # name/version; bump when plans change meaning
 
 Bytes = npt.NDArray[np.int64]
 

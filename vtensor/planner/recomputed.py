@@ -148,6 +148,17 @@ def _add_working(
     holds already. It runs at the first unpack of anything the unit saved from ``first``, its
     first backward step, on: in the step of that use, through the earliest part in which one of
     those tensors was last used there (every part where none was).
+
+    NOTE [working set at an unpack]
+    A recomputation runs inside the unpack that begins a part, before that part's backward node
+    allocates anything, and has let go of its temporaries when the node starts: the part peaks
+    at the larger of the two, not at their sum. Held on top of each part's own peak, every
+    block of the char GPT recomputed was modelled to need 108.5 MiB at half batch (the trial of
+    that plan peaked at 99.3 MiB, and checkpointing the same blocks at 99.1 MiB of live
+    tensors; benchmarks/README.md, ``activation_swap``), so no recomputation was tried at 40 %
+    of its peak. So a part holds what the working set adds above the part's base (its first
+    sample, at that unpack), the highest base of the parts it may run in, where that is above
+    the part's own peak. Without bases (a step in one part) it is held on top, as before.
     """
     brought = unit.selective_vids if selective else unit.inner_vids
     held = sum(trace.tensors[v].nbytes for v in brought)
@@ -161,9 +172,16 @@ def _add_working(
         extra[at] += more
         return
     ended = [t.last_part for t in saved if max(t.use_steps, default=-1) == at and t.last_part >= 0]
+    last = min([*ended, parts - 1])
     by_part = part_extra.setdefault(at, [0] * parts)
-    for j in range(min([*ended, parts - 1]) + 1):
-        by_part[j] += more
+    step = trace.steps[at]
+    # NOTE [working set at an unpack]
+    start = max(step.part_base_bytes[: last + 1], default=-1)
+    for j in range(last + 1):
+        if start < 0:  # no part's base known: held on top of the part's own peak
+            by_part[j] += more
+        else:
+            by_part[j] += max(0, min(more, start + more - step.part_peak_bytes[j]))
 
 
 def _with_extra(step: TraceStep, extra: int, part_extra: list[int] | None) -> TraceStep:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 16
+TRACE_SCHEMA_VERSION = 17
 
 
 class TensorKind(StrEnum):
@@ -51,6 +51,10 @@ class TraceStep:
         part_peak_bytes: a backward step's unmanaged peak per part, in order: a part begins
             at the first unpack after a backward node ended (NOTE [backward parts] in
             ``planner/memory_model.py``); empty where the step is one part.
+        part_base_bytes: per part, its first unmanaged sample, taken at the unpack that began
+            it, before the part's backward node allocates: where a recomputation run at that
+            unpack starts from (``_add_working`` in ``planner/recomputed.py``); empty where the
+            step is one part.
     """
 
     index: int
@@ -63,6 +67,7 @@ class TraceStep:
     transient_bytes: int = 0
     growth_bytes: tuple[int, ...] = ()
     part_peak_bytes: tuple[int, ...] = ()
+    part_base_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,7 @@ class Trace:
                 peak_live_bytes=s.peak_live_bytes + state_bytes,
                 unmanaged_peak_bytes=s.unmanaged_peak_bytes + state_bytes,
                 part_peak_bytes=tuple(p + state_bytes for p in s.part_peak_bytes),
+                part_base_bytes=tuple(b + state_bytes for b in s.part_base_bytes),
             )
             for s in self.steps
         )
@@ -270,6 +276,7 @@ class Trace:
                     "phase": Phase(s["phase"]),
                     "growth_bytes": tuple(s["growth_bytes"]),
                     "part_peak_bytes": tuple(s["part_peak_bytes"]),
+                    "part_base_bytes": tuple(s["part_base_bytes"]),
                 }
             )
             for s in raw.pop("steps")

@@ -66,6 +66,13 @@ def test_parts_are_recorded_and_the_model_still_covers_the_step(tmp_path: Path) 
     assert any(s.name == "backward:0.proj" for s in parted), [s.name for s in parted]
     for s in parted:
         assert max(s.part_peak_bytes) == s.unmanaged_peak_bytes
+        # Each part's base, its first sample, is within its peak (NOTE [working set at an
+        # unpack]); some part's node allocates above its start.
+        assert len(s.part_base_bytes) == len(s.part_peak_bytes)
+        assert all(0 < b <= p for b, p in zip(s.part_base_bytes, s.part_peak_bytes, strict=True))
+    starts = [(s.part_base_bytes, s.part_peak_bytes) for s in parted]
+    assert any(b < p for bases, peaks in starts for b, p in zip(bases, peaks, strict=True))
+    assert all(not s.part_base_bytes for s in trace.steps if len(s.part_peak_bytes) <= 1)
     for t in trace.tensors:
         if t.last_part >= 0:
             assert t.last_part < len(trace.steps[max(t.use_steps)].part_peak_bytes)

@@ -9,12 +9,21 @@ from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUni
 KB = 1000
 
 
-def _trace(working: int, parts: tuple[int, ...] = (), last_part: int = -1) -> Trace:
+def _trace(
+    working: int,
+    parts: tuple[int, ...] = (),
+    last_part: int = -1,
+    bases: tuple[int, ...] = (),
+) -> Trace:
     """Unit m saves a (100 KB) in forward; its one backward step uses it (in ``last_part``)."""
     peak = max(parts, default=20 * KB)
+    backward = TraceStep(
+        1, "backward:m", Phase.BACKWARD, 0.01, 0, 0, peak, part_peak_bytes=parts,
+        part_base_bytes=bases,
+    )  # fmt: skip
     steps = (
         TraceStep(0, "forward:m", Phase.FORWARD, 0.01, 0, 0, 5 * KB),
-        TraceStep(1, "backward:m", Phase.BACKWARD, 0.01, 0, 0, peak, part_peak_bytes=parts),
+        backward,
         TraceStep(2, "other:after-backward", Phase.OTHER, 0.01, 0, 0, 0),
     )
     tensors = (TraceTensor(0, 100 * KB, ("float32",), 0, 1, (1,), last_part=last_part),)
@@ -51,6 +60,25 @@ def test_the_working_set_is_held_only_through_the_part_of_the_first_use() -> Non
     # Used last in part 1, the forward may run again as late as part 1: held through it too.
     late = with_recompute(_trace(160 * KB, parts, last_part=1), ["m"])
     assert late.steps[1].part_peak_bytes == (20 * KB + 160 * KB, 80 * KB + 160 * KB)
+
+
+def test_the_working_set_peaks_at_the_unpack_before_the_parts_own_work() -> None:
+    # NOTE [working set at an unpack]: part 0 starts at 10 KB and its node takes it to 20 KB,
+    # part 1 starts at 15 KB and peaks at 80 KB. Running again from a part's start, the unit
+    # holds 60 KB beyond the 100 KB it brings back: at most 15 + 60 = 75 KB beside them, where
+    # each part's own work, after it, peaks at 20 and 80 KB.
+    parts, bases = (20 * KB, 80 * KB), (10 * KB, 15 * KB)
+    held = with_recompute(_trace(160 * KB, parts, last_part=1, bases=bases), ["m"])
+    assert held.steps[1].part_peak_bytes == (100 * KB + 75 * KB, 100 * KB + 80 * KB)
+    # A part that starts at its peak holds the 60 KB on top of it, as without bases.
+    top = with_recompute(_trace(160 * KB, parts, last_part=1, bases=parts), ["m"])
+    plain = with_recompute(_trace(160 * KB, parts, last_part=1), ["m"])
+    assert top.steps[1].part_peak_bytes == plain.steps[1].part_peak_bytes
+    assert top.steps[1].part_peak_bytes == (100 * KB + 20 * KB + 60 * KB, 100 * KB + 140 * KB)
+    # The bases survive JSON, and the state to come.
+    trace = _trace(160 * KB, parts, last_part=1, bases=bases)
+    assert Trace.from_json(trace.to_json()).steps[1].part_base_bytes == bases
+    assert trace.holding(KB).steps[1].part_base_bytes == (11 * KB, 16 * KB)
 
 
 def test_it_runs_again_at_the_first_use_of_what_it_saved() -> None:
