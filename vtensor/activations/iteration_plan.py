@@ -57,7 +57,7 @@ class Trials:
         kept: candidates never dropped as recomputing more than another (NOTE [dominated
             candidates]): what ``torch.utils.checkpoint`` on every block does.
         cached: the modules that, recomputed selectively, go behind one node with their
-            convolutions' outputs kept (``cached_selective``, NOTE [cached products] in
+            product leaves' outputs kept (``cached_selective``, NOTE [cached products] in
             ``activations/product_cache.py``).
     """
 
@@ -73,7 +73,7 @@ class Trials:
     def one_node_of(self, names: tuple[str, ...], selective: tuple[str, ...]) -> tuple[str, ...]:
         """Of the modules ``names`` recomputes, those recomputed through one node.
 
-        Whole, or selectively with their convolutions' outputs kept (NOTE [cached products]).
+        Whole, or selectively with their product leaves' outputs kept (NOTE [cached products]).
         """
         return tuple(
             n for n in names if (n in self.cached if n in selective else n in self.one_node)

@@ -105,7 +105,7 @@ def recompute_modules(
 
     Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]); those in
     ``one_node`` go behind one autograd node instead (NOTE [one-node recomputation]), whole or,
-    where also in ``selective``, with their convolutions' outputs kept (NOTE [cached
+    where also in ``selective``, with their product leaves' outputs kept (NOTE [cached
     products]).
     ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
     host with no plan to place them (NOTE [recomputed growth] in ``activations/policy.py``).
@@ -164,7 +164,7 @@ def _checkpointed(
 ) -> Callable[..., Any]:
     """``forward`` recomputed: through torch's checkpointing, or behind one node.
 
-    Behind one node and ``selective``: with the convolutions' outputs kept (NOTE [cached
+    Behind one node and ``selective``: with the product leaves' outputs kept (NOTE [cached
     products]).
     """
 

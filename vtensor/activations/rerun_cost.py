@@ -47,7 +47,7 @@ class MechanismCosts:
 
     Attributes:
         one_node_s: a unit recomputed whole behind one node, or selectively with its
-            convolutions' outputs kept.
+            product leaves' outputs kept.
         checkpoint_s: a unit recomputed under torch's checkpointing, whole or selectively.
         cached_call_s: each product op answered from what the first run kept (a convolution
             module's call: the mode entered twice, the op dispatched through it twice).

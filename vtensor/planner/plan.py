@@ -82,7 +82,7 @@ class Plan:
             ``reserve_bytes`` everywhere.
         one_node: of ``recompute``, the modules recomputed through one autograd node (NOTE
             [one-node recomputation] in ``activations/rebuild.py``): whole, or, those also in
-            ``selective``, with their convolutions' outputs kept (NOTE [cached products] in
+            ``selective``, with their product leaves' outputs kept (NOTE [cached products] in
             ``activations/product_cache.py``); the others through torch's checkpointing.
     """
 

@@ -155,7 +155,7 @@ class TraceUnit:
             included: what running it again holds at its peak (NOTE [recomputation's working
             set] in ``activations/recorder.py``).
         cached_products: recomputed selectively, it goes behind one node with its
-            convolutions' outputs kept from its forward (NOTE [cached products] in
+            product leaves' outputs kept from its forward (NOTE [cached products] in
             ``activations/product_cache.py``); it holds its output's gradient through its
             backward then, as a unit recomputed whole through one node does.
         overhead_s: what recomputing it whole costs beyond its forward: the work of the
