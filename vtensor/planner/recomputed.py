@@ -153,10 +153,10 @@ def _add_working(
     A recomputation runs inside the unpack that begins a part, before that part's backward node
     allocates anything, and has let go of its temporaries when the node starts: the part peaks
     at the larger of the two, not at their sum. Held on top of each part's own peak, every
-    block of the char GPT recomputed was modelled to need 108.5 MiB at half batch (the trial of
-    that plan peaked at 99.3 MiB, and checkpointing the same blocks at 99.1 MiB of live
-    tensors; benchmarks/README.md, ``activation_swap``), so no recomputation was tried at 40 %
-    of its peak. So a part holds what the working set adds above the part's base (its first
+    block of the char GPT recomputed was modelled to need 108.5 MiB at half batch, where the
+    trial of that plan peaked at 99.3 MiB and checkpointing the same blocks at 99.1 MiB of live
+    tensors (benchmarks/README.md, ``activation_swap``): candidates near a floor were judged
+    not to fit. So a part holds what the working set adds above the part's base (its first
     sample, at that unpack), the highest base of the parts it may run in, where that is above
     the part's own peak. Without bases (a step in one part) it is held on top, as before.
     """
