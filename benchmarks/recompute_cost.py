@@ -51,6 +51,7 @@ from benchmarks.common import (
 )
 from benchmarks.zoo import workloads
 from vtensor.activations.recompute import recompute_modules
+from vtensor.activations.rerun_cost import PlainHost
 from vtensor.planner.recompute import inner_bytes, selective_bytes
 from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Trace, TraceUnit
@@ -63,19 +64,6 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
-
-
-class _Host:
-    """What ``recompute_modules`` tells that a forward runs again (no manager around it)."""
-
-    recomputing = 0
-    boundaries = None  # no module hooks
-
-    def recompute_began(self, regrowth_bytes: int) -> None:
-        """Nothing to place: no plan."""
-
-    def recompute_ended(self) -> None:
-        """Nothing to measure."""
 
 
 def _profiled(model: nn.Module, batch: Batch, loss: Loss) -> Trace:
@@ -115,7 +103,7 @@ def measure(
     """Per block: predicted and measured cost of recomputing it whole and selectively."""
     trace = _profiled(model, batch, loss)
     blocks = _blocks(trace)
-    host = _Host()
+    host = PlainHost(torch.device("cpu"))
     # (name, recomputed, selectively, through one node)
     variants: list[tuple[str, list[str], list[str], list[str]]] = [("unchanged", [], [], [])]
     for u in blocks:

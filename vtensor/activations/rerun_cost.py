@@ -58,7 +58,7 @@ class MechanismCosts:
     cached_call_s: float
 
 
-class _Host:
+class PlainHost:
     """What ``recompute_modules`` tells that a forward runs again: no manager, no plan."""
 
     recomputing = 0
@@ -85,7 +85,7 @@ def mechanism_costs(device: str) -> MechanismCosts:
 
 
 def _measured(at: torch.device) -> MechanismCosts:
-    host = _Host(at)
+    host = PlainHost(at)
     units = {k: _small_unit(k, at) for k in (1, _CALLS)}
     x = torch.ones(1, 2, 2, 2, device=at, requires_grad=True)
     # (units, calls in the unit, recomputed, selectively, behind one node)
