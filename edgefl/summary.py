@@ -2,7 +2,8 @@
 
 from collections.abc import Sequence
 
-from edgefl.history import RoundRecord, RunHistory
+import vtensor
+from edgefl.history import ClientRound, RoundRecord, RunHistory
 from edgefl.records import (
     BUDGET_BYTES,
     BYTES_SWAPPED_IN,
@@ -10,7 +11,9 @@ from edgefl.records import (
     DEVICE_CLASS,
     EXAMPLES_PROCESSED,
     PEAK_DEVICE_BYTES,
+    PLAN_SOURCE,
     TRAIN_S,
+    plan_source_of,
 )
 from edgefl.reference import ReferenceRound
 from edgefl.settings import DeviceClass
@@ -77,13 +80,16 @@ def class_table(
     """Per device class: budget, peaks, bytes swapped and round time against an unmanaged client.
 
     Figures are over every successful train reply of the class: the largest peak, the mean bytes
-    swapped (out + in) and the mean round time per client and round; "x unmanaged" is the mean
-    time per example against the reference round's (NOTE [reference round]).
+    swapped (out + in) per client and round. Times are apart for the rounds in which vtensor was
+    still deciding the class's plan (profiling, trying and racing candidates: NOTE [deciding
+    rounds]): "round s" is the mean time of the others, "x unmanaged" their mean time per
+    example against the reference round's (NOTE [reference round]), and "deciding s" the mean
+    time of the deciding ones.
     """
     header = (
         f"{'device class':<14} {'clients':>7} {'budget':>16} {'unmanaged peak':>14} "
-        f"{'measured peak':>13} {'swapped/round':>13} {'round s':>7} {'x unmanaged':>11}  "
-        "without vtensor"
+        f"{'measured peak':>13} {'swapped/round':>13} {'round s':>7} {'x unmanaged':>11} "
+        f"{'deciding s':>10}  without vtensor"
     )
     lines = [header, "-" * len(header)]
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
@@ -95,28 +101,48 @@ def class_table(
         budget = int(max(c.metrics[BUDGET_BYTES] for c in mine))
         share = f"({100 * budget / unmanaged_peak_bytes:.0f}%)" if unmanaged_peak_bytes else ""
         swapped = _mean([c.metrics[BYTES_SWAPPED_OUT] + c.metrics[BYTES_SWAPPED_IN] for c in mine])
+        deciding = [c for c in mine if _deciding(c)]
+        decided = [c for c in mine if not _deciding(c)]
         ratio = "-"
-        if reference is not None and reference.s_per_example > 0:
+        if decided and reference is not None and reference.s_per_example > 0:
             per_example = [
-                c.metrics[TRAIN_S] / max(1.0, c.metrics[EXAMPLES_PROCESSED]) for c in mine
+                c.metrics[TRAIN_S] / max(1.0, c.metrics[EXAMPLES_PROCESSED]) for c in decided
             ]
             ratio = f"{_mean(per_example) / reference.s_per_example:.2f}x"
+        round_s = _num(_mean([c.metrics[TRAIN_S] for c in decided]) if decided else None, 1)
+        deciding_s = _num(_mean([c.metrics[TRAIN_S] for c in deciding]) if deciding else None, 1)
         without = _WITHOUT if budget < unmanaged_peak_bytes else "could train unmanaged"
         lines.append(
             f"{device.name:<14} {len({c.node_id for c in mine}):>7} "
             f"{format_bytes(budget) + ' ' + share:>16} {format_bytes(unmanaged_peak_bytes):>14} "
             f"{format_bytes(int(max(c.metrics[PEAK_DEVICE_BYTES] for c in mine))):>13} "
-            f"{format_bytes(int(swapped)):>13} {_mean([c.metrics[TRAIN_S] for c in mine]):>7.1f} "
-            f"{ratio:>11}  {without}"
+            f"{format_bytes(int(swapped)):>13} {round_s:>7} {ratio:>11} {deciding_s:>10}  "
+            f"{without}"
         )
     if reference is not None:
         lines.append(
             f"{'unmanaged':<14} {1:>7} {'-':>16} {format_bytes(unmanaged_peak_bytes):>14} "
             f"{format_bytes(unmanaged_peak_bytes):>13} {format_bytes(0):>13} "
-            f"{reference.train_s:>7.1f} {'1.00x':>11}  (reference: client 0's round 1 with "
-            "vtensor off, timed alone in this run)"
+            f"{reference.train_s:>7.1f} {'1.00x':>11} {'-':>10}  (reference: client 0's round 1 "
+            "with vtensor off, timed alone in this run)"
         )
     return "\n".join(lines)
+
+
+# NOTE [deciding rounds]: a class's first rounds under vtensor profile the model, try the
+# candidate recomputations and race them against swapping alone (NOTE [plan race] in
+# vtensor/activations/race.py), once per model, input shape and budget; the class's later
+# rounds load the decided plan from its plan cache. The table keeps the two apart, since a
+# run of a few rounds would otherwise state the one-time decision as the cost of every round.
+# A round counts as deciding when its client's plan source is profiled, raced or planned (a
+# plan made in that round's process); every other round, and every round with vtensor off,
+# ran a plan decided before it.
+_DECIDING = {vtensor.PlanSource.PROFILED, vtensor.PlanSource.RACED, vtensor.PlanSource.PLANNED}
+
+
+def _deciding(reply: ClientRound) -> bool:
+    code = reply.metrics.get(PLAN_SOURCE)
+    return code is not None and plan_source_of(code) in _DECIDING
 
 
 def _mean(values: Sequence[float]) -> float:

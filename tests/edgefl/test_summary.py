@@ -1,7 +1,9 @@
 """The end-of-run table per device class, from plain client rows."""
 
+import vtensor
 from edgefl.budget import Budget
 from edgefl.history import ClientRound, RunHistory
+from edgefl.records import plan_source_code
 from edgefl.reference import ReferenceRound
 from edgefl.settings import DeviceClass
 from edgefl.summary import class_table
@@ -58,3 +60,37 @@ def test_class_table_without_reference_or_replies() -> None:
     table = class_table(RunHistory(), CLASSES, 100 * MIB, None)
     assert "micro" in table and "no successful round" in table
     assert "unmanaged " not in table.splitlines()[-1]
+
+
+def _times(table: str, name: str) -> list[str]:
+    """The class's round s, x unmanaged and deciding s cells (after its swapped bytes)."""
+    line = next(line for line in table.splitlines() if line.startswith(name))
+    return line.split("6.0 MiB", 1)[1].split()[:3]
+
+
+def _reply(server_round: int, source: vtensor.PlanSource, train_s: float) -> ClientRound:
+    row = _row(server_round, 0, 40, 30, train_s)
+    metrics = {**row.metrics, "plan-source": float(plan_source_code(source))}
+    return ClientRound(server_round, "train", server_round, metrics)
+
+
+def test_class_table_states_deciding_rounds_apart() -> None:
+    """Rounds that profiled, tried or raced plans are timed apart from those on a decided plan."""
+    history = RunHistory()
+    history.clients += [
+        _reply(1, vtensor.PlanSource.PROFILED, 9.0),
+        _reply(2, vtensor.PlanSource.RACED, 5.0),
+        _reply(3, vtensor.PlanSource.CACHED, 3.0),
+        _reply(4, vtensor.PlanSource.CACHED, 2.0),
+    ]
+    table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
+    # round s: the cached rounds' mean; x unmanaged: 2.5 s per 100 examples against 2 s per 100;
+    # deciding s: the profiled and raced rounds' mean
+    assert _times(table, "micro") == ["2.5", "1.25x", "7.0"]
+
+
+def test_class_table_with_only_deciding_rounds() -> None:
+    history = RunHistory()
+    history.clients.append(_reply(1, vtensor.PlanSource.PROFILED, 4.0))
+    table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
+    assert _times(table, "micro") == ["-", "-", "4.0"]

@@ -1,0 +1,244 @@
+"""The main job itself with vtensor on and off, side by side: each federated round's wall time.
+
+``scripts/main.sh`` runs the main job: Flower's simulation engine, 8 clients in three device
+classes, each training under its class's budget with vtensor (the configuration in
+``conf/config.yaml``, Hydra overrides after ``--``). This script runs that same simulation with
+vtensor on (the main job's settings) and with vtensor off (``vtensor=disabled``: every client
+trains unmanaged, as a fleet with ample memory would), ``--pairs`` times each, alternating
+(on, off, off, on, ...), each in a fresh process as a user's run is: Ray's start, the data, the
+peak measurement and the reference round, and for vtensor an empty plan cache, so round 1
+profiles, tries and races each class's plans.
+
+Both variants run the clients two at a time on the machine's two cores: the same load, which
+the per-class table of a single run cannot give (its reference round is timed alone, NOTE
+[reference round] in ``edgefl/reference.py``). A client round of vtensor whose plan came from
+its class's plan cache (plan source ``cached``) ran the decided plan; the others profiled,
+tried or raced plans (round 1, and round 2 where a class's decision went on).
+
+Per round: the round's wall time as the ServerApp measures it (from sending the training
+instructions to the evaluated global model), the median over each variant's runs, and its
+ratio; round 1 apart (the plan decisions), rounds 2 to N together, and the whole run. Per device
+class: the clients' local training time per round (``train-s``), rounds 2 to N and round 1.
+Bit-identity: the central accuracy and loss of every round must be equal in every run (training
+under vtensor is bit-identical to training without it).
+
+Run from the repository root::
+
+    python -m benchmarks.main_job --pairs 3 --out main_job.jsonl   # about 5 minutes
+    python -m benchmarks.main_job --quick    # one pair of two rounds; its rows are not results
+"""
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    add_out,
+    add_quick,
+    describe,
+    environment,
+    split_overrides,
+    tagged,
+    write_json_lines,
+)
+from edgefl.config import load_run_settings
+
+VARIANTS = {"on": [], "off": ["vtensor=disabled"]}
+
+
+@dataclass
+class Run:
+    """One simulation: per round its wall time and central metrics, per client its train time."""
+
+    variant: str
+    wall_s: list[float]  # round 1 first
+    central: list[tuple[float, float]]  # (accuracy, loss) per round
+    train_s: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # class, round
+    decided_s: dict[int, list[float]] = field(
+        default_factory=dict
+    )  # class: rounds on a cached plan
+    total_s: float = 0.0  # the process's wall time, start to exit
+
+
+def simulate(variant: str, overrides: Sequence[str], out_dir: Path) -> Run:
+    """Run the main job once in a fresh process; read its rounds and clients back."""
+    command = [
+        sys.executable,
+        "-m",
+        "edgefl.sim",
+        *VARIANTS[variant],
+        *overrides,
+        f"output_dir={out_dir}",
+        "server.save_plots=false",
+    ]
+    log = out_dir.with_suffix(".log")
+    began = time.perf_counter()
+    with open(log, "w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, check=False)
+    total = time.perf_counter() - began
+    if done.returncode != 0:
+        tail = log.read_text().splitlines()[-20:]
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n" + "\n".join(tail))
+    rounds = [r for r in json.loads((out_dir / "rounds.json").read_text())["rounds"]]
+    rounds = [r for r in rounds if r["server_round"] > 0]  # round 0: the initial evaluation
+    run = Run(
+        variant,
+        [r["wall_s"] for r in rounds],
+        [(r["central_acc"], r["central_loss"]) for r in rounds],
+        total_s=total,
+    )
+    with open(out_dir / "clients.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["phase"] != "train" or row["error"]:
+                continue
+            per_class = run.train_s.setdefault(int(float(row["device-class"])), {})
+            per_class.setdefault(int(row["server_round"]), []).append(float(row["train-s"]))
+            if row["plan-source"] == "cached":  # the class's decided plan, loaded from its cache
+                run.decided_s.setdefault(int(float(row["device-class"])), []).append(
+                    float(row["train-s"])
+                )
+    return run
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _round_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per round (and rounds 2-N, and the whole run): the median wall time of each variant."""
+    on = [r for r in runs if r.variant == "on"]
+    off = [r for r in runs if r.variant == "off"]
+    n = len(on[0].wall_s)
+    rows = []
+    spans = [(f"{i + 1}", [i]) for i in range(n)]
+    spans += [(f"2-{n}", list(range(1, n))), (f"1-{n}", list(range(n)))] if n > 1 else []
+    for name, rounds in spans:
+        on_s = _median([sum(r.wall_s[i] for i in rounds) for r in on])
+        off_s = _median([sum(r.wall_s[i] for i in rounds) for r in off])
+        rows.append(
+            {
+                "rounds": name,
+                "on_s": on_s,
+                "off_s": off_s,
+                "ratio": on_s / off_s,
+                "on_all": [sum(r.wall_s[i] for i in rounds) for r in on],
+                "off_all": [sum(r.wall_s[i] for i in rounds) for r in off],
+            }
+        )
+    return rows
+
+
+def _class_rows(
+    runs: list[Run], names: Sequence[str], budgets: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per device class: the median of its clients' local training time per round."""
+    rows = []
+    for index, name in enumerate(names):
+        row: dict[str, Any] = {"device_class": name, "budget": budgets[index]}
+        for variant in VARIANTS:
+            mine = [r.train_s.get(index, {}) for r in runs if r.variant == variant]
+            first = [s for per in mine for s in per.get(1, [])]
+            later = [s for per in mine for rnd, ts in per.items() if rnd > 1 for s in ts]
+            row[f"{variant}_round1_s"] = _median(first)
+            row[f"{variant}_later_s"] = _median(later)
+        decided = [s for r in runs if r.variant == "on" for s in r.decided_s.get(index, [])]
+        row["on_decided_s"], row["on_decided_rounds"] = _median(decided), len(decided)
+        row["decided_ratio"] = row["on_decided_s"] / row["off_later_s"]
+        row["later_ratio"] = row["on_later_s"] / row["off_later_s"]
+        row["round1_ratio"] = row["on_round1_s"] / row["off_round1_s"]
+        rows.append(row)
+    return rows
+
+
+def _identical(runs: list[Run]) -> bool:
+    """Whether every run's central accuracy and loss agree, round by round."""
+    return all(r.central == runs[0].central for r in runs)
+
+
+def run_pairs(args: argparse.Namespace, overrides: list[str]) -> list[Run]:
+    """``args.pairs`` runs of each variant, alternating (on, off, off, on, ...)."""
+    root = Path(tempfile.mkdtemp(prefix="main-job-"))
+    runs = []
+    for pair in range(args.pairs):
+        for variant in ("on", "off") if pair % 2 == 0 else ("off", "on"):
+            out_dir = root / f"{pair}-{variant}"
+            run = simulate(variant, overrides, out_dir)
+            runs.append(run)
+            walls = ", ".join(f"{s:.1f}" for s in run.wall_s)
+            print(f"#   pair {pair + 1}, vtensor {variant}: rounds {walls} s", flush=True)
+    return runs
+
+
+def _tables(round_rows: list[dict[str, Any]], class_rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| rounds | vtensor on, s | vtensor off, s | on / off |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['rounds']} | {r['on_s']:.1f} | {r['off_s']:.1f} | {r['ratio']:.2f}x |"
+            for r in round_rows
+        ),
+        "",
+        "| device class (budget) | train s a round, rounds 2-N: on | off | on / off "
+        "| on, plan decided (client rounds) | / off | round 1: on | off | on / off |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['device_class']} ({r['budget']}) | {r['on_later_s']:.2f} | "
+            f"{r['off_later_s']:.2f} | {r['later_ratio']:.2f}x | {r['on_decided_s']:.2f} "
+            f"({r['on_decided_rounds']}) | {r['decided_ratio']:.2f}x | {r['on_round1_s']:.2f} | "
+            f"{r['off_round1_s']:.2f} | {r['round1_ratio']:.2f}x |"
+            for r in class_rows
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse arguments, run the pairs, print the tables, write the JSON lines."""
+    own, overrides = split_overrides(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="runs of each variant, alternating (default 3)"
+    )
+    add_quick(parser, "one pair of two rounds")
+    add_out(parser)
+    args = parser.parse_args(own)
+    if args.quick:
+        args.pairs = 1
+        overrides = ["num_rounds=2", *overrides]
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    settings = load_run_settings(overrides)
+    torch.set_num_threads(settings.client.train.torch_threads)  # recorded as the clients train
+    classes = settings.client.fleet.classes
+    env = environment(script="main_job", overrides=overrides, pairs=args.pairs)
+    print(describe(env), flush=True)
+    started = time.perf_counter()
+    runs = run_pairs(args, overrides)
+    round_rows = _round_rows(runs)
+    budgets = [str(c.budget) for c in classes]
+    class_rows = _class_rows(runs, [c.name for c in classes], budgets)
+    same = _identical(runs)
+    print(_tables(round_rows, class_rows))
+    print(
+        f"# central accuracy and loss identical in every run, every round: "
+        f"{'yes' if same else 'NO'}"
+    )
+    print(f"# total {time.perf_counter() - started:.0f} s", flush=True)
+    summary = {"identical": same, "central": runs[0].central}
+    rows = [*tagged("round", round_rows), *tagged("device_class", class_rows)]
+    write_json_lines(args.out, env, [*rows, *tagged("summary", [summary])])
+
+
+if __name__ == "__main__":
+    main()
