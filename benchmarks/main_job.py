@@ -7,7 +7,9 @@ vtensor on (the main job's settings) and with vtensor off (``vtensor=disabled``:
 trains unmanaged, as a fleet with ample memory would), ``--pairs`` times each, alternating
 (on, off, off, on, ...), each in a fresh process as a user's run is: Ray's start, the data, the
 peak measurement and the reference round, and for vtensor an empty plan cache, so round 1
-profiles, tries and races each class's plans.
+profiles, tries and races each class's plans. Each pair then runs vtensor on once more
+(``cached``) on the plan cache the pair's ``on`` run left: what a device that decided its plans
+in an earlier run pays, as a deployed node keeps them in its ``--plan-cache``.
 
 Both variants run the clients two at a time on the machine's two cores: the same load, which
 the per-class table of a single run cannot give (its reference round is timed alone, NOTE
@@ -55,7 +57,9 @@ from benchmarks.common import (
 )
 from edgefl.config import load_run_settings
 
-VARIANTS = {"on": [], "off": ["vtensor=disabled"]}
+# "cached": vtensor on, with the plan cache an "on" run of the same pair left (a device that
+# decided its plans in an earlier run, as a deployed node keeps them in its --plan-cache).
+VARIANTS = {"on": [], "off": ["vtensor=disabled"], "cached": []}
 
 
 @dataclass
@@ -72,14 +76,21 @@ class Run:
     total_s: float = 0.0  # the process's wall time, start to exit
 
 
-def simulate(variant: str, overrides: Sequence[str], out_dir: Path) -> Run:
-    """Run the main job once in a fresh process; read its rounds and clients back."""
+def simulate(
+    variant: str, overrides: Sequence[str], out_dir: Path, plan_cache: Path | None = None
+) -> Run:
+    """Run the main job once in a fresh process; read its rounds and clients back.
+
+    ``plan_cache``: the clients' plan-cache root (default: a fresh one under ``out_dir``).
+    """
+    cache = [f"fleet.plan_cache_root={plan_cache}"] if plan_cache is not None else []
     command = [
         sys.executable,
         "-m",
         "edgefl.sim",
         *VARIANTS[variant],
         *overrides,
+        *cache,
         f"output_dir={out_dir}",
         "server.save_plots=false",
     ]
@@ -118,25 +129,18 @@ def _median(values: Sequence[float]) -> float:
 
 def _round_rows(runs: list[Run]) -> list[dict[str, Any]]:
     """Per round (and rounds 2-N, and the whole run): the median wall time of each variant."""
-    on = [r for r in runs if r.variant == "on"]
-    off = [r for r in runs if r.variant == "off"]
-    n = len(on[0].wall_s)
+    n = len(runs[0].wall_s)
     rows = []
     spans = [(f"{i + 1}", [i]) for i in range(n)]
     spans += [(f"2-{n}", list(range(1, n))), (f"1-{n}", list(range(n)))] if n > 1 else []
     for name, rounds in spans:
-        on_s = _median([sum(r.wall_s[i] for i in rounds) for r in on])
-        off_s = _median([sum(r.wall_s[i] for i in rounds) for r in off])
-        rows.append(
-            {
-                "rounds": name,
-                "on_s": on_s,
-                "off_s": off_s,
-                "ratio": on_s / off_s,
-                "on_all": [sum(r.wall_s[i] for i in rounds) for r in on],
-                "off_all": [sum(r.wall_s[i] for i in rounds) for r in off],
-            }
-        )
+        row: dict[str, Any] = {"rounds": name}
+        for variant in VARIANTS:
+            each = [sum(r.wall_s[i] for i in rounds) for r in runs if r.variant == variant]
+            row[f"{variant}_s"], row[f"{variant}_all"] = _median(each), each
+        row["ratio"] = row["on_s"] / row["off_s"]
+        row["cached_ratio"] = row["cached_s"] / row["off_s"]
+        rows.append(row)
     return rows
 
 
@@ -158,6 +162,7 @@ def _class_rows(
         row["decided_ratio"] = row["on_decided_s"] / row["off_later_s"]
         row["later_ratio"] = row["on_later_s"] / row["off_later_s"]
         row["round1_ratio"] = row["on_round1_s"] / row["off_round1_s"]
+        row["cached_round1_ratio"] = row["cached_round1_s"] / row["off_round1_s"]
         rows.append(row)
     return rows
 
@@ -168,13 +173,15 @@ def _identical(runs: list[Run]) -> bool:
 
 
 def run_pairs(args: argparse.Namespace, overrides: list[str]) -> list[Run]:
-    """``args.pairs`` runs of each variant, alternating (on, off, off, on, ...)."""
+    """``args.pairs`` runs of each variant: on and off alternating (on, off, off, on, ...), then
+    ``cached`` on the plan cache the pair's ``on`` run left."""
     root = Path(tempfile.mkdtemp(prefix="main-job-"))
     runs = []
     for pair in range(args.pairs):
-        for variant in ("on", "off") if pair % 2 == 0 else ("off", "on"):
+        for variant in ("on", "off", "cached") if pair % 2 == 0 else ("off", "on", "cached"):
             out_dir = root / f"{pair}-{variant}"
-            run = simulate(variant, overrides, out_dir)
+            cache = root / f"{pair}-on" / "plan-cache" if variant == "cached" else None
+            run = simulate(variant, overrides, out_dir, cache)
             runs.append(run)
             walls = ", ".join(f"{s:.1f}" for s in run.wall_s)
             print(f"#   pair {pair + 1}, vtensor {variant}: rounds {walls} s", flush=True)
@@ -183,21 +190,24 @@ def run_pairs(args: argparse.Namespace, overrides: list[str]) -> list[Run]:
 
 def _tables(round_rows: list[dict[str, Any]], class_rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| rounds | vtensor on, s | vtensor off, s | on / off |",
-        "|---|---|---|---|",
+        "| rounds | vtensor on, s | vtensor off, s | on / off | on, plans cached, s | / off |",
+        "|---|---|---|---|---|---|",
         *(
-            f"| {r['rounds']} | {r['on_s']:.1f} | {r['off_s']:.1f} | {r['ratio']:.2f}x |"
+            f"| {r['rounds']} | {r['on_s']:.1f} | {r['off_s']:.1f} | {r['ratio']:.2f}x | "
+            f"{r['cached_s']:.1f} | {r['cached_ratio']:.2f}x |"
             for r in round_rows
         ),
         "",
         "| device class (budget) | train s a round, rounds 2-N: on | off | on / off "
-        "| on, plan decided (client rounds) | / off | round 1: on | off | on / off |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| on, plan decided (client rounds) | / off | round 1: on | off | on / off "
+        "| round 1, plans cached | / off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['device_class']} ({r['budget']}) | {r['on_later_s']:.2f} | "
             f"{r['off_later_s']:.2f} | {r['later_ratio']:.2f}x | {r['on_decided_s']:.2f} "
             f"({r['on_decided_rounds']}) | {r['decided_ratio']:.2f}x | {r['on_round1_s']:.2f} | "
-            f"{r['off_round1_s']:.2f} | {r['round1_ratio']:.2f}x |"
+            f"{r['off_round1_s']:.2f} | {r['round1_ratio']:.2f}x | {r['cached_round1_s']:.2f} | "
+            f"{r['cached_round1_ratio']:.2f}x |"
             for r in class_rows
         ),
     ]
