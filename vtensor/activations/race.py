@@ -33,7 +33,15 @@ median lies within ``CLOSE`` of the leader's (the leader among them) are replaye
 turn, up to ``MAX_ROUNDS`` replays each, and the least median then wins. The extra replays
 cost little: the candidates that get them are the ones no slower than the leader by more
 than ``CLOSE``; a candidate clearly slower gets no more. The median, not the best, because
-one fast replay is as much an accident of the machine as one slow one.
+one fast replay is as much an accident of the machine as one slow one. Up to four replays
+(three in the final form) were too few: on the main job's simulation, where two clients train
+at once on two cores and each one's replays vary with what the other runs, one race of three
+kept a five-module cover of the micro class at 1.33x the unmanaged round where the others kept
+two modules at 1.25x (benchmarks/README.md, ``main_job``). Races of recorded-like times
+(``tests/vtensor/activations/test_race.py``: five candidates 0-60 % apart, replays spread 5 %)
+kept a slower plan in 4.9 % of them with four replays and 1.0 % with eight, for 0.2 more
+steps' worth of the slower candidates' time; with replays spread 8 % and one in ten 25 % slow,
+22 % and 14 %.
 
 NOTE [confirmed leader]
 A leader clearly ahead of every other candidate still stood on one replay in its final form
@@ -68,7 +76,7 @@ from vtensor.planner.plan import Plan
 logger = logging.getLogger(__name__)
 
 ROUNDS = 2  # replays of every candidate
-MAX_ROUNDS = 4  # replays of a candidate close to the leader, at most (NOTE [close race])
+MAX_ROUNDS = 8  # replays of a candidate close to the leader, at most (NOTE [close race])
 CLOSE = 0.10  # within this fraction of the leader's median, a candidate is close
 CONFIRM = 3  # times of the leader in its final form before it wins (NOTE [confirmed leader])
 
