@@ -33,7 +33,6 @@ Run from the repository root::
 import argparse
 import csv
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -227,7 +226,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         args.pairs = 1
         overrides = ["num_rounds=2", *overrides]
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     settings = load_run_settings(overrides)
     torch.set_num_threads(settings.client.train.torch_threads)  # recorded as the clients train
     classes = settings.client.fleet.classes

@@ -34,10 +34,11 @@ turn, up to ``MAX_ROUNDS`` replays each, and the least median then wins. The ext
 cost little: the candidates that get them are the ones no slower than the leader by more
 than ``CLOSE``; a candidate clearly slower gets no more. The median, not the best, because
 one fast replay is as much an accident of the machine as one slow one. Up to four replays
-(three in the final form) were too few: on the main job's simulation, where two clients train
-at once on two cores and each one's replays vary with what the other runs, one race of three
-kept a five-module cover of the micro class at 1.33x the unmanaged round where the others kept
-two modules at 1.25x (benchmarks/README.md, ``main_job``). Races of recorded-like times
+(three in the final form) were too few: the main job's micro class kept a five-module cover in
+one run of its round in one process, at 1.36x the unmanaged round where the two-module cover
+other runs kept took 1.17-1.23x (benchmarks/README.md, ``main_round``), and in one simulation
+of three, where two clients train at once and each one's replays vary with what the other
+runs (``main_job``). Races of recorded-like times
 (``tests/vtensor/activations/test_race.py``: five candidates 0-60 % apart, replays spread 5 %)
 kept a slower plan in 4.9 % of them with four replays and 1.0 % with eight, for 0.2 more
 steps' worth of the slower candidates' time; with replays spread 8 % and one in ten 25 % slow,
