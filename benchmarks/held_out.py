@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_quick(p, "two models, 16 steps, batch 4")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--steps", type=int, default=30, help="steps per model (default 30)")
+    p.add_argument("--steps", type=int, default=45, help="steps per model (default 45)")
     p.add_argument("--fraction", type=float, default=0.5, help="budget / peak (default 0.5)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     add_out(p)

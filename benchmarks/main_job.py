@@ -69,10 +69,8 @@ class Run:
     wall_s: list[float]  # round 1 first
     central: list[tuple[float, float]]  # (accuracy, loss) per round
     train_s: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # class, round
-    decided_s: dict[int, list[float]] = field(
-        default_factory=dict
-    )  # class: rounds on a cached plan
-    total_s: float = 0.0  # the process's wall time, start to exit
+    # Per class: the train times of its client rounds on a plan loaded from the plan cache.
+    decided_s: dict[int, list[float]] = field(default_factory=dict)
 
 
 def simulate(
@@ -94,20 +92,17 @@ def simulate(
         "server.save_plots=false",
     ]
     log = out_dir.with_suffix(".log")
-    began = time.perf_counter()
     with open(log, "w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, check=False)
-    total = time.perf_counter() - began
     if done.returncode != 0:
         tail = log.read_text().splitlines()[-20:]
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n" + "\n".join(tail))
-    rounds = [r for r in json.loads((out_dir / "rounds.json").read_text())["rounds"]]
-    rounds = [r for r in rounds if r["server_round"] > 0]  # round 0: the initial evaluation
+    recorded = json.loads((out_dir / "rounds.json").read_text())["rounds"]
+    rounds = [r for r in recorded if r["server_round"] > 0]  # round 0: the initial evaluation
     run = Run(
         variant,
         [r["wall_s"] for r in rounds],
         [(r["central_acc"], r["central_loss"]) for r in rounds],
-        total_s=total,
     )
     with open(out_dir / "clients.csv", newline="") as f:
         for row in csv.DictReader(f):

@@ -25,24 +25,27 @@ race costs nothing but the slower candidates' extra time, a few iterations once 
 signature and budget.
 
 NOTE [close race]
-``ROUNDS`` replays leave a candidate that goes lean one replay in its final form, and one
-replay of a plan on a shared 2-vCPU machine varies by several percent: decided on one lean
-replay each, the race kept a plan 11 % slower than the swap-only one it raced (MobileNetV2
-at 50 %, benchmarks/HISTORY.md, 2026-12-02). So once every candidate has its ``ROUNDS``, those whose
+``ROUNDS`` replays leave a candidate that goes lean one replay in its final form, and one replay
+of a plan on a shared 2-vCPU machine varies by several percent: decided on one lean replay each,
+the race kept a plan 11 % slower than the swap-only one it raced (MobileNetV2 at 50 %,
+benchmarks/HISTORY.md, 2026-12-02). So once every candidate has its ``ROUNDS``, those whose
 median lies within ``CLOSE`` of the leader's (the leader among them) are replayed again, in
-turn, up to ``MAX_ROUNDS`` replays each, and the least median then wins. The extra replays
-cost little: the candidates that get them are the ones no slower than the leader by more
-than ``CLOSE``; a candidate clearly slower gets no more. The median, not the best, because
-one fast replay is as much an accident of the machine as one slow one. Up to four replays
-(three in the final form) were too few: the main job's micro class kept a five-module cover in
-one run of its round in one process, at 1.36x the unmanaged round where the two-module cover
-other runs kept took 1.17-1.23x (benchmarks/README.md, ``main_round``), and in one simulation
-of three, where two clients train at once and each one's replays vary with what the other
-runs (``main_job``). Races of recorded-like times
-(``tests/vtensor/activations/test_race.py``: five candidates 0-60 % apart, replays spread 5 %)
-kept a slower plan in 4.9 % of them with four replays and 1.0 % with eight, for 0.2 more
-steps' worth of the slower candidates' time; with replays spread 8 % and one in ten 25 % slow,
-22 % and 14 %.
+turn, up to ``CLOSE_ROUNDS`` replays each, then the leader and its closest rival up to
+``MAX_ROUNDS``, and the least median then wins. The extra replays cost little: the candidates
+that get them are the ones no slower than the leader by more than ``CLOSE``; a candidate clearly
+slower gets no more. The median, not the best, because one fast replay is as much an accident of
+the machine as one slow one. Four replays for every close candidate (three in the final form)
+were too few: the main job's micro class kept a five-module cover in one run of its round in one
+process, at 1.36x the unmanaged round where the two-module cover other runs kept took 1.17-1.23x
+(benchmarks/README.md, ``main_round``), and in one simulation of three, where two clients train
+at once and each one's replays vary with what the other runs (``main_job``). Races of
+recorded-like times (``tests/vtensor/activations/test_race.py``: five candidates 0-60 % apart,
+replays spread 5 %) kept a slower plan in 4.9 % of them with four replays each and 0.8 % with
+the two closest going on to eight, for 0.2 more steps' worth of the slower candidates' time;
+with replays spread 8 % and one in ten 25 % slow, 22 % and 15 %. Eight for every close candidate
+did no better and raced up to 40 iterations where five candidates lay within 8 % (the two
+closest going on: 36; four each: 20), which left a held-out model of ``benchmarks/held_out.py``
+no steady step in 30.
 
 NOTE [confirmed leader]
 A leader clearly ahead of every other candidate still stood on one replay in its final form
@@ -77,7 +80,8 @@ from vtensor.planner.plan import Plan
 logger = logging.getLogger(__name__)
 
 ROUNDS = 2  # replays of every candidate
-MAX_ROUNDS = 8  # replays of a candidate close to the leader, at most (NOTE [close race])
+CLOSE_ROUNDS = 4  # replays of every candidate close to the leader (NOTE [close race])
+MAX_ROUNDS = 8  # replays of the leader and its closest rival, at most (NOTE [close race])
 CLOSE = 0.10  # within this fraction of the leader's median, a candidate is close
 CONFIRM = 3  # times of the leader in its final form before it wins (NOTE [confirmed leader])
 
@@ -87,8 +91,9 @@ class PlanRace:
     """Candidate plans replayed in turn; the one with the least median time as it runs wins.
 
     Each candidate is replayed ``ROUNDS`` times in the form it races in, those close to the
-    leader up to ``max_rounds`` (NOTE [close race]), and the leader until it is confirmed (NOTE
-    [confirmed leader]); one made again under the guard's margin starts over.
+    leader up to ``CLOSE_ROUNDS`` and the two closest up to ``max_rounds`` (NOTE [close
+    race]), and the leader until it is confirmed (NOTE [confirmed leader]); one made again
+    under the guard's margin starts over.
     """
 
     plans: list[Plan]
@@ -197,8 +202,9 @@ class PlanRace:
     def _waiting(self) -> list[int]:
         """The candidates still to replay (NOTE [close race], NOTE [confirmed leader]).
 
-        Those short of ``ROUNDS``; else those close to the leader and short of the most; else
-        the leader, until it is confirmed.
+        Those short of ``ROUNDS``; else those close to the leader and short of
+        ``CLOSE_ROUNDS``; else the leader and its closest rival, short of the most; else the
+        leader, until it is confirmed.
         """
         short = [i for i, t in enumerate(self.times) if len(t) < ROUNDS]
         if short:
@@ -209,7 +215,12 @@ class PlanRace:
         if len(close) < 2:
             confirmed = len(self.form_times(best)) >= CONFIRM
             return [] if confirmed or len(self.times[best]) >= self.max_rounds else [best]
-        return [i for i in close if len(self.times[i]) < self.max_rounds]
+        each = min(CLOSE_ROUNDS, self.max_rounds)
+        waiting = [i for i in close if len(self.times[i]) < each]
+        if waiting:
+            return waiting
+        rival = min((i for i in close if i != best), key=medians.__getitem__)
+        return [i for i in (best, rival) if len(self.times[i]) < self.max_rounds]
 
     def _next_turn(self, waiting: list[int]) -> int:
         """The next candidate after the current one, in turn, among those ``waiting``."""

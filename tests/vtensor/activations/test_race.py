@@ -4,7 +4,7 @@ NOTE [confirmed leader] in vtensor/activations/race.py): the race alone, on reco
 import dataclasses
 import random
 
-from vtensor.activations.race import CONFIRM, MAX_ROUNDS, PlanRace
+from vtensor.activations.race import CLOSE_ROUNDS, CONFIRM, MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
 from vtensor.planner.plan import Plan
 
@@ -136,3 +136,14 @@ def test_races_of_noisy_replays_rarely_keep_a_slower_plan() -> None:
     rng = random.Random(1)
     kept = [_noisy_race([1.0, 1.08, 1.15, 1.3, 1.6], rng, 0.05) for _ in range(3000)]
     assert sum(k != 0 for k in kept) / len(kept) < 0.02
+
+
+def test_beyond_its_close_rounds_only_the_leader_and_its_closest_rival_race_on() -> None:
+    # NOTE [close race]: three close candidates; the farthest stops at CLOSE_ROUNDS replays.
+    plans = [dataclasses.replace(_EMPTY_PLAN, recompute=(name,)) for name in "abc"]
+    race = PlanRace(plans)
+    typical = {0: 1.00, 1: 1.02, 2: 1.06}
+    while (result := race.record(typical[race.turn], guard_bytes=0, lean=race.lean())) is None:
+        pass
+    assert result is plans[0]
+    assert [len(t) for t in race.times] == [MAX_ROUNDS, MAX_ROUNDS, CLOSE_ROUNDS]
