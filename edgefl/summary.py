@@ -135,9 +135,15 @@ def class_table(
 # rounds load the decided plan from its plan cache. The table keeps the two apart, since a
 # run of a few rounds would otherwise state the one-time decision as the cost of every round.
 # A round counts as deciding when its client's plan source is profiled, raced or planned (a
-# plan made in that round's process); every other round, and every round with vtensor off,
-# ran a plan decided before it.
-_DECIDING = {vtensor.PlanSource.PROFILED, vtensor.PlanSource.RACED, vtensor.PlanSource.PLANNED}
+# plan made in that round's process), or shared (it followed another client's decision: NOTE
+# [provisional plan] in vtensor); every other round, and every round with vtensor off, ran a
+# plan decided before it.
+_DECIDING = {
+    vtensor.PlanSource.PROFILED,
+    vtensor.PlanSource.RACED,
+    vtensor.PlanSource.PLANNED,
+    vtensor.PlanSource.SHARED,
+}
 
 
 def _deciding(reply: ClientRound) -> bool:

@@ -80,13 +80,14 @@ def test_class_table_states_deciding_rounds_apart() -> None:
     history.clients += [
         _reply(1, vtensor.PlanSource.PROFILED, 9.0),
         _reply(2, vtensor.PlanSource.RACED, 5.0),
+        _reply(2, vtensor.PlanSource.SHARED, 4.0),  # followed another client's decision
         _reply(3, vtensor.PlanSource.CACHED, 3.0),
         _reply(4, vtensor.PlanSource.CACHED, 2.0),
     ]
     table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
     # round s: the cached rounds' mean; x unmanaged: 2.5 s per 100 examples against 2 s per 100;
-    # deciding s: the profiled and raced rounds' mean
-    assert _times(table, "micro") == ["2.5", "1.25x", "7.0"]
+    # deciding s: the profiled, raced and shared rounds' mean
+    assert _times(table, "micro") == ["2.5", "1.25x", "6.0"]
 
 
 def test_class_table_with_only_deciding_rounds() -> None:

@@ -38,6 +38,7 @@ class IterationPlan:
     regrowth: dict[str, int] = field(default_factory=dict)
     encode: bool = False  # clamps save bits (NOTE [mask encoding])
     may_encode: bool = False  # profiled without encoding first (NOTE [encoding decided])
+    following: bool = False  # another manager decides this plan (NOTE [provisional plan])
 
 
 @dataclass

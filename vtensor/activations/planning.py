@@ -14,16 +14,15 @@ from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
 from vtensor.activations.iteration_plan import IterationPlan, Trials, trials_of
 from vtensor.activations.margin import Profile, plan_again, remake
-from vtensor.activations.model_state import Fingerprint, ModelScan
+from vtensor.activations.model_state import ModelScan
+from vtensor.activations.plan_keys import PlanKeys, planner_version
 from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.selective import load_sac
+from vtensor.activations.shared_plans import SharedPlans
 from vtensor.activations.store import ChunkStore
-from vtensor.activations.undecided import Undecided, park, take_up
-from vtensor.errors import VTensorError
-from vtensor.planner.cache import PlanCache
-from vtensor.planner.keys import PlanKey, input_signature
-from vtensor.planner.lgm import PLANNER_VERSION
+from vtensor.activations.undecided import Undecided
+from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import predicted_step_s, recompute_candidates
 from vtensor.planner.trace import Trace
@@ -57,12 +56,11 @@ class PlanBook:
     ) -> None:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
-        self.cache = PlanCache(cache_dir) if cache_dir is not None else None
+        # The plan cache, where one of the managers sharing it decides (NOTE [one decider]).
+        self.shared = SharedPlans(cache_dir) if cache_dir is not None else None
         self.planned = planned
-        # Plans of each kind (workspaces, recompute, clamps' bits: NOTE [mask encoding]) apart.
-        masks = {True: "+masks", "auto": "+masks-auto"}.get(encode_masks, "")
-        kinds = {"+workspaces": count_workspaces, "+recompute": recompute, masks: bool(masks)}
-        self.planner_version = PLANNER_VERSION + "".join(k for k, on in kinds.items() if on)
+        self.planner_version = planner_version(count_workspaces, recompute, encode_masks)
+        self._keys_of = PlanKeys(budget_bytes, chunk_bytes, self.planner_version)
         self.encoding = EncodingChoice(encode_masks)
         self.count_workspaces = count_workspaces
         self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
@@ -83,27 +81,6 @@ class PlanBook:
         self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
         # Each profiled signature's key, to leave its decision under way (NOTE [undecided plans]).
         self._keys: dict[str, PlanKey] = {}
-        self._fingerprint = Fingerprint()
-
-    def _key(
-        self,
-        model: nn.Module,
-        scan: ModelScan,
-        inputs: Sequence[torch.Tensor],
-        device: torch.device,
-        params: str,
-    ) -> PlanKey:
-        return PlanKey(
-            architecture=self._fingerprint.of(model, scan),
-            input_signature=input_signature(*inputs),
-            dtype=scan.dtype,
-            budget_bytes=self.budget_bytes,
-            chunk_bytes=self.chunk_bytes,
-            device_kind=device.type,
-            planner_version=self.planner_version,
-            torch_version=torch.__version__,
-            params=params,
-        )
 
     def for_iteration(
         self,
@@ -120,9 +97,11 @@ class PlanBook:
         """
         if not self.planned:
             return IterationPlan("", PlanSource.REACTIVE, None, False, None)
-        key = self._key(model, scan, inputs, device, params)
+        key = self._keys_of.of(model, scan, inputs, device, params)
         signature = key.digest()
         race = self._race.get(signature)
+        if self.shared is not None and (race is not None or signature in self._trial):
+            self.shared.refresh(key)
         if race is not None:
             executor = self._executor(race.current(), store)
             return IterationPlan(
@@ -142,17 +121,19 @@ class PlanBook:
             )
         if signature in self._trial:
             return self._trial[signature].next_trial(signature, key)
-        if self.cache is not None and signature not in self._reprofile:
-            cached = self.cache.get(key)
-            if cached is not None:
-                self._plans[signature] = cached
-                if self.cache.replays_lean(key, cached):  # proven in an earlier manager
+        if self.shared is not None and signature not in self._reprofile:
+            loaded = self.shared.load(key)
+            if loaded is not None:
+                self._plans[signature], lean = loaded
+                if lean:  # proven in an earlier manager
                     self._lean.add(signature)
-                executor = self._executor(cached, store)
+                executor = self._executor(loaded[0], store)
                 chosen = IterationPlan(signature, PlanSource.CACHED, executor, False, key)
-                chosen.cache_load_s, chosen.lean = self.cache.last_load_s, signature in self._lean
+                chosen.cache_load_s, chosen.lean = self.shared.load_s, signature in self._lean
                 return chosen
-            undecided = take_up(self.cache, key)  # NOTE [undecided plans]
+            if not self.shared.decides(key):  # NOTE [one decider]
+                return self.shared.follow(signature, key, lambda plan: self._executor(plan, store))
+            undecided = self.shared.take_up(key)  # NOTE [undecided plans]
             if undecided is not None:
                 self._take(signature, key, undecided)
                 return self.for_iteration(model, scan, inputs, device, store, params)
@@ -175,7 +156,7 @@ class PlanBook:
         params: str = "",
     ) -> Plan | None:
         """The plan held in this process for these settings (None: none yet, or no plan)."""
-        key = self._key(model, ModelScan.of(model), inputs, device, params)
+        key = self._keys_of.of(model, ModelScan.of(model), inputs, device, params)
         return self._plans.get(key.digest())
 
     def _take(self, signature: str, key: PlanKey, undecided: Undecided) -> None:
@@ -187,14 +168,15 @@ class PlanBook:
 
     def close(self) -> None:
         """Leave each decision under way beside the plan cache (NOTE [undecided plans])."""
-        if self.cache is None:
+        if self.shared is None:
             return
         for signature in {*self._trial, *self._race} & self._keys.keys():
             trials, race = self._trial.get(signature), self._race.get(signature)
             undecided = Undecided(trials, race, self._candidates.get(signature, []))
-            park(self.cache, self._keys[signature], undecided)
+            self.shared.park(self._keys[signature], undecided)
         self._trial.clear()  # left on disk: a manager used again takes them up from there
         self._race.clear()
+        self.shared.close()
 
     def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
         return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
@@ -222,7 +204,16 @@ class PlanBook:
         A lean replay's plan is profiled again (NOTE [lean replay]: its minimum would not work);
         a trial drops its candidate, a racing one is made again lower or leaves the race (NOTE
         [disqualified] in ``activations/race.py``): their gradients are right, their peak was not.
+        One not excused proves the budget infeasible: this manager lets go of its claim.
         """
+        excused = self._excused(chosen, was_lean, over_bytes)
+        if not excused and self.shared is not None and chosen.key is not None:
+            self.shared.settle(chosen.key)  # NOTE [one decider]
+        return excused
+
+    def _excused(self, chosen: IterationPlan, was_lean: bool, over_bytes: int) -> bool:
+        if chosen.following:
+            return self.shared is not None and self.shared.excuse(chosen)
         if was_lean:
             self.forget(chosen)
             return True
@@ -251,8 +242,8 @@ class PlanBook:
 
     def _note_lean(self, chosen: IterationPlan, plan: Plan) -> None:
         """Note beside the cached plan that a full replay of ``plan`` needed no guard."""
-        if self.cache and chosen.key and self._plans.get(chosen.signature) is plan:
-            self.cache.mark_lean(chosen.key, plan)  # the next managers start lean
+        if self.shared and chosen.key and self._plans.get(chosen.signature) is plan:
+            self.shared.note_lean(chosen.key, plan)  # the next managers start lean
 
     def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
         candidates = self._candidates.pop(chosen.signature, None)
@@ -262,12 +253,8 @@ class PlanBook:
                 self._profiles[chosen.signature] = profile
         self._plans[chosen.signature] = plan
         self._reprofile.discard(chosen.signature)
-        if plan is not None and self.cache is not None and chosen.key is not None:
-            try:
-                self.cache.put(chosen.key, plan)
-            except VTensorError as err:
-                logger.warning("plan not cached: %s", err)
-            self.cache.drop_undecided(chosen.key)  # decided (NOTE [undecided plans])
+        if self.shared is not None and chosen.key is not None:
+            self.shared.store(chosen.key, plan)
 
     def forget(self, chosen: IterationPlan) -> None:
         """Drop the plan ``chosen`` replayed: the next iteration is profiled (not cached)."""
@@ -299,6 +286,8 @@ class PlanBook:
         """
         if chosen.key is not None:
             self._keys[chosen.signature] = chosen.key
+        if chosen.following:
+            return PlanSource.FALLBACK if chosen.abandoned else chosen.source
         if chosen.abandoned:
             return PlanSource.FALLBACK
         if chosen.racing:
@@ -324,6 +313,7 @@ class PlanBook:
             plan = self._choose(chosen, trace, reserve_bytes, min_budget_bytes)
             chosen.planning_s = time.perf_counter() - begin
             if chosen.signature in {*self._trial, *self._race, *self.encoding.unencoded}:
+                self._publish(chosen)
                 return chosen.source  # the next iterations try the recomputation, or encoding
             self._store(chosen, plan)
         return chosen.source
@@ -341,7 +331,9 @@ class PlanBook:
             candidates = self._candidates.get(chosen.signature, [])
             remade = remake(candidates, race.current(), self._plan, guard_bytes)
         winner = race.record(wall_s, guard_bytes, chosen.lean, remade)
-        if winner is not None:
+        if winner is None:
+            self._publish(chosen)
+        else:
             del self._race[chosen.signature]
             logger.info("%s", race.summary(winner))
             self._store(chosen, winner)
@@ -381,6 +373,12 @@ class PlanBook:
                 self._trial[signature] = trials_of(trace, candidates, others, plan)
                 return plan
         return self._race_or_only(signature, Trials([], others, plan)) if others else plan
+
+    def _publish(self, chosen: IterationPlan) -> None:
+        """Publish the best plan known for ``chosen``'s signature (NOTE [provisional plan])."""
+        if self.shared is not None and chosen.key is not None:
+            candidates = self._candidates.get(chosen.signature, [])
+            self.shared.publish(chosen.key, self._race.get(chosen.signature), candidates)
 
     def _race_or_only(self, signature: str, trials: Trials) -> Plan | None:
         """Race the candidates of ``trials`` (NOTE [plan race]); the only one if one, or None."""

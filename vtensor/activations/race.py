@@ -172,6 +172,12 @@ class PlanRace:
             self.turn = self._next_turn(waiting)
         return None
 
+    def leader(self) -> Plan:
+        """The plan the race would keep now; the fastest predicted until every candidate ran."""
+        if all(self.times):
+            return self.plans[self._best()]
+        return min(self.plans, key=lambda plan: plan.predicted_step_s or float("inf"))
+
     def winner_clean(self) -> bool:
         """Whether a full replay of the winner needed nothing from the guard."""
         return self.clean[self._best()]

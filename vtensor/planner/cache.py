@@ -166,6 +166,34 @@ class PlanCache:
         entry = {"key": dataclasses.asdict(key), "progress": text, "sha256": _sha256(text)}
         self._store(self.undecided_path(key), json.dumps(entry).encode())
 
+    def provisional_path(self, key: PlanKey) -> Path:
+        """The file of the plan ``key``'s decider knows best so far (NOTE [provisional plan])."""
+        return self.directory / f"{key.digest()}.provisional.json"
+
+    def put_provisional(self, key: PlanKey, plan: Plan) -> None:
+        """Publish ``plan`` as ``key``'s provisional plan; a failed write only warns."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._write_atomic(self.provisional_path(key), _encode_entry(key, plan))
+        except OSError as exc:
+            logger.warning("plan cache: cannot publish %s (%s)", self.provisional_path(key), exc)
+
+    def get_provisional(self, key: PlanKey) -> Plan | None:
+        """``key``'s provisional plan, or None (none, or unreadable: warned)."""
+        path = self.provisional_path(key)
+        try:
+            return _decode_entry(path.read_bytes(), key)
+        except FileNotFoundError:
+            return None
+        except (OSError, _BadEntryError) as exc:
+            logger.warning("plan cache: ignoring %s: %s", path, exc)
+            return None
+
+    def drop_provisional(self, key: PlanKey) -> None:
+        """Remove ``key``'s provisional plan, if any."""
+        with contextlib.suppress(FileNotFoundError):
+            self.provisional_path(key).unlink()
+
     def _store(self, path: Path, data: bytes) -> None:
         """Write ``data`` to ``path`` atomically, then evict beyond ``max_entries``."""
         try:

@@ -1,0 +1,167 @@
+"""The plan cache as one manager uses it: plans loaded and stored, decisions shared or followed.
+
+NOTE [provisional plan]
+A manager that follows another's decision (NOTE [one decider] in ``planner/claims.py``) neither
+profiles, tries nor races. The decider publishes the best plan it knows beside the cache
+(``<key digest>.provisional.json``, an entry like the cache's, checksummed): its profile's
+plan once it has one, the candidate predicted fastest as each trial adds one, and in the race
+the candidate with the least median time once every candidate has run. The follower replays
+the latest one in full (every hook point guarded, as for a plan made in this process), and
+runs the reactive policy until there is one, or where one broke the budget here (that plan is
+not replayed again; the next one published is). Once the decision is cached the follower loads
+it as any cached plan; if the decider lets go undecided (it closed, and parked its progress:
+NOTE [undecided plans]), the next follower to claim the key takes the progress up and decides.
+The follower's iterations report plan source ``shared``. Every plan it replays keeps the budget
+and trains bit-identically, as every candidate does: following changes only how fast.
+
+On the main job's CNN (2026-12-06, this repository's ``main_job`` benchmark) a class's second
+client, started beside the first on an empty cache, profiled (about 0.5 s for its first step
+against 40 ms replayed), tried three to four candidates and raced them over both clients'
+rounds; following, it runs reactive steps (about 0.1 s) until the first plan is published,
+then replays it.
+"""
+
+import logging
+import os
+from collections.abc import Callable
+
+from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.iteration_plan import IterationPlan
+from vtensor.activations.margin import Profile
+from vtensor.activations.race import PlanRace
+from vtensor.activations.report import PlanSource
+from vtensor.activations.undecided import Undecided, park, take_up
+from vtensor.errors import VTensorError
+from vtensor.planner.cache import PlanCache
+from vtensor.planner.claims import DecisionClaims
+from vtensor.planner.keys import PlanKey
+from vtensor.planner.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+
+class SharedPlans:
+    """A manager's plans in a cache shared by processes: loaded, stored, parked, claimed, followed.
+
+    Args:
+        directory: the plan cache's directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.cache = PlanCache(directory)
+        self.claims = DecisionClaims(directory)
+        self._keys: dict[str, PlanKey] = {}  # claimed keys by digest
+        self._published: dict[str, Plan] = {}  # the plan last published per claimed key
+        # Per followed key: the provisional file's mtime when read, and its plan (None: none,
+        # unreadable, or it broke the budget here).
+        self._seen: dict[str, tuple[int, Plan | None]] = {}
+
+    def load(self, key: PlanKey) -> tuple[Plan, bool] | None:
+        """``key``'s cached plan, and whether an earlier manager proved it lean; None: a miss."""
+        plan = self.cache.get(key)
+        return None if plan is None else (plan, self.cache.replays_lean(key, plan))
+
+    @property
+    def load_s(self) -> float:
+        """Seconds the last :meth:`load` took."""
+        return self.cache.last_load_s
+
+    def note_lean(self, key: PlanKey, plan: Plan) -> None:
+        """Note beside ``key``'s cached ``plan`` that a full replay needed no guard."""
+        self.cache.mark_lean(key, plan)
+
+    def store(self, key: PlanKey, plan: Plan | None) -> None:
+        """``key`` is decided: cache ``plan`` (None: no plan) and let the followers have it."""
+        if plan is not None:
+            try:
+                self.cache.put(key, plan)
+            except VTensorError as err:
+                logger.warning("plan not cached: %s", err)
+            self.cache.drop_undecided(key)  # decided (NOTE [undecided plans])
+        self.settle(key)
+
+    def park(self, key: PlanKey, undecided: Undecided) -> None:
+        """Leave ``key``'s decision under way for the next manager (NOTE [undecided plans])."""
+        park(self.cache, key, undecided)
+
+    def take_up(self, key: PlanKey) -> Undecided | None:
+        """The decision under way a closed manager left for ``key``, if any."""
+        return take_up(self.cache, key)
+
+    def decides(self, key: PlanKey) -> bool:
+        """Whether this manager decides ``key``'s plan: it holds the claim, or has just taken it."""
+        if not self.claims.claim(key):
+            return False
+        if key.digest() not in self._keys:
+            logger.info("deciding the plan of %s for the managers sharing its cache", key.digest())
+        self._keys[key.digest()] = key
+        return True
+
+    def refresh(self, key: PlanKey) -> None:
+        """The decision of ``key`` goes on here: keep its claim fresh."""
+        self.claims.refresh(key)
+
+    def follow(
+        self, signature: str, key: PlanKey, executor_of: Callable[[Plan], PlanExecutor]
+    ) -> IterationPlan:
+        """An iteration that follows the decider of ``key``: its provisional plan, or reactive."""
+        plan = self._provisional(key)
+        executor = executor_of(plan) if plan is not None else None
+        return IterationPlan(signature, PlanSource.SHARED, executor, False, key, following=True)
+
+    def excuse(self, chosen: IterationPlan) -> bool:
+        """A following iteration broke the budget: excused, and its plan dropped, if it had one."""
+        if chosen.executor is None or chosen.key is None:
+            return False  # reactive: the budget is infeasible, as a profile would have found
+        digest = chosen.key.digest()
+        mtime, _ = self._seen.get(digest, (0, None))
+        self._seen[digest] = (mtime, None)  # until the decider publishes another
+        logger.warning("a provisional plan broke the budget here: reactive until the next one")
+        chosen.abandoned = True
+        return True
+
+    def publish(
+        self, key: PlanKey, race: PlanRace | None, candidates: list[tuple[Plan, Profile]]
+    ) -> None:
+        """Publish the best plan known for ``key``, which this manager decides.
+
+        The race's leader, or else the candidate predicted fastest (NOTE [provisional plan]).
+        """
+        digest = key.digest()
+        if race is not None:
+            best: Plan | None = race.leader()
+        else:
+            plans = [plan for plan, _ in candidates]
+            best = min(plans, key=lambda p: p.predicted_step_s or float("inf"), default=None)
+        if best is None or digest not in self._keys or self._published.get(digest) is best:
+            return
+        self._published[digest] = best
+        self.cache.put_provisional(key, best)
+
+    def settle(self, key: PlanKey) -> None:
+        """``key`` is decided (or proved infeasible) here: its provisional plan and claim go."""
+        digest = key.digest()
+        if self._keys.pop(digest, None) is None:
+            return
+        self._published.pop(digest, None)
+        self.cache.drop_provisional(key)  # its own, or a parked decision's it took up
+        self.claims.release(key)
+
+    def close(self) -> None:
+        """Let go of every claim, once the decisions under way are parked; published plans stay."""
+        self.claims.release_all(self._keys)
+        self._keys.clear()
+        self._published.clear()
+
+    def _provisional(self, key: PlanKey) -> Plan | None:
+        """The decider's provisional plan of ``key``, read again only when the file changed."""
+        digest = key.digest()
+        try:
+            mtime = self.cache.provisional_path(key).stat().st_mtime_ns
+        except OSError:
+            return None
+        seen = self._seen.get(digest)
+        if seen is None or seen[0] != mtime:
+            seen = (mtime, self.cache.get_provisional(key))
+            self._seen[digest] = seen
+        return seen[1]
