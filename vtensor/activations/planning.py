@@ -286,7 +286,8 @@ class PlanBook:
         """
         if chosen.key is not None:
             self._keys[chosen.signature] = chosen.key
-        if chosen.following:
+        if chosen.following and self.shared is not None:
+            self.shared.replayed(chosen, guard_bytes)  # NOTE [provisional plan]
             return PlanSource.FALLBACK if chosen.abandoned else chosen.source
         if chosen.abandoned:
             return PlanSource.FALLBACK

@@ -52,9 +52,10 @@ class SharedPlans:
         self.claims = DecisionClaims(directory)
         self._keys: dict[str, PlanKey] = {}  # claimed keys by digest
         self._published: dict[str, Plan] = {}  # the plan last published per claimed key
-        # Per followed key: the provisional file's mtime when read, and its plan (None: none,
-        # unreadable, or it broke the budget here).
-        self._seen: dict[str, tuple[int, Plan | None]] = {}
+        # Per followed key: the provisional file's mtime when read, its plan (None: none,
+        # unreadable, or it broke the budget here), and whether a full replay here proved it
+        # needs no guard, so that it replays lean (NOTE [lean replay]).
+        self._seen: dict[str, tuple[int, Plan | None, bool]] = {}
 
     def load(self, key: PlanKey) -> tuple[Plan, bool] | None:
         """``key``'s cached plan, and whether an earlier manager proved it lean; None: a miss."""
@@ -105,17 +106,31 @@ class SharedPlans:
         self, signature: str, key: PlanKey, executor_of: Callable[[Plan], PlanExecutor]
     ) -> IterationPlan:
         """An iteration that follows the decider of ``key``: its provisional plan, or reactive."""
-        plan = self._provisional(key)
+        _, plan, lean = self._provisional(key)
         executor = executor_of(plan) if plan is not None else None
-        return IterationPlan(signature, PlanSource.SHARED, executor, False, key, following=True)
+        return IterationPlan(
+            signature, PlanSource.SHARED, executor, False, key, lean=lean, following=True
+        )
+
+    def replayed(self, chosen: IterationPlan, guard_bytes: int) -> None:
+        """A following iteration's full replay needed ``guard_bytes`` from the guard.
+
+        At none, the same plan replays lean from the next iteration on (NOTE [lean replay]).
+        """
+        if chosen.executor is None or chosen.lean or guard_bytes or chosen.key is None:
+            return
+        digest = chosen.key.digest()
+        mtime, plan, _ = self._seen.get(digest, (0, None, False))
+        if plan is chosen.executor.plan:
+            self._seen[digest] = (mtime, plan, True)
 
     def excuse(self, chosen: IterationPlan) -> bool:
         """A following iteration broke the budget: excused, and its plan dropped, if it had one."""
         if chosen.executor is None or chosen.key is None:
             return False  # reactive: the budget is infeasible, as a profile would have found
         digest = chosen.key.digest()
-        mtime, _ = self._seen.get(digest, (0, None))
-        self._seen[digest] = (mtime, None)  # until the decider publishes another
+        mtime = self._seen.get(digest, (0, None, False))[0]
+        self._seen[digest] = (mtime, None, False)  # until the decider publishes another
         logger.warning("a provisional plan broke the budget here: reactive until the next one")
         chosen.abandoned = True
         return True
@@ -153,15 +168,15 @@ class SharedPlans:
         self._keys.clear()
         self._published.clear()
 
-    def _provisional(self, key: PlanKey) -> Plan | None:
+    def _provisional(self, key: PlanKey) -> tuple[int, Plan | None, bool]:
         """The decider's provisional plan of ``key``, read again only when the file changed."""
         digest = key.digest()
         try:
             mtime = self.cache.provisional_path(key).stat().st_mtime_ns
         except OSError:
-            return None
+            return 0, None, False
         seen = self._seen.get(digest)
         if seen is None or seen[0] != mtime:
-            seen = (mtime, self.cache.get_provisional(key))
+            seen = (mtime, self.cache.get_provisional(key), False)
             self._seen[digest] = seen
-        return seen[1]
+        return seen

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from recompute_models import Block, batch, model_with, peak_bytes
 from torch import nn
 
 import vtensor
+from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.report import PlanSource
 from vtensor.activations.shared_plans import SharedPlans
@@ -84,9 +86,9 @@ def test_a_second_manager_follows_the_first_and_never_profiles(tmp_path: Path, b
     decided = second.index("cached")
     assert set(second[:decided]) == {"shared"} and set(second[decided + 1 :]) == {"planned"}
     assert any(published), "the decider published no provisional plan"
-    # Once published, the follower replayed it: its recomputation, not the reactive policy.
+    # Once published, the follower replayed it (a plan's prediction), not the reactive policy.
     shared = [r for r in follower.reports if r.plan_source == "shared"]
-    assert any(r.recomputed for r in shared), [r.recomputed for r in shared]
+    assert any(r.predicted_peak_bytes is not None for r in shared)
     assert all(r.peak_device_bytes <= budget for r in follower.reports)
     assert plan is not None and follower.reports[-1].recomputed == plan.recompute
     # Decided: the plan is cached, and no claim or provisional plan is left.
@@ -185,6 +187,10 @@ def _key(budget: int = 1000) -> PlanKey:
     )
 
 
+def _executor(plan: Plan) -> PlanExecutor:
+    return SimpleNamespace(plan=plan)  # type: ignore[return-value]  # what following reads
+
+
 def test_an_unreadable_provisional_plan_is_ignored_and_a_broken_one_dropped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -192,8 +198,15 @@ def test_an_unreadable_provisional_plan_is_ignored_and_a_broken_one_dropped(
     assert decider.decides(key) and not follower.decides(key)
     plan = Plan(1000, 1 << 20, (), ("forward:0",), (4096,), 1000, 0.0, "test")
     decider.publish(key, None, [(plan, None)])  # type: ignore[list-item]
-    chosen = follower.follow("s", key, lambda p: p)  # type: ignore[arg-type,return-value]
-    assert chosen.executor == plan and chosen.source is PlanSource.SHARED and chosen.following
+    chosen = follower.follow("s", key, _executor)
+    assert chosen.executor.plan == plan and chosen.source is PlanSource.SHARED and chosen.following
+    assert not chosen.lean
+    # A full replay here that needed the guard: full again; one that needed none: lean.
+    follower.replayed(chosen, guard_bytes=4096)
+    assert not follower.follow("s", key, lambda p: p).lean  # type: ignore[arg-type,return-value]
+    follower.replayed(chosen, guard_bytes=0)
+    chosen = follower.follow("s", key, _executor)
+    assert chosen.lean
     # Its replay broke the budget here: excused, and the follower goes reactive until the next.
     assert follower.excuse(chosen) and chosen.abandoned
     assert follower.follow("s", key, lambda p: p).executor is None  # type: ignore[arg-type,return-value]
