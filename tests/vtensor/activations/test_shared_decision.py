@@ -273,4 +273,6 @@ def test_processes_started_together_decide_once(tmp_path: Path) -> None:
     profiled = [s for s in sources if "profiled" in s]
     assert len(profiled) == 1, sources
     (other,) = [s for s in sources if "profiled" not in s]
-    assert other[0] in ("shared", "cached") and "raced" not in other, sources
+    # It followed (or found the plan decided), and never profiled; had the decider closed
+    # undecided first, it would have taken the race up (NOTE [undecided plans]).
+    assert other[0] in ("shared", "cached"), sources
