@@ -18,9 +18,11 @@ its class's plan cache (plan source ``cached``) ran the decided plan; the others
 tried or raced plans (round 1, and round 2 where a class's decision went on).
 
 Per round: the round's wall time as the ServerApp measures it (from sending the training
-instructions to the evaluated global model), the median over each variant's runs, and its
-ratio; round 1 apart (the plan decisions), rounds 2 to N together, and the whole run. Per device
-class: the clients' local training time per round (``train-s``), rounds 2 to N and round 1.
+instructions to the evaluated global model), the median over each variant's runs, its ratio,
+each pair's ratio (on and cached against the same pair's off run), and the plan sources of the
+vtensor-on runs' client rounds (profiled, shared, raced, cached); round 1 apart (the plan
+decisions), rounds 2 to N together, and the whole run. Per device class: the clients' local
+training time per round (``train-s``), rounds 2 to N and round 1.
 Bit-identity: the central accuracy and loss of every round must be equal in every run (training
 under vtensor is bit-identical to training without it).
 
@@ -38,7 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,20 +64,45 @@ from edgefl.config import load_run_settings
 VARIANTS = {"on": [], "off": ["vtensor=disabled"], "cached": []}
 
 
+@dataclass(frozen=True)
+class ClientRound:
+    """One client's local round: its device class (index), round, plan source, train time."""
+
+    device_class: int
+    server_round: int
+    plan_source: str
+    train_s: float
+
+
 @dataclass
 class Run:
-    """One simulation: per round its wall time and central metrics, per client its train time."""
+    """One simulation: per round its wall time and central metrics, per client round its time."""
 
     variant: str
+    pair: int
     wall_s: list[float]  # round 1 first
     central: list[tuple[float, float]]  # (accuracy, loss) per round
-    train_s: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # class, round
-    # Per class: the train times of its client rounds on a plan loaded from the plan cache.
-    decided_s: dict[int, list[float]] = field(default_factory=dict)
+    clients: list[ClientRound] = field(default_factory=list)
+
+    def train_s(self, device_class: int, rounds: Callable[[int], bool]) -> list[float]:
+        """The train times of ``device_class``'s client rounds in the rounds ``rounds`` takes."""
+        return [
+            c.train_s
+            for c in self.clients
+            if c.device_class == device_class and rounds(c.server_round)
+        ]
+
+    def decided_s(self, device_class: int) -> list[float]:
+        """The class's client rounds on a plan loaded from its cache (the decided plan)."""
+        return [
+            c.train_s
+            for c in self.clients
+            if c.device_class == device_class and c.plan_source == "cached"
+        ]
 
 
 def simulate(
-    variant: str, overrides: Sequence[str], out_dir: Path, plan_cache: Path | None = None
+    variant: str, pair: int, overrides: Sequence[str], out_dir: Path, plan_cache: Path | None = None
 ) -> Run:
     """Run the main job once in a fresh process; read its rounds and clients back.
 
@@ -101,18 +129,20 @@ def simulate(
     rounds = [r for r in recorded if r["server_round"] > 0]  # round 0: the initial evaluation
     run = Run(
         variant,
+        pair,
         [r["wall_s"] for r in rounds],
         [(r["central_acc"], r["central_loss"]) for r in rounds],
     )
     with open(out_dir / "clients.csv", newline="") as f:
         for row in csv.DictReader(f):
-            if row["phase"] != "train" or row["error"]:
-                continue
-            per_class = run.train_s.setdefault(int(float(row["device-class"])), {})
-            per_class.setdefault(int(row["server_round"]), []).append(float(row["train-s"]))
-            if row["plan-source"] == "cached":  # the class's decided plan, loaded from its cache
-                run.decided_s.setdefault(int(float(row["device-class"])), []).append(
-                    float(row["train-s"])
+            if row["phase"] == "train" and not row["error"]:
+                run.clients.append(
+                    ClientRound(
+                        int(float(row["device-class"])),
+                        int(row["server_round"]),
+                        row["plan-source"],
+                        float(row["train-s"]),
+                    )
                 )
     return run
 
@@ -122,18 +152,35 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _round_rows(runs: list[Run]) -> list[dict[str, Any]]:
-    """Per round (and rounds 2-N, and the whole run): the median wall time of each variant."""
+    """Per round (and rounds 2-N, and the whole run): the median wall time of each variant.
+
+    Also each pair's ratios (on and cached against the same pair's off run), and the plan
+    sources of the on runs' client rounds.
+    """
     n = len(runs[0].wall_s)
     rows = []
     spans = [(f"{i + 1}", [i]) for i in range(n)]
     spans += [(f"2-{n}", list(range(1, n))), (f"1-{n}", list(range(n)))] if n > 1 else []
     for name, rounds in spans:
         row: dict[str, Any] = {"rounds": name}
+        wall = {(r.variant, r.pair): sum(r.wall_s[i] for i in rounds) for r in runs}
         for variant in VARIANTS:
-            each = [sum(r.wall_s[i] for i in rounds) for r in runs if r.variant == variant]
+            each = [s for (v, _), s in wall.items() if v == variant]
             row[f"{variant}_s"], row[f"{variant}_all"] = _median(each), each
         row["ratio"] = row["on_s"] / row["off_s"]
         row["cached_ratio"] = row["cached_s"] / row["off_s"]
+        pairs = sorted({r.pair for r in runs})
+        row["pair_ratios"] = [wall["on", p] / wall["off", p] for p in pairs]
+        row["pair_cached_ratios"] = [wall["cached", p] / wall["off", p] for p in pairs]
+        numbers = {i + 1 for i in rounds}
+        sources = Counter(
+            c.plan_source
+            for r in runs
+            if r.variant == "on"
+            for c in r.clients
+            if c.server_round in numbers
+        )
+        row["on_plan_sources"] = dict(sorted(sources.items()))
         rows.append(row)
     return rows
 
@@ -146,12 +193,12 @@ def _class_rows(
     for index, name in enumerate(names):
         row: dict[str, Any] = {"device_class": name, "budget": budgets[index]}
         for variant in VARIANTS:
-            mine = [r.train_s.get(index, {}) for r in runs if r.variant == variant]
-            first = [s for per in mine for s in per.get(1, [])]
-            later = [s for per in mine for rnd, ts in per.items() if rnd > 1 for s in ts]
+            mine = [r for r in runs if r.variant == variant]
+            first = [s for r in mine for s in r.train_s(index, lambda n: n == 1)]
+            later = [s for r in mine for s in r.train_s(index, lambda n: n > 1)]
             row[f"{variant}_round1_s"] = _median(first)
             row[f"{variant}_later_s"] = _median(later)
-        decided = [s for r in runs if r.variant == "on" for s in r.decided_s.get(index, [])]
+        decided = [s for r in runs if r.variant == "on" for s in r.decided_s(index)]
         row["on_decided_s"], row["on_decided_rounds"] = _median(decided), len(decided)
         row["decided_ratio"] = row["on_decided_s"] / row["off_later_s"]
         row["later_ratio"] = row["on_later_s"] / row["off_later_s"]
@@ -175,7 +222,7 @@ def run_pairs(args: argparse.Namespace, overrides: list[str]) -> list[Run]:
         for variant in ("on", "off", "cached") if pair % 2 == 0 else ("off", "on", "cached"):
             out_dir = root / f"{pair}-{variant}"
             cache = root / f"{pair}-on" / "plan-cache" if variant == "cached" else None
-            run = simulate(variant, overrides, out_dir, cache)
+            run = simulate(variant, pair, overrides, out_dir, cache)
             runs.append(run)
             walls = ", ".join(f"{s:.1f}" for s in run.wall_s)
             print(f"#   pair {pair + 1}, vtensor {variant}: rounds {walls} s", flush=True)
@@ -183,12 +230,18 @@ def run_pairs(args: argparse.Namespace, overrides: list[str]) -> list[Run]:
 
 
 def _tables(round_rows: list[dict[str, Any]], class_rows: list[dict[str, Any]]) -> str:
+    def each(ratios: list[float]) -> str:
+        return ", ".join(f"{x:.2f}x" for x in ratios)
+
     lines = [
-        "| rounds | vtensor on, s | vtensor off, s | on / off | on, plans cached, s | / off |",
-        "|---|---|---|---|---|---|",
+        "| rounds | vtensor on, s | vtensor off, s | on / off | pair by pair "
+        "| on, plans cached, s | / off | pair by pair | plan sources, on (client rounds) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['rounds']} | {r['on_s']:.1f} | {r['off_s']:.1f} | {r['ratio']:.2f}x | "
-            f"{r['cached_s']:.1f} | {r['cached_ratio']:.2f}x |"
+            f"{each(r['pair_ratios'])} | {r['cached_s']:.1f} | {r['cached_ratio']:.2f}x | "
+            f"{each(r['pair_cached_ratios'])} | "
+            f"{', '.join(f'{k} {v}' for k, v in r['on_plan_sources'].items())} |"
             for r in round_rows
         ),
         "",
