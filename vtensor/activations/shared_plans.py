@@ -167,7 +167,7 @@ class SharedPlans:
 
     def close(self) -> None:
         """Let go of every claim, once the decisions under way are parked; published plans stay."""
-        self.claims.release_all(self._keys)
+        self.claims.release_all()
         self._keys.clear()
         self._published.clear()
 

@@ -98,18 +98,12 @@ class DecisionClaims:
         """Let go of ``key``'s claim, if this manager holds it."""
         if self._held.pop(key.digest(), None) is None:
             return
-        path = self.path_for(key)
-        with contextlib.suppress(OSError):
-            if self._owner_of(path) == self.owner:  # never another's, taken over since
-                path.unlink()
+        _release_files(self.directory, {key.digest(): 0.0}, self.owner)
 
-    def release_all(self, keys: dict[str, PlanKey]) -> None:
-        """Let go of every claim held, ``keys`` mapping digests to keys."""
-        for digest in list(self._held):
-            if digest in keys:
-                self.release(keys[digest])
-            else:
-                self._held.pop(digest)
+    def release_all(self) -> None:
+        """Let go of every claim this manager holds."""
+        _release_files(self.directory, self._held, self.owner)
+        self._held.clear()
 
     def _create(self, path: Path) -> bool:
         try:
@@ -121,13 +115,6 @@ class DecisionClaims:
         self._held[path.name.removesuffix(".claim")] = time.monotonic()
         return True
 
-    def _owner_of(self, path: Path) -> dict[str, object] | None:
-        try:
-            owner = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return owner if isinstance(owner, dict) else None
-
     def _stale(self, path: Path) -> bool:
         """Whether the claim at ``path`` is gone, or its holder dead or silent for ``STALE_S``."""
         try:
@@ -136,7 +123,7 @@ class DecisionClaims:
             return True
         if age > STALE_S:
             return True
-        owner = self._owner_of(path)  # unreadable while young: being written
+        owner = _owner_of(path)  # unreadable while young: being written
         if owner is None or owner.get("host") != self.owner["host"]:
             return False
         pid = owner.get("pid")
@@ -158,3 +145,20 @@ class DecisionClaims:
                 yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _owner_of(path: Path) -> dict[str, object] | None:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _release_files(directory: Path, digests: dict[str, float], owner: dict[str, object]) -> None:
+    """Remove the claim files of ``digests`` that ``owner`` still holds (never another's)."""
+    for digest in list(digests):
+        path = directory / f"{digest}.claim"
+        with contextlib.suppress(OSError):
+            if _owner_of(path) == owner:
+                path.unlink()

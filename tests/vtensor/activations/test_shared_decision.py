@@ -1,5 +1,6 @@
 """Managers sharing a plan cache decide a key once; the others follow (NOTE [one decider])."""
 
+import gc
 import json
 import logging
 import os
@@ -163,6 +164,20 @@ def test_a_decider_closed_undecided_hands_the_decision_to_a_follower(
         assert follower.report().plan_source == "raced"  # it took the race up
         assert _files(tmp_path, ".claim")  # and claimed the key
     assert not _files(tmp_path, ".claim")
+
+
+def test_a_manager_dropped_without_close_lets_go_of_its_claim(tmp_path: Path, budget: int) -> None:
+    mm = _manager(budget, tmp_path)
+    for _ in zip(range(1), _steps(mm, model_with(Block), []), strict=False):
+        pass
+    assert _files(tmp_path, ".claim")  # deciding: its profile, trials to come
+    del mm  # collected, it closes (parking its decision) and lets go of its claim
+    gc.collect()
+    assert not _files(tmp_path, ".claim")  # the next manager decides, not follows
+    with _manager(budget, tmp_path) as again:
+        for _ in zip(range(1), _steps(again, model_with(Block), []), strict=False):
+            pass
+        assert again.report().plan_source == "profiled"
 
 
 def test_an_infeasible_budget_lets_go_of_the_claim(tmp_path: Path, budget: int) -> None:
