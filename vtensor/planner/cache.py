@@ -80,6 +80,17 @@ def _set_mtime_now(path: Path) -> None:
         os.utime(path)
 
 
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (created if missing), across processes."""
+    with open(path, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def _encode_entry(key: PlanKey, plan: Plan) -> bytes:
     text = plan.to_json()
     entry: dict[str, Any] = {
@@ -289,14 +300,8 @@ class PlanCache:
             finally:
                 os.close(dir_fd)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.directory / _LOCK_NAME, "a") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return locked(self.directory / _LOCK_NAME)
 
     def _evict(self) -> None:
         """Delete the least recently used entries beyond ``max_entries`` and stale temp files."""

@@ -22,16 +22,15 @@ trains bit-identically.
 """
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
+from vtensor.planner.cache import locked
 from vtensor.planner.keys import PlanKey
 
 logger = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class DecisionClaims:
             self.directory.mkdir(parents=True, exist_ok=True)
             if self._create(path):
                 return True
-            with self._locked():  # a stale claim is removed by one manager at a time
+            with locked(self.directory / _LOCK_NAME):  # one manager at a time removes a stale claim
                 if not self._stale(path):
                     return False
                 with contextlib.suppress(FileNotFoundError):
@@ -136,15 +135,6 @@ class DecisionClaims:
         except PermissionError:
             return False  # alive, another user's
         return False
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.directory / _LOCK_NAME, "a") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def _owner_of(path: Path) -> dict[str, object] | None:

@@ -1,7 +1,7 @@
 """Models and helpers of the recomputation and hybrid-plan tests (a block, its unsafe kinds)."""
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -121,9 +121,21 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(model: nn.Module, manager: vtensor.MemoryManager | None) -> list[list[torch.Tensor]]:
+    grads: list[list[torch.Tensor]] = []
+    for _ in train_steps(model, manager, grads, STEPS):
+        pass
+    return grads
+
+
+def train_steps(
+    model: nn.Module,
+    manager: vtensor.MemoryManager | None,
+    grads: list[list[torch.Tensor]],
+    count: int,
+) -> Iterator[None]:
+    """``train``'s steps, one per ``next`` (to interleave managers), each step's gradients kept."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    grads = []
-    for step in range(STEPS):
+    for step in range(count):
         x, y = batch(step)
         opt.zero_grad(set_to_none=True)
         random.seed(step)
@@ -135,7 +147,7 @@ def train(model: nn.Module, manager: vtensor.MemoryManager | None) -> list[list[
                 nn.functional.cross_entropy(model(x), y).backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
         opt.step()
-    return grads
+        yield
 
 
 def managed_steps(

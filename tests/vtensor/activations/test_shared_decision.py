@@ -4,7 +4,6 @@ import gc
 import json
 import logging
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from recompute_models import Block, batch, model_with, peak_bytes
+from recompute_models import Block, batch, model_with, peak_bytes, train_steps
 from torch import nn
 
 import vtensor
@@ -39,21 +38,8 @@ def _manager(budget: int, tmp_path: Path) -> vtensor.MemoryManager:
 def _steps(
     mm: vtensor.MemoryManager | None, model: nn.Module, grads: list[list[torch.Tensor]]
 ) -> Iterator[None]:
-    """``STEPS`` SGD steps of ``model`` (under ``mm``), one per ``next``, as ``train`` does."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad(set_to_none=True)
-        random.seed(step)
-        torch.manual_seed(100 + step)  # dropout
-        if mm is None:
-            nn.functional.cross_entropy(model(x), y).backward()
-        else:
-            with mm.step(model, opt, inputs=(x, y)):
-                nn.functional.cross_entropy(model(x), y).backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        opt.step()
-        yield
+    """``STEPS`` steps of ``model`` (under ``mm``), one per ``next``, as ``train`` runs them."""
+    return train_steps(model, mm, grads, STEPS)
 
 
 def _files(tmp_path: Path, suffix: str) -> list[Path]:
