@@ -9,16 +9,19 @@ by a client that started while another took the parked decision up (NOTE [undeci
 Now a manager that finds no plan and no claim claims the key: a file ``<key digest>.claim``
 created exclusively (``O_EXCL``) beside the cache's entries, naming its host, process and
 manager. It profiles, tries and races as before; it refreshes the claim as it goes, publishes
-the best plan it knows (NOTE [provisional plan] in ``activations/following.py``), and lets go
+the best plan it knows (NOTE [provisional plan] in ``activations/shared_plans.py``), and lets go
 of the claim once the plan is cached, or once it parks the decision as it closes, or once the
 budget proves infeasible. Every other manager of that key follows instead of deciding.
 
 A claim whose process has died (same host, no such process) or that has not been refreshed for
-``STALE_S`` (a holder on another host, or a manager dropped without ``close``) is taken over:
-removed under a lock and claimed again exclusively, so two managers never both take it over. A
-holder wrongly judged stale only costs a second decision of the same key, which is what every
-manager did before: correctness never depends on a claim, since every plan keeps the budget and
-trains bit-identically.
+``STALE_S`` is taken over: removed under a lock and claimed again exclusively, so two managers
+never both take it over. The holder refreshes it at every iteration of the decision (at most
+every ``REFRESH_S``); a minute without one (a holder on another host gone, a manager left open
+and idle) hands the key on, since until a plan is published its followers run the reactive
+policy, about three times a decided step on the main job's CNN. A holder wrongly judged stale
+(an iteration longer than that) only costs a second decision of the same key, which is what
+every manager did before: correctness never depends on a claim, since every plan keeps the
+budget and trains bit-identically.
 """
 
 import contextlib
@@ -35,7 +38,7 @@ from vtensor.planner.keys import PlanKey
 
 logger = logging.getLogger(__name__)
 
-STALE_S = 300.0  # a claim not refreshed for this long is taken over
+STALE_S = 60.0  # a claim not refreshed for this long is taken over
 REFRESH_S = 5.0  # a holder refreshes its claims at most this often
 _LOCK_NAME = ".claims.lock"
 
