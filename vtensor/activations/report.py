@@ -31,7 +31,7 @@ class PlanSource(StrEnum):
     REACTIVE = "reactive"  # reactive only (policy="reactive", or the planner found no plan)
     RACED = "raced"  # one of two candidate plans, replayed to be timed (NOTE [plan race])
     # Another manager sharing the plan cache decides: its provisional plan, or reactive until
-    # it publishes one (NOTE [provisional plan] in ``activations/following.py``).
+    # it publishes one (NOTE [provisional plan] in ``activations/shared_plans.py``).
     SHARED = "shared"
 
 
