@@ -185,7 +185,9 @@ class PlanCache:
         """Publish ``plan`` as ``key``'s provisional plan; a failed write only warns."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._write_atomic(self.provisional_path(key), _encode_entry(key, plan))
+            # Not synced to the disk: it serves the managers running now, not after a crash.
+            data = _encode_entry(key, plan)
+            self._write_atomic(self.provisional_path(key), data, durable=False)
         except OSError as exc:
             logger.warning("plan cache: cannot publish %s (%s)", self.provisional_path(key), exc)
 
@@ -276,20 +278,23 @@ class PlanCache:
                 self._warned_utime = True
                 logger.warning("plan cache: cannot update %s (%s); LRU order is stale", path, exc)
 
-    def _write_atomic(self, path: Path, data: bytes) -> None:
+    def _write_atomic(self, path: Path, data: bytes, durable: bool = True) -> None:
+        """Write ``data`` to ``path`` whole or not at all; ``durable``: through a crash too."""
         fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".json", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
-                os.fsync(handle.fileno())
+                if durable:
+                    os.fsync(handle.fileno())
             _set_mtime_now(Path(temp))
             os.replace(temp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
-        self._fsync_directory()
+        if durable:
+            self._fsync_directory()
 
     def _fsync_directory(self) -> None:
         # Makes the rename itself durable; some file systems refuse, which costs only durability.
