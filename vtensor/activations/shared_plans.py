@@ -53,7 +53,6 @@ class SharedPlans:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.cache = PlanCache(directory)
         self.claims = DecisionClaims(directory)
-        self._keys: dict[str, PlanKey] = {}  # claimed keys by digest
         self._published: dict[str, Plan] = {}  # the plan last published per claimed key
         # Per followed key: the provisional file's mtime when read, its plan (None: none,
         # unreadable, or it broke the budget here), and whether a full replay here proved it
@@ -94,11 +93,11 @@ class SharedPlans:
 
     def decides(self, key: PlanKey) -> bool:
         """Whether this manager decides ``key``'s plan: it holds the claim, or has just taken it."""
+        held = self.claims.holds(key)
         if not self.claims.claim(key):
             return False
-        if key.digest() not in self._keys:
+        if not held:
             logger.info("deciding the plan of %s for the managers sharing its cache", key.digest())
-        self._keys[key.digest()] = key
         return True
 
     def refresh(self, key: PlanKey) -> None:
@@ -151,24 +150,22 @@ class SharedPlans:
         else:
             plans = [plan for plan, _ in candidates]
             best = min(plans, key=lambda p: p.predicted_step_s or float("inf"), default=None)
-        if best is None or digest not in self._keys or self._published.get(digest) is best:
+        if best is None or not self.claims.holds(key) or self._published.get(digest) is best:
             return
         self._published[digest] = best
         self.cache.put_provisional(key, best)
 
     def settle(self, key: PlanKey) -> None:
         """``key`` is decided (or proved infeasible) here: its provisional plan and claim go."""
-        digest = key.digest()
-        if self._keys.pop(digest, None) is None:
+        if not self.claims.holds(key):
             return
-        self._published.pop(digest, None)
+        self._published.pop(key.digest(), None)
         self.cache.drop_provisional(key)  # its own, or a parked decision's it took up
         self.claims.release(key)
 
     def close(self) -> None:
         """Let go of every claim, once the decisions under way are parked; published plans stay."""
         self.claims.release_all()
-        self._keys.clear()
         self._published.clear()
 
     def _provisional(self, key: PlanKey) -> tuple[int, Plan | None, bool]:
