@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
+from vtensor.planner.dominance import (
+    predicted_behind,
+    recomputes_all_of,
+    step_estimate_s,
+    unit_costs,
+)
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import unit_regrowth
@@ -56,10 +62,15 @@ class Trials:
         one_node: the modules recomputed whole behind one autograd node (``through_one_node``,
             NOTE [one-node recomputation] in ``activations/rebuild.py``).
         kept: candidates never dropped as recomputing more than another (NOTE [dominated
-            candidates]): what ``torch.utils.checkpoint`` on every block does.
+            candidates] in ``planner/dominance.py``): what ``torch.utils.checkpoint`` on
+            every block does.
         cached: the modules that, recomputed selectively, go behind one node with their
             product leaves' outputs kept (``cached_selective``, NOTE [cached products] in
             ``activations/product_cache.py``).
+        unit_s: per module the profile found safe to recompute, what recomputing it costs:
+            (whole, selectively) seconds (``unit_costs``, NOTE [predicted behind]).
+        step_s: the step's time estimated from the profile (``step_estimate_s``); 0.0 where
+            unknown, and no candidate is then dropped as predicted behind.
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
@@ -70,6 +81,8 @@ class Trials:
     one_node: tuple[str, ...] = ()
     kept: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
     cached: tuple[str, ...] = ()
+    unit_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    step_s: float = 0.0
 
     def one_node_of(self, names: tuple[str, ...], selective: tuple[str, ...]) -> tuple[str, ...]:
         """Of the modules ``names`` recomputes, those recomputed through one node.
@@ -99,15 +112,20 @@ class Trials:
             one_node=self.one_node_of(names, selective),
         )
         self.plans.append(hybrid)
-        if not hybrid.moves:  # NOTE [dominated candidates]
-            left = [
+        if not hybrid.moves:  # NOTE [dominated candidates], NOTE [predicted behind]
+            tried = (names, selective)
+            more = [c for c in self.pending if recomputes_all_of(c, names, selective)]
+            behind = [
                 c
                 for c in self.pending
-                if c in self.kept or not _recomputes_all_of(c, names, selective)
+                if c not in more and predicted_behind(self.unit_s, self.step_s, c, tried)
             ]
+            left = [c for c in self.pending if c in self.kept or c not in {*more, *behind}]
             if len(left) < len(self.pending):
                 logger.info(
-                    "%d candidates recompute more: not tried", len(self.pending) - len(left)
+                    "%d candidates recompute more, %d are predicted behind: not tried",
+                    len([c for c in more if c not in self.kept]),
+                    len([c for c in behind if c not in self.kept]),
                 )
             self.pending = left
         return hybrid
@@ -142,7 +160,8 @@ def trials_of(
 ) -> Trials:
     """The trials of ``candidates``, found on the profiled iteration ``trace``.
 
-    The last candidate, every block recomputed, is never dropped (NOTE [dominated candidates]).
+    The last candidate, every block recomputed, is never dropped after a trial (NOTE
+    [dominated candidates] in ``planner/dominance.py``).
     """
     return Trials(
         list(candidates),
@@ -153,34 +172,6 @@ def trials_of(
         one_node=tuple(u.name for u in trace.units if through_one_node(u)),
         kept=tuple(candidates[-1:]),
         cached=tuple(u.name for u in trace.units if cached_selective(u)),
+        unit_s=unit_costs(trace),
+        step_s=step_estimate_s(trace),
     )
-
-
-def _recomputes_all_of(
-    candidate: tuple[tuple[str, ...], tuple[str, ...]],
-    names: tuple[str, ...],
-    selective: tuple[str, ...],
-) -> bool:
-    """Whether ``candidate`` recomputes everything ``names`` (``selective`` so) recomputes.
-
-    NOTE [dominated candidates]: a candidate that recomputes all that a profiled plan which
-    moves nothing recomputes, and more, can move nothing less and computes more: it is not
-    faster, so it gets neither a trial nor a place in the race. On the main job's smallest
-    class the cheapest cover recomputed ``features.2.body`` and ``features.3`` and moved
-    nothing, and ``features.2, features.3`` whole was tried and raced too. A module is
-    recomputed by the candidate's own recomputation of it or of an ancestor, whole, or
-    selectively where it is recomputed selectively (a selective unit recomputes all but the
-    products inside it). What checkpointing every block does is never dropped (``kept``): the
-    race holds what a user's one line of checkpointing would do even where the plan that moved
-    nothing is made again under the guard's margin (NOTE [guard margin]) and moves bytes then.
-    """
-    others, partial = candidate
-
-    def covered(name: str) -> bool:
-        return any(
-            (name == other or name.startswith(other + "."))
-            and (other not in partial or name in selective)
-            for other in others
-        )
-
-    return all(covered(name) for name in names)

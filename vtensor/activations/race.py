@@ -75,6 +75,7 @@ import logging
 import statistics
 from dataclasses import dataclass, field
 
+from vtensor.planner.dominance import recomputes_all_of
 from vtensor.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class PlanRace:
                 self.clean[self.turn] = guard_bytes == 0
             self.times[self.turn].append(wall_s)
             self.leans[self.turn].append(lean)
+            if not lean and guard_bytes == 0 and not self.plans[self.turn].moves:
+                self._drop_recomputing_more()
         waiting = self._waiting()
         if not waiting:
             return self.plans[self._best()]
@@ -171,6 +174,31 @@ class PlanRace:
         if self.turn not in waiting:
             self.turn = self._next_turn(waiting)
         return None
+
+    def _drop_recomputing_more(self) -> None:
+        """Drop the candidates that recompute all the current one does, and more.
+
+        It moves nothing and its full replay needed no guard: it runs so from now on, and they
+        can be no faster (NOTE [dominated candidates] in ``planner/dominance.py``).
+        """
+        current = self.plans[self.turn]
+        names, selective = current.recompute, current.selective
+        drop = [
+            i
+            for i, p in enumerate(self.plans)
+            if p is not current
+            and p.encoded == current.encoded
+            and recomputes_all_of((p.recompute, p.selective), names, selective)
+        ]
+        if not drop:
+            return
+        logger.info(
+            "%d candidates recompute more than a plan that moves nothing: dropped", len(drop)
+        )
+        for column in (self.plans, self.times, self.clean, self.leans):
+            for i in reversed(drop):
+                del column[i]
+        self.turn = self.plans.index(current)
 
     def leader(self) -> Plan:
         """The plan the race would keep now; the fastest predicted until every candidate ran."""

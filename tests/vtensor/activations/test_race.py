@@ -6,9 +6,13 @@ import random
 
 from vtensor.activations.race import CLOSE_ROUNDS, CONFIRM, MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
-from vtensor.planner.plan import Plan
+from vtensor.planner.plan import Plan, TensorMove
 
-_EMPTY_PLAN = Plan(0, None, (), (), (), 0, 0.0, "test")
+_MOVE = TensorMove(vid=0, evict_bytes=1 << 20, evict_step=1, prefetch_step=2)
+# Plans that move bytes: a clean replay of one that moves nothing drops those recomputing more.
+_EMPTY_PLAN = Plan(
+    0, None, (_MOVE,), ("forward:0", "forward:1", "backward:0"), (1 << 20,), 0, 0.0, "test"
+)
 
 
 def _two() -> tuple[Plan, Plan]:
@@ -147,3 +151,36 @@ def test_beyond_its_close_rounds_only_the_leader_and_its_closest_rival_race_on()
         pass
     assert result is plans[0]
     assert [len(t) for t in race.times] == [MAX_ROUNDS, MAX_ROUNDS, CLOSE_ROUNDS]
+
+
+def test_a_clean_replay_of_a_plan_that_moves_nothing_drops_those_that_recompute_more() -> None:
+    # NOTE [dominated candidates]: it runs so from now on, and they can be no faster.
+    still = dataclasses.replace(_EMPTY_PLAN, moves=())
+    a = dataclasses.replace(still, recompute=("f.2", "f.3"))
+    every = dataclasses.replace(still, recompute=("f.0", "f.2", "f.3"))  # what checkpointing does
+    partly = dataclasses.replace(_EMPTY_PLAN, recompute=("f.2", "f.3"), selective=("f.3",))
+    encoded = dataclasses.replace(every, encoded=True)  # another encoding: not comparable
+    swap_only = _EMPTY_PLAN
+    race = PlanRace([every, a, partly, encoded, swap_only])
+    assert race.record(0.05, guard_bytes=0) is None and race.current() is a
+    # a's full replay needed the guard: it may be made again and move bytes then; all stay.
+    assert race.record(0.04, guard_bytes=4096) is None and len(race.plans) == 5
+    for _ in range(3):  # partly and swap_only move bytes, encoded recomputes no less
+        race.record(0.04, guard_bytes=0)
+    assert len(race.plans) == 5 and race.current() is every
+    race.record(0.05, lean=True)
+    assert race.current() is a and not race.lean()
+    assert race.record(0.04, guard_bytes=0) is None  # a's replay is clean now
+    assert race.plans == [a, partly, encoded, swap_only]
+    assert race.times[0] == [0.04, 0.04] and race.current() is partly
+    while (winner := race.record(0.04 if race.turn == 0 else 0.06, lean=race.lean())) is None:
+        pass
+    assert winner is a
+
+
+def test_a_clean_replay_of_a_plan_that_moves_bytes_drops_nothing() -> None:
+    a = dataclasses.replace(_EMPTY_PLAN, recompute=("f.2",))
+    more = dataclasses.replace(_EMPTY_PLAN, recompute=("f.2", "f.3"))
+    race = PlanRace([a, more])
+    race.record(0.05, guard_bytes=0)
+    assert race.plans == [a, more] and race.current() is more

@@ -12,7 +12,7 @@ from vtensor.activations.iteration_plan import Trials
 from vtensor.activations.race import MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
 from vtensor.activations.undecided import Undecided
-from vtensor.planner.plan import Plan
+from vtensor.planner.plan import Plan, TensorMove
 from vtensor.planner.trace import Trace
 
 
@@ -95,7 +95,9 @@ def test_unreadable_progress_is_ignored_and_the_model_profiled_again(
 
 
 def _plan(budget: int) -> Plan:
-    return Plan(budget, 1 << 20, (), ("forward:0",), (4096,), budget, 0.0, "test")
+    """A plan that moves its one tensor (one that moves nothing would end a race it replays in)."""
+    move = TensorMove(vid=0, evict_bytes=4096, evict_step=0, prefetch_step=1)
+    return Plan(budget, 1 << 20, (move,), ("forward:0", "backward:0"), (4096,), budget, 0.0, "t")
 
 
 def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
@@ -107,12 +109,15 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     race.record(0.2, lean=True)
     growth = {"a": (300, 200), "b": (100, 0)}
     kept = ((("a", "b"), ()),)  # never dropped as recomputing more (NOTE [dominated candidates])
+    unit_s = {"a": (0.002, 0.001), "b": (0.003, 0.0015)}
     trials = Trials([pending], [hybrid], swap_only, growth, True, ("a",), kept, cached=("b",))
+    trials.unit_s, trials.step_s = unit_s, 0.04
     undecided = Undecided(trials, race, [(hybrid, (trace, 7, 9))])
     back = Undecided.from_dict(json.loads(json.dumps(undecided.to_dict())))
     assert back.trials is not None and back.race is not None
     assert back.trials.pending == [pending] and back.trials.growth == growth
     assert back.trials.kept == kept
+    assert back.trials.unit_s == unit_s and back.trials.step_s == 0.04
     trial = back.trials.next_trial("s", None)
     assert trial.regrowth == {"a": 300, "b": 0} and trial.encode  # b selective; as profiled
     # a whole behind one node, b selectively behind one, its convolutions kept

@@ -1,6 +1,7 @@
 """The choice of what to recompute (NOTE [hybrid plan] in vtensor/planner/recompute.py)."""
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -308,6 +309,8 @@ def test_trace_units_and_plan_recompute_round_trip_through_json() -> None:
     trace = unit_trace([("a", 0.01, 100 * KB, True, 0.001, 10 * KB), ("b", 0.02, 200 * KB, False)])
     trace = dataclasses.replace(trace, recomputed=("a",), selective=("a",))
     assert Trace.from_json(trace.to_json()) == trace
+    # Written field by field, the text is what ``dataclasses.asdict`` would give.
+    assert trace.to_json() == json.dumps(dataclasses.asdict(trace), sort_keys=True)
     plan = dataclasses.replace(
         plan_lgm(trace, demand(trace) - 50 * KB),
         recompute=("a",),
