@@ -301,6 +301,10 @@ class Iteration(LeanSteps):
         """Evict activations so that ``nbytes`` about to be allocated fit (a read, a check)."""
         self.enforce(incoming_bytes=nbytes, judge=False)
 
+    def room_bytes(self) -> int:
+        """What the budget leaves beside the bytes the iteration began with."""
+        return self.policy.budget_bytes - self.baseline_bytes
+
     def enforce(
         self,
         incoming_bytes: int = 0,

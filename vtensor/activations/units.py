@@ -30,6 +30,17 @@ depends only on the inputs is safe: a second run
 takes the same branch. What no check can see (a side effect outside Python attributes and
 tensors, such as a write to a file) stays the user's to exclude.
 
+NOTE [no room to recompute]
+Recomputing a unit holds what its forward held (NOTE [recomputation's working set] in
+``recorder.py``), whole or selectively (SAC's cache holds the product outputs from the forward
+on), on top of at least the bytes the iteration began with (parameters, gradients, state,
+inputs). A unit whose forward held more than the budget leaves beside those can never be
+recomputed within it, so it is marked so and not checked: its checks ran its forward three
+times more after making room for all it held, evicting what the rest of the iteration then
+brought back. On the main job's CNN at its micro class's budget (25.9 MiB), the whole feature
+extractor held 43.6 MiB: with its checks, the profiled step swapped 48 MiB out, 38 MiB of it to
+make room for checks, and took 455 ms; without them 35 MiB (24 MiB) and 365 ms.
+
 NOTE [unit time]
 A unit's forward time, what recomputing it whole costs, is that of the check's second run:
 its forward alone. The first run's window held the profiled iteration's work at every hook
@@ -76,6 +87,7 @@ from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
 from vtensor.planner.recomputed import in_backward, through_one_node
 from vtensor.planner.trace import TraceTensor, TraceUnit
+from vtensor.sizes import format_bytes
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MAX_GRAPH_NODES = 100_000
@@ -93,6 +105,10 @@ class UnitTarget(ProfileTarget, Protocol):
 
     def make_room(self, nbytes: int) -> None:
         """Evict activations so that ``nbytes`` about to be allocated fit the budget."""
+        ...
+
+    def room_bytes(self) -> int:
+        """What the budget leaves beside the bytes the iteration began with."""
         ...
 
 
@@ -196,6 +212,17 @@ class UnitRecorder:
             self.seen[name].why_unsafe = "it runs more than once per iteration"
             return
         began = time.perf_counter()
+        room = self.target.room_bytes()
+        if working > room:  # NOTE [no room to recompute]
+            why = (
+                f"its forward held {format_bytes(working)}, more than the "
+                f"{format_bytes(max(room, 0))} the budget leaves beside the iteration's fixed bytes"
+            )
+            self.seen[name] = _Seen(
+                name, opened.first_step, self.target.step_index, forward_s, vids, inputs, why
+            )
+            self.seen[name].working_bytes = working
+            return
         # The checks run its forward again, thrice, where no reading sees them: room for what it
         # held, as for a recomputation (NOTE [recomputation's working set] in recorder.py).
         self.target.make_room(working)

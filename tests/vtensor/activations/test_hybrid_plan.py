@@ -197,7 +197,6 @@ class _Kept(PlanRace):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.races.append(self)
-        self.started = list(self.plans)
         self.max_rounds = RACE_ROUNDS  # decided after the replays every candidate gets
 
     def _best(self) -> int:

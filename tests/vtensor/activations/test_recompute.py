@@ -236,3 +236,51 @@ def test_a_units_forward_time_leaves_out_the_checks_of_the_units_inside_it(
     # NOTE [dispatch cost]: a selective recomputation runs the unit's Python again (the sleep,
     # outside any op), which the time of its non-product ops alone (tanh, the copy) left out.
     assert units["1.0"].selective_safe and units["1.0"].selective_s >= SLOW_S
+
+
+class _Counted(nn.Module):
+    """The blocks in one unit, its forward calls counted."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(4)))
+        self.calls: list[None] = []  # not a plain attribute: the checks look past it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(None)
+        return self.blocks(x)
+
+
+def test_a_unit_whose_forward_holds_more_than_the_budget_leaves_is_not_checked(
+    tmp_path: Path,
+) -> None:
+    # Recomputing a unit holds what its forward held (NOTE [recomputation's working set]) on
+    # top of the bytes the iteration began with: where that is over the budget, it is never an
+    # option, and running its forward again three times, after making room for all it held,
+    # is work for nothing (NOTE [safe to recompute]).
+    width = 512
+    x, y = torch.randn(512, width), torch.randint(0, 10, (512,))
+
+    def step(mm: vtensor.MemoryManager, model: nn.Module) -> None:
+        with mm.step(model, None, inputs=(x, y)):
+            nn.functional.cross_entropy(model(x), y).backward()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counted(width), nn.Linear(width, 10))
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path / "free", recompute=True) as free:
+        step(free, model)
+        assert free.trace is not None
+        whole = {u.name: u for u in free.trace.units}["0"]
+        baseline = free.trace.baseline_bytes
+    calls = model[0].calls
+    assert whole.safe and len(calls) == 4  # its forward, the check's two, the profile's
+    budget = baseline + whole.working_bytes * 3 // 4
+    calls.clear()
+    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
+        step(mm, model)
+        assert mm.trace is not None
+        units = {u.name: u for u in mm.trace.units}
+        assert mm.report().peak_device_bytes <= budget + MIB
+    assert len(calls) == 1, len(calls)
+    assert not units["0"].safe and "budget" in units["0"].why_unsafe, units["0"].why_unsafe
+    assert all(units[f"0.blocks.{i}"].safe for i in range(4)), units
