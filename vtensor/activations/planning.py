@@ -385,5 +385,5 @@ class PlanBook:
         """Race the candidates of ``trials`` (NOTE [plan race]); the only one if one, or None."""
         if len(candidates := trials.candidates()) < 2:
             return candidates[0] if candidates else None
-        self._race[signature] = PlanRace(candidates)
+        self._race[signature] = PlanRace(candidates, unit_s=trials.unit_s)
         return None

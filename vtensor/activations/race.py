@@ -75,7 +75,7 @@ import logging
 import statistics
 from dataclasses import dataclass, field
 
-from vtensor.planner.dominance import recomputes_all_of
+from vtensor.planner.dominance import priced_above, recomputes_all_of
 from vtensor.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class PlanRace:
     clean: list[bool] = field(default_factory=list)  # a full replay of it needed no guard
     leans: list[list[bool]] = field(default_factory=list)  # whether each time was a lean replay
     max_rounds: int = MAX_ROUNDS
+    # Per unit the profile found safe, what recomputing it costs: (whole, selectively) seconds.
+    unit_s: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.times = [[] for _ in self.plans]
@@ -137,7 +139,7 @@ class PlanRace:
             self.times[self.turn].append(wall_s)
             self.leans[self.turn].append(lean)
             if not lean and guard_bytes == 0 and not self.plans[self.turn].moves:
-                self._drop_recomputing_more()
+                self._drop_outdone()
         waiting = self._waiting()
         if not waiting:
             return self.plans[self._best()]
@@ -175,26 +177,28 @@ class PlanRace:
             self.turn = self._next_turn(waiting)
         return None
 
-    def _drop_recomputing_more(self) -> None:
-        """Drop the candidates that recompute all the current one does, and more.
+    def _drop_outdone(self) -> None:
+        """Drop the candidates the current one outdoes: it moves nothing, its full replay clean.
 
-        It moves nothing and its full replay needed no guard: it runs so from now on, and they
-        can be no faster (NOTE [dominated candidates] in ``planner/dominance.py``).
+        It runs so from now on; those that recompute all it does and more, or whose
+        recomputation the profile prices higher, can be no faster (NOTE [dominated candidates]
+        and NOTE [outdone in the race] in ``planner/dominance.py``).
         """
         current = self.plans[self.turn]
-        names, selective = current.recompute, current.selective
+        mine = (current.recompute, current.selective)
         drop = [
             i
             for i, p in enumerate(self.plans)
             if p is not current
             and p.encoded == current.encoded
-            and recomputes_all_of((p.recompute, p.selective), names, selective)
+            and (
+                recomputes_all_of((p.recompute, p.selective), *mine)
+                or priced_above(self.unit_s, (p.recompute, p.selective), mine)
+            )
         ]
         if not drop:
             return
-        logger.info(
-            "%d candidates recompute more than a plan that moves nothing: dropped", len(drop)
-        )
+        logger.info("%d candidates outdone by a plan that moves nothing: dropped", len(drop))
         for column in (self.plans, self.times, self.clean, self.leans):
             for i in reversed(drop):
                 del column[i]

@@ -82,6 +82,7 @@ class Undecided:
                 "turn": self.race.turn,
                 "clean": self.race.clean,
                 "leans": self.race.leans,
+                "unit_s": {n: list(c) for n, c in self.race.unit_s.items()},
             }
         candidates = [
             [ref(plan), trace.to_json(), reserve, minimum]
@@ -146,6 +147,9 @@ class Undecided:
                 raise ValueError("race times and their lean flags do not match")
             race.times, race.clean, race.leans = times, clean, leans
             race.turn = int(r["turn"])
+            race.unit_s = {
+                str(n): (float(w), float(s)) for n, (w, s) in r.get("unit_s", {}).items()
+            }
             if not 0 <= race.turn < len(race.plans):
                 raise ValueError(f"race turn {race.turn} of {len(race.plans)} plans")
         if trials is None and race is None:

@@ -13,7 +13,25 @@ trial may need the guard in its first replay and be made again under the guard's
 [guard margin] in ``activations/margin.py``), moving bytes then. Once such a plan's full replay
 needed nothing from the guard, it runs as kept from then on, and every candidate of the race
 that recomputes all it does and more, checkpointing every block included, leaves the race
-(``PlanRace.record`` in ``activations/race.py``).
+(``PlanRace.record`` in ``activations/race.py``), as does every one the profile prices higher
+(NOTE [outdone in the race]).
+
+NOTE [outdone in the race]
+Plans that move nothing differ only by what they recompute. The race times them under whatever
+else the machine runs: in the main job a second client trains beside the one deciding, and two
+processes replaying the same plan side by side took 47-62 and 50-80 ms a step (10th-90th
+percentile, benchmarks/README.md, ``main_job``), so four to eight replays each tell two covers
+apart only where they differ by more than several milliseconds, and the micro class kept a
+three- or four-module cover (1.37x the unmanaged round in a run where the two-module cover took
+1.22-1.31x) now and then. The profile prices each unit's recomputation from its forward run
+again alone, the lesser of two runs, and the mechanism's measured cost (NOTE [unit time] in
+``activations/units.py``), and two covers of one profile are priced from the same figures: the
+main job's micro covers were priced 5.1-9.2 ms, a unit's price varying by about 10 % from
+profile to profile. So once a plan that moves nothing has a clean full replay, every candidate
+of the same encoding whose recomputation is priced higher leaves the race: moving nothing less
+and recomputing more, it could win only by the noise of the replays. Plans that move bytes, the
+swap-only one included, still race on their times: the model does not see what swapping costs
+on a CPU (NOTE [plan race]).
 
 NOTE [predicted behind]
 The race times candidates because the model's prediction ranked swapping against
@@ -80,6 +98,17 @@ def recompute_s(costs: Mapping[str, tuple[float, float]], candidate: Candidate) 
     if any(n not in costs for n in names):
         return None
     return sum(costs[n][n in selective] for n in names)
+
+
+def priced_above(
+    costs: Mapping[str, tuple[float, float]], candidate: Candidate, than: Candidate
+) -> bool:
+    """Whether ``candidate``'s recomputation is priced above ``than``'s (both priced).
+
+    NOTE [outdone in the race].
+    """
+    mine, theirs = recompute_s(costs, candidate), recompute_s(costs, than)
+    return mine is not None and theirs is not None and mine > theirs
 
 
 def predicted_behind(

@@ -30,6 +30,7 @@ from vtensor.activations.race import CONFIRM, MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
 from vtensor.planner.dominance import (
     predicted_behind,
+    priced_above,
     recomputes_all_of,
     step_estimate_s,
     unit_costs,
@@ -348,13 +349,18 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     (race,) = _Seen.races
     assert [p.recompute for p in race.started] == [*names, ()]
     # In turn, but for those a clean replay of a plan that moved nothing dropped: they
-    # recompute all it does and more (NOTE [dominated candidates]).
+    # recompute all it does and more, or are priced higher (NOTE [dominated candidates], NOTE
+    # [outdone in the race]).
     first = [r.recomputed for r in raced[: len(race.plans)]]
     assert first == [p.recompute for p in race.plans][: len(first)], (first, race.plans)
     still = [_names(p) for p in race.plans]  # a plan made again races under its names
     for gone in (p for p in race.started if _names(p) not in still):
         assert any(
-            not p.moves and recomputes_all_of((gone.recompute, gone.selective), *_names(p))
+            not p.moves
+            and (
+                recomputes_all_of(_names(gone), *_names(p))
+                or priced_above(race.unit_s, _names(gone), _names(p))
+            )
             for p in race.plans
         ), (gone.recompute, [p.recompute for p in race.plans])
     for plan_raced, times in zip(race.plans, race.times, strict=True):  # as raced at the end

@@ -184,3 +184,30 @@ def test_a_clean_replay_of_a_plan_that_moves_bytes_drops_nothing() -> None:
     race = PlanRace([a, more])
     race.record(0.05, guard_bytes=0)
     assert race.plans == [a, more] and race.current() is more
+
+
+def test_a_clean_replay_of_a_plan_that_moves_nothing_drops_those_priced_higher() -> None:
+    # NOTE [outdone in the race]: plans that move nothing differ only by what they recompute,
+    # which the profile priced; the replays' noise would decide between them.
+    unit_s = {"f.1": (0.0014, 0.001), "f.2": (0.0027, 0.0015), "f.3": (0.0021, 0.0011)}
+    unit_s |= {"f.4": (0.0014, 0.0009)}
+    still = dataclasses.replace(_EMPTY_PLAN, moves=())
+    two = dataclasses.replace(still, recompute=("f.2", "f.3"))  # 4.8 ms
+    three = dataclasses.replace(still, recompute=("f.1", "f.3", "f.4"))  # 4.9 ms: not more
+    partly = dataclasses.replace(still, recompute=("f.2", "f.3"), selective=("f.2",))  # 3.6 ms
+    unpriced = dataclasses.replace(still, recompute=("f.2", "g"))
+    moving = dataclasses.replace(_EMPTY_PLAN, recompute=("f.1", "f.2", "f.3", "f.4"))  # 7.6 ms
+    swap_only = _EMPTY_PLAN
+    race = PlanRace([two, three, partly, unpriced, moving, swap_only], unit_s=unit_s)
+    assert race.record(0.05, guard_bytes=0) is None  # two: three and moving priced higher
+    assert race.plans == [two, partly, unpriced, swap_only] and race.current() is partly
+    assert race.record(0.05, guard_bytes=4096) is None  # needed the guard: nothing dropped
+    assert race.plans == [two, partly, unpriced, swap_only]
+    race.record(0.05, guard_bytes=0)  # unpriced: g has no price; two is not a superset of it
+    assert race.plans == [two, partly, unpriced, swap_only]
+    race.record(0.04, guard_bytes=0)  # the swap-only plan moves bytes
+    assert race.plans == [two, partly, unpriced, swap_only] and race.current() is two
+    race.record(0.05, lean=True)
+    assert race.current() is partly
+    race.record(0.05, guard_bytes=0)  # partly's replay is clean now: two is priced higher
+    assert race.plans == [partly, unpriced, swap_only]

@@ -103,7 +103,7 @@ def _plan(budget: int) -> Plan:
 def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     hybrid, swap_only, pending = _plan(100), _plan(200), (("a", "b"), ("b",))
     trace = Trace((), (), 0, 0, 1000, None, "cpu")
-    race = PlanRace([hybrid, swap_only])
+    race = PlanRace([hybrid, swap_only], unit_s={"a": (0.002, 0.001)})
     race.record(0.5)
     race.record(0.25, guard_bytes=0)
     race.record(0.2, lean=True)
@@ -124,7 +124,7 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     assert trial.one_node == ("a", "b") and back.trials.cached == ("b",)
     assert back.trials.plans[0] is back.race.plans[0] is back.candidates[0][0]
     assert back.trials.swap_only is back.race.plans[1]
-    assert back.race.plans == [hybrid, swap_only]
+    assert back.race.plans == [hybrid, swap_only] and back.race.unit_s == race.unit_s
     assert (back.race.times, back.race.turn, back.race.clean, back.race.leans) == (
         race.times,
         race.turn,
