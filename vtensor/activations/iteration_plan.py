@@ -7,12 +7,7 @@ from dataclasses import dataclass, field
 
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
-from vtensor.planner.dominance import (
-    predicted_behind,
-    recomputes_all_of,
-    step_estimate_s,
-    unit_costs,
-)
+from vtensor.planner.dominance import priced_above, recomputes_all_of, unit_costs
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import unit_regrowth
@@ -68,9 +63,8 @@ class Trials:
             product leaves' outputs kept (``cached_selective``, NOTE [cached products] in
             ``activations/product_cache.py``).
         unit_s: per module the profile found safe to recompute, what recomputing it costs:
-            (whole, selectively) seconds (``unit_costs``, NOTE [predicted behind]).
-        step_s: the step's time estimated from the profile (``step_estimate_s``); 0.0 where
-            unknown, and no candidate is then dropped as predicted behind.
+            (whole, selectively) seconds (``unit_costs``, NOTE [priced higher] in
+            ``planner/dominance.py``); empty where unknown, and none is priced higher then.
     """
 
     pending: list[tuple[tuple[str, ...], tuple[str, ...]]]
@@ -82,7 +76,6 @@ class Trials:
     kept: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
     cached: tuple[str, ...] = ()
     unit_s: dict[str, tuple[float, float]] = field(default_factory=dict)
-    step_s: float = 0.0
 
     def one_node_of(self, names: tuple[str, ...], selective: tuple[str, ...]) -> tuple[str, ...]:
         """Of the modules ``names`` recomputes, those recomputed through one node.
@@ -112,20 +105,20 @@ class Trials:
             one_node=self.one_node_of(names, selective),
         )
         self.plans.append(hybrid)
-        if not hybrid.moves:  # NOTE [dominated candidates], NOTE [predicted behind]
-            tried = (names, selective)
-            more = [c for c in self.pending if recomputes_all_of(c, names, selective)]
-            behind = [
+        if not hybrid.moves:  # NOTE [dominated candidates], NOTE [priced higher]
+            left = [
                 c
                 for c in self.pending
-                if c not in more and predicted_behind(self.unit_s, self.step_s, c, tried)
+                if c in self.kept
+                or not (
+                    recomputes_all_of(c, names, selective)
+                    or priced_above(self.unit_s, c, (names, selective))
+                )
             ]
-            left = [c for c in self.pending if c in self.kept or c not in {*more, *behind}]
             if len(left) < len(self.pending):
                 logger.info(
-                    "%d candidates recompute more, %d are predicted behind: not tried",
-                    len([c for c in more if c not in self.kept]),
-                    len([c for c in behind if c not in self.kept]),
+                    "%d candidates recompute more or are priced higher: not tried",
+                    len(self.pending) - len(left),
                 )
             self.pending = left
         return hybrid
@@ -173,5 +166,4 @@ def trials_of(
         kept=tuple(candidates[-1:]),
         cached=tuple(u.name for u in trace.units if cached_selective(u)),
         unit_s=unit_costs(trace),
-        step_s=step_estimate_s(trace),
     )

@@ -182,7 +182,7 @@ class PlanRace:
 
         It runs so from now on; those that recompute all it does and more, or whose
         recomputation the profile prices higher, can be no faster (NOTE [dominated candidates]
-        and NOTE [outdone in the race] in ``planner/dominance.py``).
+        and NOTE [priced higher] in ``planner/dominance.py``).
         """
         current = self.plans[self.turn]
         mine = (current.recompute, current.selective)

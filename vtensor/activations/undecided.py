@@ -72,7 +72,6 @@ class Undecided:
                 "cached": list(self.trials.cached),
                 "kept": [[list(n), list(s)] for n, s in self.trials.kept],
                 "unit_s": {n: list(c) for n, c in self.trials.unit_s.items()},
-                "step_s": self.trials.step_s,
             }
         race = None
         if self.race is not None:
@@ -126,11 +125,10 @@ class Undecided:
             encoded = bool(t.get("encoded"))
             cached = tuple(str(n) for n in t.get("cached", ()))
             trials = Trials(pending, plans_so_far, swap_only, growth, encoded, whole, kept, cached)
-            # Written before candidates were priced: none is dropped as predicted behind.
+            # Written before candidates were priced: none is priced higher (NOTE [priced higher]).
             trials.unit_s = {
                 str(n): (float(w), float(s)) for n, (w, s) in t.get("unit_s", {}).items()
             }
-            trials.step_s = float(t.get("step_s", 0.0))
         race = None
         if raw["race"] is not None:
             r = raw["race"]

@@ -28,13 +28,7 @@ import vtensor
 import vtensor.activations.planning
 from vtensor.activations.race import CONFIRM, MAX_ROUNDS, PlanRace
 from vtensor.activations.race import ROUNDS as RACE_ROUNDS
-from vtensor.planner.dominance import (
-    predicted_behind,
-    priced_above,
-    recomputes_all_of,
-    step_estimate_s,
-    unit_costs,
-)
+from vtensor.planner.dominance import priced_above, recomputes_all_of, unit_costs
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import recompute_candidates
 from vtensor.planner.trace import Trace
@@ -301,11 +295,11 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     found: list[tuple[tuple[Names, Names], ...]] = []
-    priced: list[tuple[dict[str, tuple[float, float]], float]] = []
+    priced: list[dict[str, tuple[float, float]]] = []
 
     def candidates(trace: Trace, budget_bytes: int) -> tuple[tuple[Names, Names], ...]:
         found.append(recompute_candidates(trace, budget_bytes))
-        priced.append((unit_costs(trace), step_estimate_s(trace)))
+        priced.append(unit_costs(trace))
         return found[-1]
 
     budget = int(peak_bytes(Block, tmp_path) * 0.5)
@@ -328,9 +322,9 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     # else whole: every block but the two linear layers is selective-safe.
     assert any(sel and set(sel) <= set(n) - {"0", "7"} for n, sel in candidates[:2])
     # One trial each, in order, but those a trial that moved nothing made pointless: they
-    # recompute all it did and more (NOTE [dominated candidates]), or are predicted behind it
-    # (NOTE [predicted behind]). Every block whole stays.
-    costs, step_s = priced[0]
+    # recompute all it did and more (NOTE [dominated candidates]), or are priced higher (NOTE
+    # [priced higher]). Every block whole stays.
+    costs = priced[0]
     trials = len(list(itertools.takewhile(lambda r: r.plan_source == "profiled", reports[1:])))
     tried = [(r.recomputed, r.selective) for r in reports[1 : 1 + trials]]
     assert tried[0] == candidates[0] and tried[-1] == (every, none), (tried, candidates)
@@ -339,8 +333,7 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     for dropped in (c for c in candidates if c not in tried):
         earlier = [t for t in tried if candidates.index(t) < candidates.index(dropped)]
         assert any(
-            recomputes_all_of(dropped, *t) or predicted_behind(costs, step_s, dropped, t)
-            for t in earlier
+            recomputes_all_of(dropped, *t) or priced_above(costs, dropped, t) for t in earlier
         ), (dropped, tried)
     names = [n for n, _ in tried]
     raced = [r for r in reports[1 + trials :] if r.plan_source == "raced"]
@@ -350,7 +343,7 @@ def test_each_candidate_recomputation_is_profiled_then_all_race_with_the_swap_on
     assert [p.recompute for p in race.started] == [*names, ()]
     # In turn, but for those a clean replay of a plan that moved nothing dropped: they
     # recompute all it does and more, or are priced higher (NOTE [dominated candidates], NOTE
-    # [outdone in the race]).
+    # [priced higher]).
     first = [r.recomputed for r in raced[: len(race.plans)]]
     assert first == [p.recompute for p in race.plans][: len(first)], (first, race.plans)
     still = [_names(p) for p in race.plans]  # a plan made again races under its names

@@ -187,7 +187,7 @@ def test_a_clean_replay_of_a_plan_that_moves_bytes_drops_nothing() -> None:
 
 
 def test_a_clean_replay_of_a_plan_that_moves_nothing_drops_those_priced_higher() -> None:
-    # NOTE [outdone in the race]: plans that move nothing differ only by what they recompute,
+    # NOTE [priced higher]: plans that move nothing differ only by what they recompute,
     # which the profile priced; the replays' noise would decide between them.
     unit_s = {"f.1": (0.0014, 0.001), "f.2": (0.0027, 0.0015), "f.3": (0.0021, 0.0011)}
     unit_s |= {"f.4": (0.0014, 0.0009)}

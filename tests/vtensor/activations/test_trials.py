@@ -12,7 +12,7 @@ from torch import nn
 import vtensor
 import vtensor.activations.planning
 from vtensor.activations.iteration_plan import Trials
-from vtensor.planner.dominance import step_estimate_s, unit_costs
+from vtensor.planner.dominance import unit_costs
 from vtensor.planner.plan import Plan, TensorMove
 from vtensor.planner.trace import Trace
 
@@ -183,36 +183,35 @@ def test_a_trial_that_moves_nothing_drops_the_pending_candidates_that_recompute_
     assert trials.pending == []
 
 
-def test_a_trial_that_moves_nothing_drops_the_pending_candidates_predicted_behind() -> None:
-    # NOTE [predicted behind]: both would move nothing; the rest costs more than the race's
-    # margin of the step in recomputation alone, as the profile measured each unit.
+def test_a_trial_that_moves_nothing_drops_the_pending_candidates_priced_higher() -> None:
+    # NOTE [priced higher]: both would move nothing at best; the rest costs more in
+    # recomputation, as the profile priced each unit.
     unit_s = {"f.0": (0.002, 0.001), "f.2": (0.0025, 0.0015), "f.3": (0.002, 0.001)}
     unit_s |= {"f.4": (0.006, 0.003), "f.5": (0.001, 0.0005)}
     cover = (("f.2", "f.3"), ())  # 4.5 ms
     pending = [
         cover,
-        (("f.0", "f.2", "f.4"), ("f.0", "f.4")),  # 6.5 ms: 2 ms behind, within 4 ms: tried
-        (("f.0", "f.4"), ()),  # 8 ms: 3.5 ms behind: tried
-        (("f.2", "f.4", "f.5"), ("f.5",)),  # 9 ms: 4.5 ms behind: dropped
+        (("f.0", "f.2"), ("f.0",)),  # 3.5 ms: priced lower, tried
+        (("f.0", "f.4"), ()),  # 8 ms: dropped
+        (("f.2", "f.5"), ("f.2", "f.5")),  # 2 ms: tried
         (("f.2", "g"), ()),  # g is not priced: tried
         (("f.0", "f.2", "f.4", "f.5"), ()),  # 11.5 ms, what checkpointing every block does
     ]
 
-    def left(step_s: float, moves: bool = False) -> list[tuple[tuple[str, ...], ...]]:
-        kept = (pending[-1],)
-        trials = Trials(list(pending), [], None, kept=kept, unit_s=unit_s, step_s=step_s)
+    def left(moves: bool = False, priced: bool = True) -> list[tuple[tuple[str, ...], ...]]:
+        costs = unit_s if priced else {}
+        trials = Trials(list(pending), [], None, kept=(pending[-1],), unit_s=costs)
         trials.profiled(_hybrid_base(moves=moves), 0.1)
         return trials.pending
 
-    assert left(0.04) == [pending[1], pending[2], pending[4], pending[5]]
-    assert left(0.02) == [pending[1], pending[4], pending[5]]  # 2 ms of margin: 3.5 behind
-    assert left(0.0) == pending[1:]  # the step unknown: nothing predicted
-    assert left(0.02, moves=True) == pending[1:]  # the trial's plan moves bytes
+    assert left() == [pending[1], pending[3], pending[4], pending[5]]
+    assert left(priced=False) == pending[1:]  # nothing priced: none is priced higher
+    assert left(moves=True) == pending[1:]  # the trial's plan moves bytes
 
 
-def test_the_step_is_estimated_from_the_outermost_units_forward() -> None:
+def test_each_safe_unit_is_priced_whole_and_selectively() -> None:
     trace, _ = _two_units(0)
-    nested = dataclasses.replace(trace.units[0], name="a.inner", forward_s=0.5)
-    trace = dataclasses.replace(trace, units=(*trace.units, nested))
-    assert step_estimate_s(trace) == pytest.approx(3 * 0.002)  # a and b, not a.inner
-    assert unit_costs(trace)["a"] == (trace.units[0].forward_s, trace.units[0].selective_s)
+    a = dataclasses.replace(trace.units[0], selective_s=0.0005, overhead_s=0.0002)
+    unsafe = dataclasses.replace(trace.units[1], safe=False)
+    costs = unit_costs(dataclasses.replace(trace, units=(a, unsafe)))
+    assert costs == {"a": (a.forward_s + 0.0002, 0.0005)}

@@ -111,13 +111,13 @@ def test_progress_round_trips_with_its_plans_shared_as_they_were() -> None:
     kept = ((("a", "b"), ()),)  # never dropped as recomputing more (NOTE [dominated candidates])
     unit_s = {"a": (0.002, 0.001), "b": (0.003, 0.0015)}
     trials = Trials([pending], [hybrid], swap_only, growth, True, ("a",), kept, cached=("b",))
-    trials.unit_s, trials.step_s = unit_s, 0.04
+    trials.unit_s = unit_s
     undecided = Undecided(trials, race, [(hybrid, (trace, 7, 9))])
     back = Undecided.from_dict(json.loads(json.dumps(undecided.to_dict())))
     assert back.trials is not None and back.race is not None
     assert back.trials.pending == [pending] and back.trials.growth == growth
     assert back.trials.kept == kept
-    assert back.trials.unit_s == unit_s and back.trials.step_s == 0.04
+    assert back.trials.unit_s == unit_s
     trial = back.trials.next_trial("s", None)
     assert trial.regrowth == {"a": 300, "b": 0} and trial.encode  # b selective; as profiled
     # a whole behind one node, b selectively behind one, its convolutions kept
