@@ -379,7 +379,10 @@ class PlanBook:
         """Publish the best plan known for ``chosen``'s signature (NOTE [provisional plan])."""
         if self.shared is not None and chosen.key is not None:
             candidates = self._candidates.get(chosen.signature, [])
-            self.shared.publish(chosen.key, self._race.get(chosen.signature), candidates)
+            trials = self._trial.get(chosen.signature)
+            unit_s = trials.unit_s if trials is not None else {}
+            race = self._race.get(chosen.signature)
+            self.shared.publish(chosen.key, race, candidates, unit_s)
 
     def _race_or_only(self, signature: str, trials: Trials) -> Plan | None:
         """Race the candidates of ``trials`` (NOTE [plan race]); the only one if one, or None."""

@@ -75,7 +75,7 @@ import logging
 import statistics
 from dataclasses import dataclass, field
 
-from vtensor.planner.dominance import priced_above, recomputes_all_of
+from vtensor.planner.dominance import likely_fastest, priced_above, recomputes_all_of
 from vtensor.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -205,10 +205,12 @@ class PlanRace:
         self.turn = self.plans.index(current)
 
     def leader(self) -> Plan:
-        """The plan the race would keep now; the fastest predicted until every candidate ran."""
+        """The plan the race would keep now; until every candidate ran, ``likely_fastest``'s."""
         if all(self.times):
             return self.plans[self._best()]
-        return min(self.plans, key=lambda plan: plan.predicted_step_s or float("inf"))
+        found = likely_fastest(self.plans, self.unit_s)
+        assert found is not None  # a race has plans
+        return found
 
     def winner_clean(self) -> bool:
         """Whether a full replay of the winner needed nothing from the guard."""

@@ -4,8 +4,10 @@ NOTE [provisional plan]
 A manager that follows another's decision (NOTE [one decider] in ``planner/claims.py``) neither
 profiles, tries nor races. The decider publishes the best plan it knows beside the cache
 (``<key digest>.provisional.json``, an entry like the cache's, checksummed): its profile's
-plan once it has one, the candidate predicted fastest as each trial adds one, and in the race
-the candidate with the least median time once every candidate has run. The follower replays
+plan once it has one, then, as each trial adds a candidate, the one that moves nothing priced
+least where one does (NOTE [priced higher] in ``planner/dominance.py``), else the one
+predicted fastest, and in the race the candidate with the least median time once every
+candidate has run. The follower replays
 the latest one in full (every hook point guarded, as for a plan made in this process), and
 runs the reactive policy until there is one, or where one broke the budget here (that plan is
 not replayed again; the next one published is). Once the decision is cached the follower loads
@@ -37,6 +39,7 @@ from vtensor.activations.undecided import Undecided, park, take_up
 from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.claims import DecisionClaims
+from vtensor.planner.dominance import likely_fastest
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
 
@@ -138,18 +141,22 @@ class SharedPlans:
         return True
 
     def publish(
-        self, key: PlanKey, race: PlanRace | None, candidates: list[tuple[Plan, Profile]]
+        self,
+        key: PlanKey,
+        race: PlanRace | None,
+        candidates: list[tuple[Plan, Profile]],
+        unit_s: dict[str, tuple[float, float]],
     ) -> None:
         """Publish the best plan known for ``key``, which this manager decides.
 
-        The race's leader, or else the candidate predicted fastest (NOTE [provisional plan]).
+        The race's leader, or else the likeliest fastest of the candidates (``unit_s``: what
+        recomputing each unit costs; NOTE [provisional plan]).
         """
         digest = key.digest()
         if race is not None:
             best: Plan | None = race.leader()
         else:
-            plans = [plan for plan, _ in candidates]
-            best = min(plans, key=lambda p: p.predicted_step_s or float("inf"), default=None)
+            best = likely_fastest([plan for plan, _ in candidates], unit_s)
         if best is None or not self.claims.holds(key) or self._published.get(digest) is best:
             return
         self._published[digest] = best

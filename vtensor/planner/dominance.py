@@ -32,11 +32,17 @@ recomputation is priced higher are not tried (but checkpointing every block, as 
 once a plan that moves nothing has a clean full replay, every candidate of the same encoding
 priced higher leaves the race: moving nothing less and recomputing more, it could win only by
 the replays' noise. Plans that move bytes, the swap-only one included, still race on their
-times: the model does not see what swapping costs on a CPU (NOTE [plan race]).
+times: the model does not see what swapping costs on a CPU (NOTE [plan race]). Until every
+candidate has been timed, the plan the decider publishes for its followers (NOTE [provisional
+plan] in ``activations/shared_plans.py``) is the one that moves nothing priced least, where one
+does, not the one its trial's trace predicted fastest: traced at every hook, the trials' steps
+took two to four times an unmanaged step, and the micro class's followers replayed the
+profile's swap-only plan, 40 MiB out a step, while a cover that moved nothing was known.
 """
 
 from collections.abc import Mapping, Sequence
 
+from vtensor.planner.plan import Plan
 from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Trace
 
@@ -82,3 +88,19 @@ def priced_above(
     """
     mine, theirs = recompute_s(costs, candidate), recompute_s(costs, than)
     return mine is not None and theirs is not None and mine > theirs
+
+
+def likely_fastest(plans: Sequence[Plan], costs: Mapping[str, tuple[float, float]]) -> Plan | None:
+    """Of ``plans`` not yet timed, the one to run meanwhile (NOTE [priced higher]).
+
+    Of those that move nothing, the one whose recomputation is priced least; else the one
+    predicted fastest. None where ``plans`` is empty.
+    """
+    priced = [
+        (seconds, i)
+        for i, p in enumerate(plans)
+        if not p.moves and (seconds := recompute_s(costs, (p.recompute, p.selective))) is not None
+    ]
+    if priced:
+        return plans[min(priced)[1]]
+    return min(plans, key=lambda p: p.predicted_step_s or float("inf"), default=None)

@@ -1,5 +1,6 @@
 """Managers sharing a plan cache decide a key once; the others follow (NOTE [one decider])."""
 
+import dataclasses
 import gc
 import json
 import logging
@@ -20,11 +21,12 @@ from torch import nn
 import vtensor
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.iteration_plan import IterationPlan
+from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.shared_plans import SharedPlans
 from vtensor.planner import claims
 from vtensor.planner.keys import PlanKey
-from vtensor.planner.plan import Plan
+from vtensor.planner.plan import Plan, TensorMove
 
 STEPS = 40  # enough for the decider's profile, trials and race
 
@@ -198,7 +200,7 @@ def test_an_unreadable_provisional_plan_is_ignored_and_a_broken_one_dropped(
     decider, follower, key = SharedPlans(tmp_path), SharedPlans(tmp_path), _key()
     assert decider.decides(key) and not follower.decides(key)
     plan = Plan(1000, 1 << 20, (), ("forward:0",), (4096,), 1000, 0.0, "test")
-    decider.publish(key, None, [(plan, None)])  # type: ignore[list-item]
+    decider.publish(key, None, [(plan, None)], {})  # type: ignore[list-item]
     chosen = follower.follow("s", key, _executor)
     assert chosen.executor.plan == plan and chosen.source is PlanSource.SHARED and chosen.following
     assert not chosen.lean
@@ -277,3 +279,28 @@ def test_processes_started_together_decide_once(tmp_path: Path) -> None:
     # It followed (or found the plan decided), and never profiled; had the decider closed
     # undecided first, it would have taken the race up (NOTE [undecided plans]).
     assert other[0] in ("shared", "cached"), sources
+
+
+def test_before_the_race_the_decider_publishes_the_plan_that_moves_nothing_priced_least(
+    tmp_path: Path,
+) -> None:
+    # NOTE [priced higher]: the trials' traces predict their steps from hook-laden timings; a
+    # plan that moves nothing, priced from the profile's units, is the one to follow meanwhile.
+    decider, follower, key = SharedPlans(tmp_path), SharedPlans(tmp_path), _key()
+    assert decider.decides(key)
+    base = Plan(1000, 1 << 20, (), ("forward:0", "backward:0"), (4096,), 1000, 0.0, "test")
+    move = TensorMove(vid=0, evict_bytes=4096, evict_step=0, prefetch_step=1)
+    swap_only = dataclasses.replace(base, moves=(move,), predicted_step_s=0.1)
+    a = dataclasses.replace(base, recompute=("a",), predicted_step_s=0.2)
+    b = dataclasses.replace(base, recompute=("b",), predicted_step_s=0.3)
+    unit_s = {"a": (0.005, 0.004), "b": (0.004, 0.003)}
+    plans = [(swap_only, None), (a, None), (b, None)]
+    decider.publish(key, None, plans, unit_s)  # type: ignore[arg-type]
+    assert follower.follow("s", key, _executor).executor.plan == b
+    decider.publish(key, None, plans, {})  # type: ignore[arg-type]  # nothing priced
+    assert follower.follow("s", key, _executor).executor.plan == swap_only
+    # So does a race's leader before every candidate has run.
+    race = PlanRace([swap_only, a, b], unit_s=unit_s)
+    assert race.leader() is b
+    race.unit_s = {}
+    assert race.leader() is swap_only
