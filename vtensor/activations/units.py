@@ -41,6 +41,14 @@ brought back. On the main job's CNN at its micro class's budget (25.9 MiB), the 
 extractor held 43.6 MiB: with its checks, the profiled step swapped 48 MiB out, 38 MiB of it to
 make room for checks, and took 455 ms; without them 35 MiB (24 MiB) and 365 ms.
 
+NOTE [one unit per tensors]
+A module whose forward saved exactly what one of its children's did (a residual block's
+wrapper around its body, whose add saves nothing) frees the same bytes recomputed, at the cost
+of its child's forward and its own ops: it is no candidate of its own, and is left out of the
+units unchecked. On the main job's CNN nine of its 47 units (``features.1`` to ``features.9``
+around their ``body``) were such wrappers: their checks ran a third of the profile's forwards
+again, and the covers took a wrapper or its body by the noise of their measured times.
+
 NOTE [unit time]
 A unit's forward time, what recomputing it whole costs, is that of the check's second run:
 its forward alone. The first run's window held the profiled iteration's work at every hook
@@ -142,6 +150,7 @@ class _Seen:
     output_bytes: int = 0
     one_node: bool = False
     working_bytes: int = 0
+    same_as: str = ""  # a child unit that saved the same tensors (NOTE [one unit per tensors])
 
 
 @dataclass
@@ -211,6 +220,13 @@ class UnitRecorder:
             self.seen[name].calls += 1
             self.seen[name].why_unsafe = "it runs more than once per iteration"
             return
+        same = self._same_child(name, vids)
+        if same:  # NOTE [one unit per tensors]
+            self.seen[name] = _Seen(
+                name, opened.first_step, self.target.step_index, 0.0, vids, inputs
+            )
+            self.seen[name].same_as = same
+            return
         began = time.perf_counter()
         room = self.target.room_bytes()
         if working > room:  # NOTE [no room to recompute]
@@ -246,6 +262,16 @@ class UnitRecorder:
         self.seen[name].one_node = whole
         self.seen[name].working_bytes = working
 
+    def _same_child(self, name: str, vids: list[int]) -> str:
+        """A direct child unit of ``name`` that saved exactly ``vids`` ("" if none)."""
+        if not vids:
+            return ""
+        for other, seen in self.seen.items():
+            child = other.startswith(name + ".") and "." not in other[len(name) + 1 :]
+            if child and seen.vids == vids and seen.calls == 1:
+                return other
+        return ""
+
     def units(
         self,
         position: dict[int, int],
@@ -273,7 +299,7 @@ class UnitRecorder:
                 and tensors[position[v]].use_steps
                 and all(u in own for u in tensors[position[v]].use_steps)
             )
-            if not inner:
+            if not inner or seen.same_as:
                 continue
             unit = TraceUnit(
                 name=seen.name,
@@ -386,5 +412,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+    """``t``'s bits as integers of its element's size: compared four times faster than bytes."""
+    flat = t.detach().reshape(-1).contiguous()
+    return flat.view(_SAME_SIZE_INT.get(flat.element_size(), torch.uint8))

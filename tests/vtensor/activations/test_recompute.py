@@ -31,6 +31,7 @@ from torch import nn
 import vtensor
 import vtensor.activations.planning
 from vtensor.activations.recompute import recompute_modules
+from vtensor.activations.units import _same_bits
 from vtensor.planner.trace import TraceUnit
 
 
@@ -284,3 +285,49 @@ def test_a_unit_whose_forward_holds_more_than_the_budget_leaves_is_not_checked(
     assert len(calls) == 1, len(calls)
     assert not units["0"].safe and "budget" in units["0"].why_unsafe, units["0"].why_unsafe
     assert all(units[f"0.blocks.{i}"].safe for i in range(4)), units
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex128]
+)
+def test_outputs_are_compared_bit_for_bit(dtype: torch.dtype) -> None:
+    # NOTE [safe to recompute]: a NaN is the same output as itself; -0.0 is not 0.0.
+    a = torch.tensor([0.0, float("nan"), 1.5, -2.0]).to(dtype)
+    assert _same_bits(a, a.clone()) and _same_bits(a[::2], a[::2].clone())  # strided too
+    b = a.clone()
+    b[0] = -0.0
+    assert not _same_bits(a, b)
+    assert not _same_bits(
+        a, a.to(torch.complex64 if dtype.is_complex else torch.float32).to(dtype)[:3]
+    )
+
+
+class _Residual(nn.Module):
+    """A wrapper around its body; ``own`` saves a tensor of its own after it."""
+
+    def __init__(self, width: int, own: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        self.own = own
+        self.calls: list[None] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(None)
+        out = x + self.body(x)  # the add saves nothing
+        return torch.sigmoid(out) if self.own else out
+
+
+def test_a_wrapper_that_saves_what_its_body_does_is_no_unit_of_its_own(tmp_path: Path) -> None:
+    # NOTE [one unit per tensors]: recomputed, it frees what its body does, for more time.
+    width = 128
+    model = nn.Sequential(_Residual(width, own=False), _Residual(width, own=True))
+    x = torch.randn(64, width)
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path, recompute=True) as mm:
+        with mm.step(model, None, inputs=(x,)):
+            model(x).sum().backward()
+        assert mm.trace is not None
+        units = {u.name: u for u in mm.trace.units}
+    assert "0" not in units and units["0.body"].safe, sorted(units)
+    assert len(model[0].calls) == 1  # not run again by checks
+    assert units["1"].safe and units["1.body"].safe  # its sigmoid saves its output
+    assert len(model[1].calls) == 4  # its forward, the check's two, the selective profile's
