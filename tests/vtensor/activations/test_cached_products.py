@@ -203,8 +203,10 @@ def _units(model: nn.Module, tmp_path: Path) -> dict[str, Any]:
 
 def test_the_profile_keeps_the_products_that_product_leaves_make(tmp_path: Path) -> None:
     units = _units(_model(Inverted, Reflected, Dense, Plain), tmp_path)
-    # Convolutions (reflection padding runs outside the product op); a linear layer.
-    for name in ("1", "2", "3"):
+    # Convolutions (reflection padding runs outside the product op); a linear layer. A residual
+    # block saves what its body does: its body is the unit (NOTE [one unit per tensors]).
+    assert "1" not in units and "2" not in units
+    for name in ("1.body", "2.body", "3"):
         unit = units[name]
         assert unit.cached_products and unit.selective_safe and unit.one_node, name
     # Products by F.conv2d and a matrix product only: nothing a cache answers, SAC's path.
@@ -213,11 +215,12 @@ def test_the_profile_keeps_the_products_that_product_leaves_make(tmp_path: Path)
     # beyond the mechanism's (a node, three products answered) is under the forward's time.
     costs = mechanism_costs("cpu")
     mechanism_s = costs.one_node_s + 3 * costs.cached_call_s
-    assert units["1"].selective_s - mechanism_s < units["1"].forward_s
+    assert units["1.body"].selective_s - mechanism_s < units["1.body"].forward_s
 
 
 def _every_inverted(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
-    names = tuple(u.name for u in trace.units if u.cached_products and "." not in u.name)
+    """Every residual block's body (the unit of its tensors: NOTE [one unit per tensors])."""
+    names = tuple(u.name for u in trace.units if u.cached_products and u.name.endswith(".body"))
     return names, names
 
 
@@ -257,7 +260,7 @@ def test_a_plan_with_cached_products_trains_bit_identically_within_its_budget(
         grads = _train(model, mm, 8)
         plan = mm.plan_for(model, _batch(0, 32))
         reports = mm.reports
-    assert plan is not None and plan.selective == ("1", "2", "3") == plan.one_node
+    assert plan is not None and plan.selective == ("1.body", "2.body", "3.body") == plan.one_node
     replays = [r for r in reports if r.recomputed and r.plan_source == "planned"]
     assert replays and all(r.peak_device_bytes <= budget for r in replays)
     for step, (a, b) in enumerate(zip(want, grads, strict=True)):

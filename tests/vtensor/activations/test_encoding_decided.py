@@ -1,7 +1,7 @@
 """``encode_masks="auto"``: the plan decides whether clamps save bits (NOTE [encoding decided])."""
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -17,8 +17,8 @@ from vtensor.planner.plan import Plan
 class _Seen(PlanRace):
     races: ClassVar[list[PlanRace]] = []
 
-    def __init__(self, plans: list[Plan]) -> None:
-        super().__init__(plans)
+    def __init__(self, plans: list[Plan], **race: Any) -> None:
+        super().__init__(plans, **race)
         _Seen.races.append(self)
 
 

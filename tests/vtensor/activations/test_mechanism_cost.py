@@ -26,7 +26,7 @@ def test_the_profile_prices_each_unit_with_its_mechanism(tmp_path: Path) -> None
         way_s = costs.one_node_s if through_one_node(unit) else costs.checkpoint_s
         assert unit.overhead_s == way_s, unit.name
         assert whole_s(unit) == unit.forward_s + way_s
-    cached, plain = units["1"], units["2"]
+    cached, plain = units["1.body"], units["2"]  # the block's body: NOTE [one unit per tensors]
     assert cached.cached_products and not plain.cached_products
     # Behind one node with three convolutions answered from what the first run kept; the unit
     # calling F.conv2d and a matrix product goes through torch's selective checkpointing.
