@@ -4,16 +4,17 @@ NOTE [dominated candidates]
 A candidate that recomputes all that a profiled plan which moves nothing recomputes, and more,
 can move nothing less and computes more: it is not faster, so it gets neither a trial nor a
 place in the race; nor does one whose recomputation the profile prices higher (NOTE [priced
-higher]). On the main job's smallest class the cheapest cover recomputed ``features.2.body``
-and ``features.3`` and moved nothing, and ``features.2, features.3`` whole was tried and raced
-too. A module is recomputed by the candidate's own recomputation of it or of an ancestor,
-whole, or selectively where it is recomputed selectively (a selective unit recomputes all but
-the products inside it). What checkpointing every block does is not dropped after a trial
-(``kept`` in ``activations/iteration_plan.py``): a plan that moved nothing in its trial may
-need the guard in its first replay and be made again under the guard's margin (NOTE [guard
-margin] in ``activations/margin.py``), moving bytes then. Once such a plan's full replay needed
-nothing from the guard, it runs as kept from then on, and every candidate of the race that
-recomputes all it does and more, or is priced higher, checkpointing every block included,
+higher]). On the main job's smallest class the cheapest cover recomputed ``features.2.body`` and
+``features.3`` and moved nothing, and ``features.2, features.3`` whole was tried and raced too
+(before a block's wrapper was left out of the units: NOTE [one unit per tensors] in
+``activations/units.py``). A module is recomputed by the candidate's own recomputation of it or
+of an ancestor, whole, or selectively where it is recomputed selectively (a selective unit
+recomputes all but the products inside it). What checkpointing every block does is not dropped
+after a trial (``kept`` in ``activations/iteration_plan.py``): a plan that moved nothing in its
+trial may need the guard in its first replay and be made again under the guard's margin (NOTE
+[guard margin] in ``activations/margin.py``), moving bytes then. Once such a plan's full replay
+needed nothing from the guard, it runs as kept from then on, and every candidate of the race
+that recomputes all it does and more, or is priced higher, checkpointing every block included,
 leaves the race (``PlanRace.record`` in ``activations/race.py``).
 
 NOTE [priced higher]
