@@ -31,7 +31,7 @@ from torch import nn
 import vtensor
 import vtensor.activations.planning
 from vtensor.activations.recompute import recompute_modules
-from vtensor.activations.units import _same_bits
+from vtensor.activations.unit_checks import same_bits
 from vtensor.planner.trace import TraceUnit
 
 
@@ -293,11 +293,11 @@ def test_a_unit_whose_forward_holds_more_than_the_budget_leaves_is_not_checked(
 def test_outputs_are_compared_bit_for_bit(dtype: torch.dtype) -> None:
     # NOTE [safe to recompute]: a NaN is the same output as itself; -0.0 is not 0.0.
     a = torch.tensor([0.0, float("nan"), 1.5, -2.0]).to(dtype)
-    assert _same_bits(a, a.clone()) and _same_bits(a[::2], a[::2].clone())  # strided too
+    assert same_bits(a, a.clone()) and same_bits(a[::2], a[::2].clone())  # strided too
     b = a.clone()
     b[0] = -0.0
-    assert not _same_bits(a, b)
-    assert not _same_bits(
+    assert not same_bits(a, b)
+    assert not same_bits(
         a, a.to(torch.complex64 if dtype.is_complex else torch.float32).to(dtype)[:3]
     )
 
