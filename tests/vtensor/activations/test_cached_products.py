@@ -1,5 +1,6 @@
 """Selective recomputation behind one node, product outputs kept (NOTE [cached products])."""
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,11 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.planning
+import vtensor.activations.units
 from vtensor.activations.product_cache import ProductCache
 from vtensor.activations.recompute import recompute_modules
 from vtensor.activations.rerun_cost import mechanism_costs
+from vtensor.activations.selective_profile import with_selective
 from vtensor.planner.trace import Trace
 
 STEPS = 3
@@ -218,6 +221,16 @@ def test_the_profile_keeps_the_products_that_product_leaves_make(tmp_path: Path)
     assert units["1.body"].selective_s - mechanism_s < units["1.body"].forward_s
 
 
+def _cached_where_it_can(unit: Any, profile: Any, position: Any, costs: Any, sizes: Any) -> Any:
+    """Each unit's products cached wherever they can be: the way this test trains with.
+
+    Which way recomputes a unit selectively is chosen by their timed costs (NOTE [cached
+    products]): a block timed slower behind one node in a noisy profile went through SAC.
+    """
+    dear_sac = dataclasses.replace(costs, checkpoint_s=1.0)
+    return with_selective(unit, profile, position, dear_sac, sizes)
+
+
 def _every_inverted(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
     """Every residual block's body (the unit of its tensors: NOTE [one unit per tensors])."""
     names = tuple(u.name for u in trace.units if u.cached_products and u.name.endswith(".body"))
@@ -246,6 +259,7 @@ def test_a_plan_with_cached_products_trains_bit_identically_within_its_budget(
 ) -> None:
     monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(_every_inverted))
     monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _HybridWins)
+    monkeypatch.setattr(vtensor.activations.units, "with_selective", _cached_where_it_can)
     kinds = (Inverted, Inverted, Inverted)
     with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as probe:
         _train(_model(*kinds), probe, 2)
