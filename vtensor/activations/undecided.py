@@ -71,7 +71,7 @@ class Undecided:
                 "one_node": list(self.trials.one_node),
                 "cached": list(self.trials.cached),
                 "kept": [[list(n), list(s)] for n, s in self.trials.kept],
-                "unit_s": {n: list(c) for n, c in self.trials.unit_s.items()},
+                "unit_s": self.trials.unit_s,
             }
         race = None
         if self.race is not None:
@@ -81,7 +81,7 @@ class Undecided:
                 "turn": self.race.turn,
                 "clean": self.race.clean,
                 "leans": self.race.leans,
-                "unit_s": {n: list(c) for n, c in self.race.unit_s.items()},
+                "unit_s": self.race.unit_s,
             }
         candidates = [
             [ref(plan), trace.to_json(), reserve, minimum]
@@ -126,9 +126,7 @@ class Undecided:
             cached = tuple(str(n) for n in t.get("cached", ()))
             trials = Trials(pending, plans_so_far, swap_only, growth, encoded, whole, kept, cached)
             # Written before candidates were priced: none is priced higher (NOTE [priced higher]).
-            trials.unit_s = {
-                str(n): (float(w), float(s)) for n, (w, s) in t.get("unit_s", {}).items()
-            }
+            trials.unit_s = _prices(t)
         race = None
         if raw["race"] is not None:
             r = raw["race"]
@@ -145,9 +143,7 @@ class Undecided:
                 raise ValueError("race times and their lean flags do not match")
             race.times, race.clean, race.leans = times, clean, leans
             race.turn = int(r["turn"])
-            race.unit_s = {
-                str(n): (float(w), float(s)) for n, (w, s) in r.get("unit_s", {}).items()
-            }
+            race.unit_s = _prices(r)
             if not 0 <= race.turn < len(race.plans):
                 raise ValueError(f"race turn {race.turn} of {len(race.plans)} plans")
         if trials is None and race is None:
@@ -157,6 +153,11 @@ class Undecided:
             for i, trace, reserve, minimum in raw["candidates"]
         ]
         return cls(trials, race, candidates)
+
+
+def _prices(raw: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """The units' prices of parked trials or race (none in progress written before them)."""
+    return {str(n): (float(w), float(s)) for n, (w, s) in raw.get("unit_s", {}).items()}
 
 
 def park(cache: PlanCache, key: PlanKey, undecided: Undecided) -> None:
