@@ -180,7 +180,9 @@ def _unit(inner: tuple[int, ...]) -> TraceUnit:
 
 
 @pytest.mark.parametrize(
-    ("cached_s", "expected"), [(0.002, True), (0.009, False)], ids=["node", "sac"]
+    ("cached_s", "expected"),
+    [(0.002, True), (0.005, True), (0.009, False)],
+    ids=["node", "node-within-noise", "sac"],
 )
 def test_the_way_that_frees_a_byte_for_less_is_taken(cached_s: float, expected: bool) -> None:
     # Store vids 0-3 are trace vids 0-3 of 100 bytes each; 3 is a product op's output made
@@ -201,6 +203,7 @@ def test_the_way_that_frees_a_byte_for_less_is_taken(cached_s: float, expected: 
     position = {v: v for v in range(4)}
     unit = with_selective(_unit((0, 1, 2, 3)), profile, position, costs, [100] * 4)
     assert unit.cached_products is expected
-    # 0.002 s for 300 bytes beats 0.003 s for 200; 0.009 s for 300 does not.
+    # 0.002 s for 300 bytes beats 0.003 s for 200; 0.005 s for 300 costs a byte 1.11x SAC's,
+    # within the margin (NOTE [ways within noise]); 0.009 s for 300, 2x, does not.
     assert unit.product_vids == ((2,) if expected else (2, 3))
     assert unit.selective_s == (cached_s if expected else 0.003)
