@@ -15,7 +15,7 @@ from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
 from vtensor.activations.quiet import QuietTurns, Turn
-from vtensor.activations.rebuild import Boundaries
+from vtensor.activations.rebuild import Boundaries, at_backward_end
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.sparse import SparseBoundaries
 from vtensor.activations.store import ChunkStore, VTensor
@@ -234,9 +234,10 @@ class Iteration(LeanSteps):
                 return
             index = self.step_index + 1
         if name.startswith("backward:") and not self._backward_done_queued:
-            # Mark the end of backward (optimizer work that follows is its own step).
+            # Mark the end of backward (optimizer work that follows is its own step), the
+            # outermost backward's (NOTE [end of backward] in activations/rebuild.py).
             self._backward_done_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            at_backward_end(self._backward_done)
         self._event = 0
         if self.lean and self._lean_begin(index, name):
             return  # else it left the plan: the step is opened again below, with the books

@@ -104,7 +104,9 @@ class LeanSteps(ABC):
             if saved < count:
                 self.leave_plan(f"{saved} tensors saved, plan: {count}")
             elif missed:
-                self.leave_plan(f"step {missed[0]} never reached")
+                names = executor.plan.step_names
+                name = names[missed[0]] if missed[0] < len(names) else "?"
+                self.leave_plan(f"step {missed[0]} ({name}) never reached")
         sparse.after_backward()
 
     def prove_sparse(self, sparse: SparseBoundaries) -> None:
