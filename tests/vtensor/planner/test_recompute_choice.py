@@ -52,9 +52,13 @@ def test_nested_units_are_never_both_recomputed() -> None:
     assert choose_recompute(trace, demand(trace) - 150 * KB) == (("a.x", "c"), ())
 
 
-def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
-    # "big" saves four 100 KB pieces over four forward steps, each evictable from the next
-    # step on: swapping brings them back one by one, recomputation all at once in its backward.
+def _big_and_small() -> Trace:
+    """Two units: "big" and "small".
+
+    "big" saves four 100 KB pieces over four forward steps, each evictable from the next step
+    on: swapping brings them back one by one, recomputation all at once in its backward;
+    "small" saves 50 KB.
+    """
     names = [f"forward:big.{i}" for i in range(4)] + ["forward:small"]
     names += ["backward:small"] + [f"backward:big.{i}" for i in reversed(range(4))]
     steps = tuple(
@@ -66,7 +70,11 @@ def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping()
         TraceUnit("big", 0, 3, 0.001, (0, 1, 2, 3), (), True),
         TraceUnit("small", 4, 4, 0.01, (4,), (), True),
     )
-    trace = Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+    return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+
+
+def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
+    trace = _big_and_small()
     budget = 250 * KB
     assert min_budget(build_lgm(trace, None))[0] <= budget  # swapping alone fits
     assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
@@ -78,18 +86,7 @@ def test_under_a_floor_over_the_budget_an_option_that_leaves_the_floor_is_still_
     # with small's tensor, or a step's largest use) lies over the budget, as where the model of
     # a step's floor overstates it; "small" recomputed leaves that floor where it is, "big"
     # recomputed raises it (all four pieces back at once): only "small" is an option.
-    names = [f"forward:big.{i}" for i in range(4)] + ["forward:small"]
-    names += ["backward:small"] + [f"backward:big.{i}" for i in reversed(range(4))]
-    steps = tuple(
-        TraceStep(i, n, Phase(n.split(":")[0]), 0.01, 0, 0, 0) for i, n in enumerate(names)
-    )
-    tensors = [TraceTensor(i, 100 * KB, ("float32",), i, i + 1, (9 - i,)) for i in range(4)]
-    tensors += [TraceTensor(4, 50 * KB, ("float32",), 4, 5, (5,))]
-    units = (
-        TraceUnit("big", 0, 3, 0.001, (0, 1, 2, 3), (), True),
-        TraceUnit("small", 4, 4, 0.01, (4,), (), True),
-    )
-    trace = Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
+    trace = _big_and_small()
     floor = min_budget(build_lgm(trace, None))[0]
     budget = floor - 1
     assert min_budget(build_lgm(with_recompute(trace, ["small"]), None))[0] == floor
