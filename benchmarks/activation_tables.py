@@ -139,7 +139,7 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         if chunk and ckpt and not chunk["error"]:
             c.update(
-                checkpoint_fits=ckpt["tracked_peak_bytes"] <= chunk["budget_bytes"],
+                checkpoint_fits=unmanaged_peak(ckpt) <= chunk["budget_bytes"],
                 chunk_vs_checkpoint_time=chunk["step_s_median"] / ckpt["step_s_median"],
             )
         out.append(c)
