@@ -116,9 +116,8 @@ def choose_recompute(
     if deficit <= 0:
         return (), ()
     safe = [u for u in trace.units if u.safe]
-    cap = floor_cap(trace, budget_bytes)
     if whole_outermost:
-        return _fewest_whole(trace, cap, deficit, safe), ()
+        return _fewest_whole(trace, budget_bytes, deficit, safe), ()
     options = [(u, False, whole_s(u), inner_bytes(trace, u)) for u in safe]
     options += [
         (u, True, u.selective_s, selective_bytes(trace, u)) for u in safe if u.selective_safe
@@ -143,7 +142,7 @@ def choose_recompute(
         if any(_nested(unit.name, other) for other in chosen):
             continue  # nested in a chosen unit, or the other option of one
         trial = with_recompute(trace, [*chosen, unit.name], [*selective, *[unit.name] * partial])
-        if not _fits(trial, cap):
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] > budget_bytes:
             continue  # its working set in backward would not fit
         chosen.append(unit.name)
         if partial:
@@ -160,7 +159,7 @@ def choose_recompute(
         if freed >= deficit:
             break
         trial = with_recompute(trace, chosen, [n for n in selective if n != name])
-        if _fits(trial, cap):
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
             selective.remove(name)
             freed += extra
     if freed >= deficit:
@@ -207,29 +206,6 @@ def _cheapest_finish(
     return None
 
 
-def floor_cap(trace: Trace, budget_bytes: int) -> int:
-    """The floor a recomputation option may leave: the budget, or the trace's own floor above it.
-
-    NOTE [options under a floor over the budget]
-    The trace's model of a step's floor can lie over the budget the iteration ran within (NOTE
-    [floor over the budget] in ``activations/guarded_plan.py``); its swap-only plan is then
-    made at that floor and the guard keeps the budget. Judged against the budget, every
-    option's floor lay over it too, since none can lower a step's floor below the trace's own,
-    so none was an option: on the char GPT at 40 % of its peak (half batch, the trace's floor
-    93.6 MiB for a budget of 93.4) the hybrid had no candidate and swapped alone, 291 MiB a
-    step, though recomputing any of its MLPs left the floor where it was. An option is refused
-    only where it raises the floor over the budget and over the trace's own floor; a trial
-    that then breaks the budget drops its candidate, as any trial does (``abandon_trial`` in
-    ``activations/planning.py``).
-    """
-    return max(budget_bytes, min_budget(build_lgm(trace, trace.chunk_bytes))[0])
-
-
-def _fits(trace: Trace, cap: int) -> bool:
-    """Whether ``trace``'s floor stays within ``cap`` (``floor_cap``)."""
-    return min_budget(build_lgm(trace, trace.chunk_bytes))[0] <= cap
-
-
 def _holds_under(trace: Trace, budget_bytes: int) -> bool:
     """Whether ``trace`` peaks within ``budget_bytes`` with nothing moved."""
     kept = simulate(empty_plan(trace, budget_bytes, trace.chunk_bytes), trace)
@@ -237,11 +213,10 @@ def _holds_under(trace: Trace, budget_bytes: int) -> bool:
 
 
 def _fewest_whole(
-    trace: Trace, cap: int, deficit: int, safe: Sequence[TraceUnit]
+    trace: Trace, budget_bytes: int, deficit: int, safe: Sequence[TraceUnit]
 ) -> tuple[str, ...]:
     """Outermost safe units whole, cheapest per byte first, until they cover ``deficit``.
 
-    ``cap``: the floor an option may leave (``floor_cap``).
     A unit whose recomputation would leave no feasible floor gives way to its outermost safe
     descendants, as in ``recompute_outermost``: a model whose blocks sit in one outermost
     stack (the main job's CNN: ``features`` and ``head``) gets its cheapest blocks, not the
@@ -258,7 +233,7 @@ def _fewest_whole(
     while pool and freed < deficit:
         unit = pool.pop(0)
         trial = with_recompute(trace, [*chosen, unit.name])
-        if not _fits(trial, cap):
+        if min_budget(build_lgm(trial, trace.chunk_bytes))[0] > budget_bytes:
             inside = _outermost([u for u in safe if _inside(u.name, unit.name)])
             pool = sorted([*pool, *(u for u in inside if frees[u.name] > 0)], key=rank)
             continue
@@ -280,7 +255,6 @@ def recompute_outermost(
     block does. Both sorted, maybe empty; deterministic.
     """
     safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
-    cap = floor_cap(trace, budget_bytes)
     frontier = _outermost(safe)
     chosen: list[str] = []
     selective: list[str] = []
@@ -288,7 +262,7 @@ def recompute_outermost(
         unit = frontier.pop(0)
         for partial in ([unit.name], []) if unit.selective_safe and not whole else ([],):
             trial = with_recompute(trace, [*chosen, unit.name], [*selective, *partial])
-            if _fits(trial, cap):
+            if min_budget(build_lgm(trial, trace.chunk_bytes))[0] <= budget_bytes:
                 chosen.append(unit.name)
                 selective += partial
                 break

@@ -15,7 +15,6 @@ from vtensor.planner.memory_model import check_plan
 from vtensor.planner.plan import Plan
 from vtensor.planner.recompute import (
     choose_recompute,
-    floor_cap,
     inner_bytes,
     recompute_candidates,
     recompute_outermost,
@@ -52,13 +51,9 @@ def test_nested_units_are_never_both_recomputed() -> None:
     assert choose_recompute(trace, demand(trace) - 150 * KB) == (("a.x", "c"), ())
 
 
-def _big_and_small() -> Trace:
-    """Two units: "big" and "small".
-
-    "big" saves four 100 KB pieces over four forward steps, each evictable from the next step
-    on: swapping brings them back one by one, recomputation all at once in its backward;
-    "small" saves 50 KB.
-    """
+def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
+    # "big" saves four 100 KB pieces over four forward steps, each evictable from the next
+    # step on: swapping brings them back one by one, recomputation all at once in its backward.
     names = [f"forward:big.{i}" for i in range(4)] + ["forward:small"]
     names += ["backward:small"] + [f"backward:big.{i}" for i in reversed(range(4))]
     steps = tuple(
@@ -70,30 +65,11 @@ def _big_and_small() -> Trace:
         TraceUnit("big", 0, 3, 0.001, (0, 1, 2, 3), (), True),
         TraceUnit("small", 4, 4, 0.01, (4,), (), True),
     )
-    return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
-
-
-def test_a_unit_whose_working_set_in_backward_does_not_fit_is_left_to_swapping() -> None:
-    trace = _big_and_small()
+    trace = Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=units)
     budget = 250 * KB
     assert min_budget(build_lgm(trace, None))[0] <= budget  # swapping alone fits
     assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > budget
     assert choose_recompute(trace, budget) == (("small",), ())
-
-
-def test_under_a_floor_over_the_budget_an_option_that_leaves_the_floor_is_still_one() -> None:
-    # NOTE [options under a floor over the budget]: the trace's own floor (big's last piece
-    # with small's tensor, or a step's largest use) lies over the budget, as where the model of
-    # a step's floor overstates it; "small" recomputed leaves that floor where it is, "big"
-    # recomputed raises it (all four pieces back at once): only "small" is an option.
-    trace = _big_and_small()
-    floor = min_budget(build_lgm(trace, None))[0]
-    budget = floor - 1
-    assert min_budget(build_lgm(with_recompute(trace, ["small"]), None))[0] == floor
-    assert min_budget(build_lgm(with_recompute(trace, ["big"]), None))[0] > floor
-    assert choose_recompute(trace, budget) == (("small",), ())
-    assert recompute_outermost(trace, budget) == (("small",), ())
-    assert choose_recompute(trace, budget, whole_outermost=True) == (("small",), ())
 
 
 def test_every_outermost_unit_is_the_second_candidate_selective_where_it_may_be() -> None:
@@ -383,15 +359,11 @@ def _assert_a_fitting_choice(
     assert set(selective) <= set(chosen) and all(units[n].selective_safe for n in selective)
     assert not any(a != b and b.startswith(a + ".") for a in chosen for b in chosen)
     if chosen:
-        # Within the budget, or within the trace's own floor where that lies over it (NOTE
-        # [options under a floor over the budget]).
-        cap = floor_cap(trace, budget)
-        assert cap == max(budget, min_budget(build_lgm(trace, None))[0])
         after = with_recompute(trace, chosen, selective)
         floor = min_budget(build_lgm(after, None))[0]
-        assert floor <= cap
-        plan = plan_lgm(after, cap)  # every needed tensor present when used, cap kept
-        assert check_plan(plan, after, cap) == []
+        assert floor <= budget
+        plan = plan_lgm(after, budget)  # every needed tensor present when used, budget kept
+        assert check_plan(plan, after, budget) == []
 
 
 def test_every_block_whole_comes_last_even_where_it_is_also_the_cheapest(
