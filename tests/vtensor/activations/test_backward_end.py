@@ -7,6 +7,7 @@ import pytest
 import torch
 from recompute_models import Block as Plain
 from recompute_models import batch, model_with, peak_bytes
+from test_hybrid_plan import _HybridWins  # the first candidate (block 6 rebuilt) wins
 from torch import nn
 
 import vtensor
@@ -14,18 +15,9 @@ import vtensor.activations.planning
 import vtensor.activations.wiring as wiring
 import vtensor.planner.recomputed
 from vtensor.activations.quiet import QUIET_RUN
-from vtensor.activations.race import ROUNDS, PlanRace
+from vtensor.activations.race import ROUNDS
 from vtensor.activations.sparse import SparseBoundaries
 from vtensor.planner.plan import Plan
-
-
-class _HybridWins(PlanRace):
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.max_rounds = ROUNDS
-
-    def _best(self) -> int:
-        return 0  # the first candidate: block 6 rebuilt through one node
 
 
 def _acting_but_the_head(plan: Plan) -> dict[int, int]:
