@@ -29,6 +29,11 @@ Run from the repository root on a machine with a CUDA device::
 
     python -m benchmarks.gpu_step                                   # full run
     python -m benchmarks.gpu_step --models gpt --budgets 0.5 --rounds 12 --out gpu.jsonl
+    python -m benchmarks.gpu_step --tier storage    # the sealed swap file, as on a Jetson
+
+``--tier`` picks where the managers' evicted chunks go (NOTE [tier choice] in
+``vtensor/io/engines.py``): ``auto`` (pinned host memory on a discrete GPU, the swap file
+through pinned staging slots on an integrated one), ``host`` or ``storage``.
 """
 
 import argparse
@@ -47,6 +52,7 @@ import vtensor
 from benchmarks.activation_swap import _grads, _make_opt, _same_grads
 from benchmarks.common import add_out, describe, environment, tagged, write_json_lines
 from benchmarks.zoo.workloads import Workload, workloads
+from vtensor.io.engines import Tier
 
 MIB = 2**20
 HUGE_BUDGET = 1 << 50
@@ -119,7 +125,7 @@ def _runs(w: Workload, base: nn.Module, p0: int, args: argparse.Namespace) -> li
         model.checkpoint_blocks = ckpt
         runs.append(Run(name, None, model, _make_opt(model)))
     model = copy.deepcopy(base)
-    unbound = vtensor.MemoryManager(HUGE_BUDGET, measure_peaks=True)
+    unbound = vtensor.MemoryManager(HUGE_BUDGET, measure_peaks=True, tier=args.tier)
     runs.append(Run("unbound", None, model, _make_opt(model), manager=unbound))
     for frac in args.budgets:
         for name, (granularity, recompute) in MANAGED.items():
@@ -131,6 +137,7 @@ def _runs(w: Workload, base: nn.Module, p0: int, args: argparse.Namespace) -> li
                 granularity=granularity,
                 recompute=recompute,
                 host_capacity_bytes=max(p0, 64 * MIB),
+                tier=args.tier,
                 measure_peaks=True,  # the allocator's peak (resets it: a benchmark may)
             )
             runs.append(Run(name, frac, model, _make_opt(model), manager=manager))
@@ -215,6 +222,7 @@ def run_model(w: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
     unmanaged = statistics.median(runs[0].step_s)
     rows = [_row(run, w, p0, unmanaged) for run in runs]
     for row, run in zip(rows, runs, strict=True):
+        row["tier"] = args.tier if run.manager is not None else None
         if run.name == "checkpoint":
             row["tracked_peak_bytes"] = p_ckpt
         if run.manager is not None:
@@ -254,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(MANAGED), choices=list(MANAGED))
     parser.add_argument("--rounds", type=int, default=30, help="rounds, the profiling one included")
     parser.add_argument("--batch-scale", type=float, default=4.0, help="scales every batch")
+    parser.add_argument(
+        "--tier", default="auto", choices=[t.value for t in Tier], help="where evictions go"
+    )
     add_out(parser)
     parser.add_argument("--device", default="cuda", help="cpu: check the script without a GPU")
     parser.add_argument("--log-level", default="WARNING", help="vtensor's log level (INFO: races)")

@@ -17,6 +17,7 @@ from vtensor.errors import (
     ParamOffloadError,
     StorageTierError,
     SwapAuthenticationError,
+    UnmeasurableMemoryError,
     VTensorError,
     WeightFileChecksumError,
     WeightFileError,
@@ -26,6 +27,7 @@ from vtensor.errors import (
     WeightFileVersionError,
 )
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, ChunkState
+from vtensor.io.engines import Tier
 from vtensor.layering.demand import DemandLayering, LayeringReport
 from vtensor.layering.weightfile import WeightFile, evict_page_cache, write_weights
 from vtensor.measure.independent import PeakSource
@@ -57,9 +59,11 @@ __all__ = [
     "StepStats",
     "StorageTierError",
     "SwapAuthenticationError",
+    "Tier",
     "Trace",
     "TraceStep",
     "TraceTensor",
+    "UnmeasurableMemoryError",
     "VTensorError",
     "WeightFile",
     "WeightFileChecksumError",

@@ -12,6 +12,10 @@ class BudgetFormatError(VTensorError, ValueError):
     """A memory budget could not be parsed or is not positive."""
 
 
+class UnmeasurableMemoryError(VTensorError):
+    """This process's CPU memory cannot be measured honestly, so no budget could be enforced."""
+
+
 class InfeasibleBudgetError(VTensorError):
     """The budget is below what one step needs even with every evictable byte swapped out.
 

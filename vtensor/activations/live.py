@@ -40,10 +40,13 @@ class LiveBytes:
     def read(self) -> int:
         """Tracked device bytes now."""
         now = self.tracker.current_bytes()
-        # Pages released in place are still allocated for the heap counter (NOTE [release in
-        # place] in io/pages.py). Frees of memory allocated before the step (a previous loss,
-        # say) lower the counter below its entry value; never report less than nothing.
-        released = self.store.released_bytes - self._entry_released
+        # Pages released in place are still allocated for the heap counter, not for the resident
+        # one (NOTE [release in place] in io/pages.py). Frees of memory allocated before the
+        # step (a previous loss, say) lower the counter below its entry value; never report
+        # less than nothing.
+        released = 0
+        if not self.tracker.counts_released_pages:
+            released = self.store.released_bytes - self._entry_released
         return max(0, self.baseline_bytes + now - self._entry_counter - released)
 
     def note(self, live: int) -> None:

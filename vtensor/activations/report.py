@@ -137,6 +137,7 @@ class IterationReport:
     recomputed: tuple[str, ...] = ()
     lean: bool = False
     selective: tuple[str, ...] = ()
+    budget_source: str = ""
 
     @property
     def bytes_moved(self) -> int:

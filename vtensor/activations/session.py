@@ -22,14 +22,17 @@ from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.wiring import instrumented
-from vtensor.errors import InfeasibleBudgetError, VTensorError
+from vtensor.budget import BudgetKind, device_budget, parse_budget, share_of_peak
+from vtensor.errors import BudgetFormatError, InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
-from vtensor.io.engines import engine_for
+from vtensor.io.engines import Tier, engine_for, resolve_tier
 from vtensor.measure.clock import device_now
+from vtensor.measure.counter import cpu_counter, make_device_tracker
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
-from vtensor.measure.trackers import DeviceTracker, make_device_tracker, quiet_heap
+from vtensor.measure.trackers import DeviceTracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
+from vtensor.planner.memory_model import unmanaged_peak
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -38,6 +41,11 @@ if TYPE_CHECKING:
     from vtensor.offload.param_offload import ParamOffload
 
 logger = logging.getLogger(__name__)
+
+
+def _runs_on_cpu(device: torch.device | None) -> bool:
+    """Whether a manager for ``device`` (None: the model's) will measure CPU memory."""
+    return device.type == "cpu" if device is not None else not torch.cuda.is_available()
 
 
 class MemoryManager:
@@ -53,7 +61,11 @@ class MemoryManager:
         print(mm.report())
 
     Args:
-        budget: device-tier bytes, as an int or a string such as ``"256MiB"`` or ``"1.5GB"``.
+        budget: device-tier bytes, as an int or a string such as ``"256MiB"`` or ``"1.5GB"``;
+            ``"N%"`` of the unmanaged peak of this model and batch, read from the first
+            (profiled) iteration's trace, from the second iteration on; or ``"auto"``: what the
+            device can give now (NOTE [budget forms] in ``vtensor/budget.py``).
+            ``budget_bytes`` and ``budget_source`` say what it resolved to.
         chunk_bytes: chunk size (default 1 MiB, see NOTE [default chunk size]).
         storage_dir: directory of the swap file (CPU); default: the system temporary directory.
         granularity: ``"chunk"`` or ``"tensor"`` (whole tensors, the prior-work baseline).
@@ -67,6 +79,10 @@ class MemoryManager:
             off only to measure its cost. The pinned host tier (CUDA) is RAM and is not
             encrypted.
         host_capacity_bytes: bound of the pinned host tier (CUDA).
+        tier: where evicted chunks go on CUDA: ``"host"`` (pinned host memory), ``"storage"``
+            (the encrypted swap file, staged through a bounded pinned buffer) or ``"auto"``:
+            storage on a GPU that shares its memory with the host (a Jetson's, where pinned
+            host memory would free nothing), host otherwise. On CPU the swap file always.
         plan_cache_dir: directory of the plan cache, shared by processes (None: plans live only
             in this manager).
         count_workspaces: also budget the memory that ops allocate internally (convolution
@@ -111,6 +127,7 @@ class MemoryManager:
         drop_page_cache: bool = True,
         encrypt_storage: bool = True,
         host_capacity_bytes: int | None = None,
+        tier: str | Tier = Tier.AUTO,
         plan_cache_dir: str | PathLike[str] | None = None,
         policy: str | Policy = Policy.PLANNED,
         count_workspaces: bool = False,
@@ -121,7 +138,7 @@ class MemoryManager:
     ) -> None:
         if encode_masks not in (True, False, "auto"):
             raise VTensorError(f"encode_masks={encode_masks!r}: use True, False or 'auto'")
-        self.budget_bytes = parse_bytes(budget)
+        self.budget_spec = parse_budget(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
         try:
             self.granularity = Granularity(granularity)
@@ -131,11 +148,19 @@ class MemoryManager:
             ) from None
         self.storage_dir = storage_dir
         self.device = torch.device(device) if device is not None else None
+        if _runs_on_cpu(self.device):
+            cpu_counter()  # refuse now a budget that could not be measured (NOTE [CPU counter])
         self.min_tensor_bytes = min_tensor_bytes
         self.prefetch_depth = prefetch_depth
         self.drop_page_cache = drop_page_cache
         self.encrypt_storage = encrypt_storage
         self.host_capacity_bytes = host_capacity_bytes
+        try:
+            self.tier = Tier(tier)
+        except ValueError:
+            raise VTensorError(f"tier={tier!r} is not one of {[t.value for t in Tier]}") from None
+        if self.device is not None:
+            resolve_tier(self.device, self.tier)  # a tier the device cannot have fails now
         self.count_workspaces = count_workspaces
         self.measure_peaks = measure_peaks or count_workspaces
         try:
@@ -144,16 +169,18 @@ class MemoryManager:
             raise VTensorError(
                 f"policy={policy!r} is not one of {[p.value for p in Policy]}"
             ) from None
-        self._plans = PlanBook(
-            self.budget_bytes,
-            self.chunk_size,
-            plan_cache_dir,
-            planned=self.policy is Policy.PLANNED,
-            count_workspaces=count_workspaces,
-            recompute=recompute,
-            encode_masks=encode_masks,
-        )
+        if self.budget_spec.kind is BudgetKind.PEAK_SHARE and self.policy is not Policy.PLANNED:
+            raise BudgetFormatError(
+                f"budget={budget!r} is a share of the unmanaged peak, which the profiled trace "
+                "gives: use policy='planned', or a budget in bytes"
+            )
+        self.plan_cache_dir = plan_cache_dir
         self.recompute, self.encode_masks = recompute, encode_masks
+        # Resolved at the first step where the budget is a share of the peak or "auto".
+        self.budget_bytes = self.budget_spec.nbytes
+        self.budget_source = "given in bytes" if self.budget_bytes else ""
+        self._share_pending = self.budget_spec.kind is BudgetKind.PEAK_SHARE
+        self._plans = self._plan_book()
         self.check_every_hook = check_every_hook
         self._quiet = QuietTurns.shared(plan_cache_dir)  # NOTE [quiet replay], quiet.py
         self._store: ChunkStore | None = None
@@ -198,6 +225,56 @@ class MemoryManager:
         """Bytes per chunk, or None at tensor granularity."""
         return None if self.granularity is Granularity.TENSOR else self.chunk_bytes
 
+    def _plan_book(self) -> PlanBook:
+        return PlanBook(
+            self.budget_bytes,
+            self.chunk_size,
+            self.plan_cache_dir,
+            planned=self.policy is Policy.PLANNED,
+            count_workspaces=self.count_workspaces,
+            recompute=self.recompute,
+            encode_masks=self.encode_masks,
+        )
+
+    def _use_budget(self, budget_bytes: int, source: str) -> None:
+        """From now on the budget is ``budget_bytes`` (NOTE [budget forms] in budget.py)."""
+        self.budget_bytes, self.budget_source = budget_bytes, source
+        self._plans.close()
+        self._plans = self._plan_book()
+        if self._store is not None:
+            self._policy = ReactivePolicy(self._store, budget_bytes, self.prefetch_depth)
+        logger.info("budget %s: %s", format_bytes(budget_bytes), source)
+
+    def _resolve_device_budget(self, device: torch.device, held_bytes: int) -> None:
+        """Resolve ``"auto"``, or the budget a share of the peak profiles under, at a first step."""
+        resolved = device_budget(device, held_bytes)
+        if resolved is None:
+            raise BudgetFormatError(
+                f"budget={str(self.budget_spec)!r}: nothing says how much memory {device} can "
+                "give this process (no cgroup limit, no MemAvailable); give the budget in bytes"
+            )
+        nbytes, source = resolved
+        if self._share_pending:
+            source = f"{source}; the profiled iteration, for {self.budget_spec} of its peak"
+        self._use_budget(nbytes, source)
+
+    def _resolve_share(self, trace: Trace, pending_state_bytes: int) -> None:
+        """Resolve ``"N%"`` from the unmanaged peak of the profiled ``trace``."""
+        peak = unmanaged_peak(trace) + pending_state_bytes
+        fraction = self.budget_spec.peak_fraction
+        source = f"{self.budget_spec} of the unmanaged peak, {format_bytes(peak)} (profiled trace)"
+        self._share_pending = False
+        self._use_budget(share_of_peak(fraction, peak), source)
+
+    @property
+    def unmanaged_peak_bytes(self) -> int | None:
+        """The unmanaged peak of the last profiled iteration's model and batch, from its trace.
+
+        What training without the manager would have held at most (tensors the trace saw), under
+        any budget: one step under ``budget="auto"`` finds it without an unmanaged run.
+        """
+        return unmanaged_peak(self._trace) if self._trace is not None else None
+
     def _ensure_started(
         self, device: torch.device
     ) -> tuple[ChunkStore, ReactivePolicy, DeviceTracker]:
@@ -205,6 +282,8 @@ class MemoryManager:
             return self._store, self._policy, self._tracker
         engine = engine_for(
             device,
+            tier=self.tier,
+            staging_bytes=self.chunk_bytes,
             host_capacity_bytes=self.host_capacity_bytes,
             storage_dir=self.storage_dir,
             drop_page_cache=self.drop_page_cache,
@@ -263,6 +342,9 @@ class MemoryManager:
         protected, state_bytes = self._states.of(
             scan, optimizer, inputs, device, self._scans.pointers
         )
+        if not self.budget_bytes:
+            self._resolve_device_budget(device, state_bytes)
+            store, policy, tracker = self._ensure_started(device)
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         peaks = self._peaks = self._peaks or IndependentPeak(
             device, enabled=self.measure_peaks, rss=self.count_workspaces
@@ -335,6 +417,7 @@ class MemoryManager:
             if joint is not None and joint.created_state:
                 trace = dataclasses.replace(trace, incomplete=True)
             self._trace = trace
+        budget_source = self.budget_source
         source = self._plans.after_iteration(
             chosen,
             trace,
@@ -356,7 +439,9 @@ class MemoryManager:
             started,
             pending_state_bytes,
         )
-        self._reports.append(report)
+        self._reports.append(dataclasses.replace(report, budget_source=budget_source))
+        if trace is not None and self._share_pending:
+            self._resolve_share(trace, pending_state_bytes)
         if logger.isEnabledFor(logging.DEBUG):  # not formatted at every step for nothing
             sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)
             sizes_text = ", ".join(map(format_bytes, sizes))

@@ -11,7 +11,7 @@ from vtensor.activations.vtensors import Pending, StoreStats, VTensor
 from vtensor.errors import SwapAuthenticationError, VTensorError
 from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks, split_on_pages
 from vtensor.io.pages import PAGE_BYTES, release
-from vtensor.io.transfer import CudaTransferEngine, TransferEngine
+from vtensor.io.transfer import TransferEngine
 
 __all__ = ["ChunkStore", "Pending", "StoreStats", "VTensor"]  # the records live in vtensors.py
 
@@ -26,14 +26,13 @@ class ChunkStore:
 
     def __init__(self, engine: TransferEngine, chunk_bytes: int | None) -> None:
         self.engine = engine
-        # Where evicted chunks land: pinned host memory on CUDA, the swap file otherwise.
-        cuda = isinstance(engine, CudaTransferEngine)
-        self._offloaded = ChunkState.HOST if cuda else ChunkState.STORAGE
+        # Where evicted chunks land: pinned host memory or the swap file (io/engines.py).
+        self._offloaded = engine.lands_in
         # NOTE [release in place]: CPU storages release evicted pages where they lie; chunks
         # smaller than a page hold no whole page to release and take the copy path.
-        self._in_place = not cuda and (chunk_bytes is None or chunk_bytes >= PAGE_BYTES)
+        self._in_place = engine.host_pages and (chunk_bytes is None or chunk_bytes >= PAGE_BYTES)
         # Bytes of pages released in place and not yet restored or freed, over all records:
-        # the heap counter still counts them as allocated, so the tracked bytes subtract them.
+        # the heap counter still counts them as allocated, so its readings subtract them.
         self.released_bytes = 0
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}

@@ -11,7 +11,7 @@ from vtensor.errors import IllegalMoveError
 # capture nearly all of the swap-volume reduction over whole-tensor swapping (64-256 KiB chunks
 # moved < 1% fewer bytes), while chunks below ~1 MiB make every transfer syscall- and
 # latency-bound (DeepSpeed's MIN_AIO_BYTES is 1 MiB for the same reason). It is also a multiple
-# of the 4 KiB page, so file offsets stay page-aligned.
+# of every page size in use (4, 16 and 64 KiB), so file offsets stay page-aligned.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 

@@ -30,6 +30,8 @@ import ctypes.util
 import mmap
 import os
 
+# The system's page size, the one value every page computation in vtensor/io reads (4 KiB on
+# x86-64, 16 KiB on Raspberry Pi 5 kernels): read where it is used, so a test can set it here.
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 

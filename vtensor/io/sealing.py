@@ -74,6 +74,8 @@ class Piece:
         nbytes: its length.
         owner: identity of its vTensor (the storage's address), fixed while it is swapped.
         index: its position within its vTensor.
+        part_offset: where it starts within its chunk, when a chunk is sealed in parts
+            (``io/staged.py``); part of its identity.
     """
 
     file_offset: int
@@ -81,6 +83,7 @@ class Piece:
     nbytes: int
     owner: int
     index: int
+    part_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ class Sealer:
 
     @staticmethod
     def _aad(piece: Piece, offset: int, nbytes: int, generation: int) -> bytes:
-        return _AAD.pack(_DOMAIN, piece.owner, piece.index, offset, nbytes, generation)
+        where = piece.part_offset + offset
+        return _AAD.pack(_DOMAIN, piece.owner, piece.index, where, nbytes, generation)
 
     def _batches(self, pieces: Sequence[Piece]) -> Iterator[list[tuple[Piece, int, int, int]]]:
         """Segments grouped by what one staging buffer and one vectored call can carry.
@@ -224,10 +228,10 @@ class Sealer:
         ctypes.memset(piece.address + offset, 0, nbytes)
         raise SwapAuthenticationError(
             f"swap-file extent at offset {piece.file_offset + offset} ({nbytes} bytes of chunk "
-            f"{piece.index}, at {offset} in the chunk) failed authentication: {why}. It was "
-            "modified, replaced by a stale or another chunk's extent, or corrupted after "
-            "vtensor wrote it; its bytes are not used. Check the storage device and rerun the "
-            "step."
+            f"{piece.index}, at {piece.part_offset + offset} in the chunk) failed authentication: "
+            f"{why}. It was modified, replaced by a stale or another chunk's extent, or corrupted "
+            "after vtensor wrote it; its bytes are not used. Check the storage device and rerun "
+            "the step."
         )
 
     def forget(self, file_offset: int, nbytes: int) -> None:

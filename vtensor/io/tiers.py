@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 from vtensor.errors import StorageTierError
+from vtensor.io import pages
 
 logger = logging.getLogger(__name__)
-
-PAGE_BYTES = 4096
 
 
 def _round_up(nbytes: int, multiple: int) -> int:
@@ -55,16 +54,21 @@ def _anonymous_file(directory: Path) -> int:
 
 
 class ExtentAllocator:
-    """First-fit allocator of page-aligned byte extents in a growing file; frees coalesce."""
+    """First-fit allocator of page-aligned byte extents in a growing file; frees coalesce.
 
-    def __init__(self) -> None:
+    Extents are whole pages of ``page_bytes`` (None: the system's page, ``pages.PAGE_BYTES``),
+    fixed for the allocator's life so that frees round as their allocations did.
+    """
+
+    def __init__(self, page_bytes: int | None = None) -> None:
+        self.page_bytes = pages.PAGE_BYTES if page_bytes is None else page_bytes
         self._free: list[tuple[int, int]] = []  # sorted (offset, length)
         self.end_bytes = 0  # file size high-water mark
         self.used_bytes = 0
 
     def alloc(self, nbytes: int) -> int:
         """Return the offset of a free extent of at least ``nbytes`` (page-rounded)."""
-        size = _round_up(nbytes, PAGE_BYTES)
+        size = _round_up(nbytes, self.page_bytes)
         for i, (offset, length) in enumerate(self._free):
             if length >= size:
                 if length == size:
@@ -80,7 +84,7 @@ class ExtentAllocator:
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return an extent given by :meth:`alloc`."""
-        size = _round_up(nbytes, PAGE_BYTES)
+        size = _round_up(nbytes, self.page_bytes)
         self.used_bytes -= size
         i = bisect.bisect_left(self._free, (offset, 0))
         self._free.insert(i, (offset, size))
@@ -162,6 +166,7 @@ class StorageTier:
         self.drop_page_cache = drop_page_cache
         self._fd: int | None = fd
         self.extents = ExtentAllocator()
+        self.page_bytes = self.extents.page_bytes
         if drop_page_cache:
             # NOTE [no kernel read-ahead]: the kernel's own read-ahead (8 MiB on this project's
             # VM) would pull the neighbouring extents, other chunks still swapped out, into the
@@ -240,7 +245,9 @@ class StorageTier:
             return
         if dirty:
             _write_back(self.fd, offset, nbytes)
-        os.posix_fadvise(self.fd, offset, _round_up(nbytes, PAGE_BYTES), os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(
+            self.fd, offset, _round_up(nbytes, self.page_bytes), os.POSIX_FADV_DONTNEED
+        )
 
     def close(self) -> None:
         """Close (and so delete) the swap file."""

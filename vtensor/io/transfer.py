@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from vtensor.io.chunk import Chunk
+from vtensor.io.chunk import Chunk, ChunkState
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.io.tiers import HostTier, StorageTier, WriteBehind, buffer_at
 
@@ -81,7 +81,18 @@ class CudaTransfer:
 
 
 class TransferEngine(Protocol):
-    """Moves chunk bytes between a storage's memory and a slower tier."""
+    """Moves chunk bytes between a storage's memory and a slower tier.
+
+    Attributes:
+        lands_in: the state an evicted chunk is in once its transfer completed: ``HOST``
+            (pinned host memory) or ``STORAGE`` (the swap file).
+        host_pages: the storages it moves are host memory, whose whole pages an evicted chunk
+            may release in place (NOTE [release in place] in ``io/pages.py``); False for
+            device memory.
+    """
+
+    lands_in: ChunkState
+    host_pages: bool
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:
         """Start copying ``chunks`` of ``storage`` out; assigns each chunk a slot."""
@@ -180,6 +191,9 @@ class FileTransferEngine:
     authenticated when it comes back (NOTE [sealed swap] in ``vtensor/io/sealing.py``).
     """
 
+    lands_in = ChunkState.STORAGE
+    host_pages = True
+
     def __init__(
         self, tier: StorageTier, *, encrypt: bool = True, cipher: Cipher | str = DEFAULT_CIPHER
     ) -> None:
@@ -247,7 +261,7 @@ class FileTransferEngine:
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         base = storage.data_ptr()
-        runs = _contiguous_runs(chunks)
+        runs = contiguous_runs(chunks)
         sealer = self.sealer
         pieces = _pieces(storage, chunks) if sealer is not None else []
         self.read_ahead.want(runs)
@@ -267,7 +281,7 @@ class FileTransferEngine:
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
         held = [c for c in chunks if c.slot is not None]
-        for slot, _, nbytes in _contiguous_runs(held):
+        for slot, _, nbytes in contiguous_runs(held):
             self.tier.extents.free(slot, nbytes)
         for chunk in held:
             if self.sealer is not None:
@@ -295,7 +309,7 @@ def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piec
     return pieces
 
 
-def _contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
+def contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
     """(slot, memory offset, bytes) runs of chunks adjacent both in the file and in memory."""
     runs: list[list[int]] = []
     for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
@@ -323,6 +337,9 @@ class CudaTransferEngine:
     taken and copied on the one side stream, so one given back is reused by a later copy on the
     same stream: no host synchronisation.
     """
+
+    lands_in = ChunkState.HOST
+    host_pages = False
 
     def __init__(self, device: torch.device, tier: HostTier) -> None:
         self.device = device

@@ -1,11 +1,12 @@
-"""The manager's own byte counters: glibc's heap counter on CPU, the CUDA allocator's on GPU.
+"""The manager's own byte counters: on CPU glibc's heap or the resident pages, on GPU CUDA's.
 
-They count every malloc user, not only tensors, and are read at hook points and chunk moves
-(``mallinfo2()``: in-use heap chunks plus mmapped blocks). A reading walks every free chunk of
-the whole process's heap, so its cost grows with the process: tens of microseconds beside one
-model, milliseconds in a process of many (docs/vtensor.md, "Accounting"). The independent
-checks are ``measure/dispatch.py`` (live storages, for tests and profiling) and
-``measure/rss.py`` (what the operating system charges the process).
+On CPU they count every allocation of the process, not only tensors, and are read at hook points
+and chunk moves. Which of the two CPU counters a manager reads is decided once per process
+(NOTE [CPU counter] in ``measure/counter.py``). A heap reading (``mallinfo2()``) walks every free
+chunk of the whole process's heap, so its cost grows with the process: tens of microseconds
+beside one model, milliseconds in a process of many; a resident reading costs about two
+microseconds. The independent checks are ``measure/dispatch.py`` (live storages, for tests and
+profiling) and ``measure/rss.py`` (what the operating system charges the process).
 
 NOTE [readings hold the GIL]
 The counters are read through ``ctypes.PyDLL``, which keeps the GIL during the call, not
@@ -21,6 +22,7 @@ threads no more than the reading itself.
 import ctypes
 import gc
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,10 +34,15 @@ from vtensor.errors import VTensorError
 
 logger = logging.getLogger(__name__)
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
 
 @runtime_checkable
 class DeviceTracker(Protocol):
     """Anything that reports the bytes currently allocated on one device."""
+
+    counts_released_pages: bool
+    """Whether pages released in place (NOTE [release in place]) leave the count by themselves."""
 
     def current_bytes(self) -> int:
         """Returns the bytes currently allocated on the device."""
@@ -104,9 +111,11 @@ class MallocTracker:
     """Live heap bytes of this process from glibc ``mallinfo2()`` (in-use chunks + mmapped blocks).
 
     Counts every malloc user, not only tensors, except MKL's buffer pool (NOTE [MKL buffer
-    pool]); use differences between two calls. Meaningless if another allocator (jemalloc,
-    tcmalloc) was preloaded, since glibc's heap is then unused.
+    pool]); use differences between two calls. Blind where torch allocates through another
+    allocator (NOTE [CPU counter] in ``measure/counter.py``).
     """
+
+    counts_released_pages = False  # a released page is still allocated for the heap
 
     def __init__(self) -> None:
         try:
@@ -138,11 +147,58 @@ class MallocTracker:
         return self._mkl_pool() if self._mkl_pool is not None else 0
 
 
+class ResidentTracker:
+    """Anonymous resident bytes of this process, less MKL's buffer pool (NOTE [CPU counter]).
+
+    ``/proc/self/statm``'s resident pages less its shared ones (file-backed and shared memory):
+    what the process's own allocations hold in RAM, under any allocator. Honest only where the
+    allocator hands freed memory back at once, which ``measure/counter.py`` checks first.
+    """
+
+    counts_released_pages = True  # a page released in place leaves the resident set at once
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._fd = -1
+        self._open()
+        self._mkl_pool = _mkl_pool_reader()
+
+    def _open(self) -> None:
+        # /proc/self is resolved when opened: a forked child must open its own.
+        try:
+            fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise VTensorError(
+                f"ResidentTracker reads /proc/self/statm, which this system lacks ({exc})"
+            ) from exc
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._pid, self._fd = os.getpid(), fd
+
+    def current_bytes(self) -> int:
+        """Returns the anonymous resident bytes less MKL's pool."""
+        if self._pid != os.getpid():
+            self._open()
+        fields = os.pread(self._fd, 256, 0).split()
+        resident = (int(fields[1]) - int(fields[2])) * _PAGE_BYTES
+        return resident - self._mkl_pool() if self._mkl_pool is not None else resident
+
+    def pool_bytes(self) -> int:
+        """Bytes of MKL's buffer pool, left out of :meth:`current_bytes` (0 without MKL)."""
+        return self._mkl_pool() if self._mkl_pool is not None else 0
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+
+
 class CudaTracker:
     """Bytes held by tensors on one CUDA device, from the caching allocator's own statistics.
 
     Counts tensor bytes (rounded up to the allocator's 512 B blocks), not reserved segments.
     """
+
+    counts_released_pages = False  # device memory is never released in place
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -182,19 +238,6 @@ def _allocated(device: torch.device, which: str) -> int:
     """``allocated_bytes.all.<which>`` of ``torch.cuda.memory_stats``, without the flattening."""
     stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
     return int(stats.get("allocated_bytes", {}).get("all", {}).get(which, 0))
-
-
-def make_device_tracker(device: torch.device) -> DeviceTracker:
-    """Returns the cheap allocation counter for ``device``.
-
-    Raises:
-        VTensorError: the device type has no tracker, or its backend is unavailable.
-    """
-    if device.type == "cpu":
-        return MallocTracker()
-    if device.type == "cuda":
-        return CudaTracker(device)
-    raise VTensorError(f"no device tracker for {device}: use a cpu or cuda device.")
 
 
 @contextmanager

@@ -24,8 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from vtensor.errors import InfeasibleBudgetError, ParamOffloadError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
-from vtensor.io.tiers import StorageTier
-from vtensor.io.transfer import FileTransferEngine
+from vtensor.io.engines import Tier, engine_for
 from vtensor.offload.hooks import install_offload_hooks
 from vtensor.offload.offloaded import ResidentMeter
 from vtensor.offload.passes import OffloadPasses
@@ -66,6 +65,8 @@ class ParamOffload:
         resident: names of modules whose parameters stay in memory.
         min_tensor_bytes: smaller tensors stay in memory (counted), not worth a transfer.
         chunk_bytes, storage_dir, encrypt_storage, drop_page_cache: as for ``MemoryManager``.
+        tier: where the tensors go between uses (NOTE [tier choice] in ``io/engines.py``);
+            parameters are on the CPU, where ``auto`` and ``storage`` are the swap file.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class ParamOffload:
         storage_dir: str | PathLike[str] | None = None,
         encrypt_storage: bool = True,
         drop_page_cache: bool = True,
+        tier: Tier | str = Tier.AUTO,
     ) -> None:
         if lookahead < 0 or accumulation_steps < 1 or (max_grad_norm or 1.0) <= 0:
             raise ParamOffloadError(
@@ -117,15 +119,18 @@ class ParamOffload:
                 "bytes must fit at once",
             )
         self.meter = ResidentMeter()
-        self._engine = FileTransferEngine(
-            StorageTier(storage_dir, drop_page_cache), encrypt=encrypt_storage
+        chunk_size = parse_bytes(chunk_bytes, what="chunk_bytes")
+        # ``describe_params`` keeps every parameter on the CPU (``offload/records.py``).
+        self._engine = engine_for(
+            torch.device("cpu"),
+            tier=tier,
+            host_capacity_bytes=None,
+            storage_dir=storage_dir,
+            drop_page_cache=drop_page_cache,
+            encrypt=encrypt_storage,
+            staging_bytes=chunk_size,
         )
-        self.pool = OffloadPool(
-            self._engine,
-            self.meter,
-            self.budget_bytes,
-            parse_bytes(chunk_bytes, what="chunk_bytes"),
-        )
+        self.pool = OffloadPool(self._engine, self.meter, self.budget_bytes, chunk_size)
         self._owners: dict[int, tuple[str, frozenset[str]]] = {}
         self._hooks: list[RemovableHandle] = []
         self._step_peaks: list[int] = []

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 import vtensor
 from benchmarks.zoo import EQUIVALENCE_MODELS, ZOO, ZooEntry
 from vtensor.activations.race import MAX_ROUNDS
+from vtensor.measure.counter import CpuCounter, cpu_counter
 
 CHUNK_BYTES = 64 * 1024  # small next to the zoo's activations, so tensors span many chunks
 STEPS = 3
@@ -218,10 +219,14 @@ def test_equivalence_managed_training_is_bit_identical(
         try:
             result = _train_managed(entry, budget, granularity, tmp_storage_dir)
         except vtensor.InfeasibleBudgetError as err:
-            pytest.fail(
-                f"{name}: {budget_spec:.0%} of the unmanaged peak ({peak} bytes) should be a "
-                f"feasible budget; resize the zoo model if not. {err}"
-            )
+            if cpu_counter() is not CpuCounter.RESIDENT:
+                pytest.fail(
+                    f"{name}: {budget_spec:.0%} of the unmanaged peak ({peak} bytes) should be a "
+                    f"feasible budget; resize the zoo model if not. {err}"
+                )
+            # Pages that small tensors fill in part count under the resident counter (NOTE [CPU
+            # counter]), so the zoo's floors lie higher in its peaks: the smallest budget then.
+            budget, result = _smallest_feasible_run(entry, granularity, tmp_storage_dir)
     what = f"{name} at budget {budget} bytes ({budget_spec}, peak {peak}), {granularity}"
 
     _assert_identical(_reference(name, _steps(granularity)), result, what)

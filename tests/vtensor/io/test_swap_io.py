@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from vtensor.io.chunk import split_into_chunks
-from vtensor.io.tiers import PAGE_BYTES, StorageTier
+from vtensor.io.pages import PAGE_BYTES
+from vtensor.io.tiers import StorageTier
 from vtensor.io.transfer import READ_AHEAD_BYTES, FileTransferEngine, ReadAhead
 
 CHUNK_BYTES = 1 << 20

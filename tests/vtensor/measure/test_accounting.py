@@ -18,16 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vtensor
 from vtensor.errors import VTensorError
 from vtensor.io.pages import PAGE_BYTES, release
+from vtensor.measure.counter import make_device_tracker
 from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.rss import RssMeter, RssMode, rss_is_honest
-from vtensor.measure.trackers import (
-    CudaTracker,
-    DeviceTracker,
-    MallocTracker,
-    make_device_tracker,
-    quiet_heap,
-)
+from vtensor.measure.trackers import CudaTracker, DeviceTracker, MallocTracker, quiet_heap
 
 MIB = 1 << 20
 MB = 1_000_000

@@ -1,0 +1,239 @@
+"""Device chunks to the sealed swap file and back, through a bounded set of pinned staging slots.
+
+NOTE [staged swap]
+On a GPU that shares its DRAM with the CPU (Jetson: ``is_integrated``) pinned host memory is
+the same memory as the device's, so the host tier frees nothing: evicted chunks must go to the
+swap file. They go device -> staging slot -> file on eviction and file -> staging slot ->
+device on restore, in parts of at most one slot. The slots are allocated once
+(``slots * slot_bytes`` of pinned memory, the whole of it, ever) and reused by every transfer
+on the one I/O thread. With two or more slots the device copy of the next part runs while the
+thread seals and writes the current one (or, restoring, reads and opens the next part while
+the device copies the current one in). Each part is sealed as its own piece (its place in the
+chunk is part of its identity: NOTE [sealed swap] in ``io/sealing.py``), so the file holds
+ciphertext only, at the chunk's offsets, as ``FileTransferEngine`` writes it.
+"""
+
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vtensor.errors import VTensorError
+from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkState
+from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
+from vtensor.io.staging import DeviceCopier, Fence
+from vtensor.io.tiers import StorageTier, WriteBehind, buffer_at
+from vtensor.io.transfer import ReadAhead, ThreadTransfer, Transfer, contiguous_runs
+
+STAGING_SLOTS = 2  # one part in a device copy while the other is sealed and written
+
+
+@dataclass(frozen=True)
+class Part:
+    """At most one staging slot of a chunk: where it is in the file, in memory, in the chunk."""
+
+    file_offset: int
+    memory_offset: int  # within the storage
+    nbytes: int
+    index: int  # the chunk's
+    part_offset: int  # within the chunk
+
+
+def parts_of(chunks: Sequence[Chunk], slot_bytes: int) -> list[Part]:
+    """``chunks`` (with slots) cut into parts of at most ``slot_bytes``, in order."""
+    parts = []
+    for chunk in chunks:
+        assert chunk.slot is not None, "chunk has no slot"
+        for at in range(0, chunk.nbytes, slot_bytes):
+            nbytes = min(slot_bytes, chunk.nbytes - at)
+            parts.append(Part(chunk.slot + at, chunk.offset_bytes + at, nbytes, chunk.index, at))
+    return parts
+
+
+def _settle(fences: list[Fence | None]) -> None:
+    for fence in fences:
+        if fence is not None:
+            fence.synchronize()
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class StagedTransferEngine:
+    """Storage-tier transfers of device memory through pinned staging slots (NOTE [staged swap]).
+
+    Args:
+        tier: the swap file.
+        copier: runs the device copies (``CudaCopier`` on CUDA).
+        slot_bytes: bytes of one staging slot (a chunk's size fits one part).
+        slots: staging slots; ``slots * slot_bytes`` is all the pinned memory it holds.
+        encrypt, cipher: as for ``FileTransferEngine``.
+    """
+
+    lands_in = ChunkState.STORAGE
+    host_pages = False
+
+    def __init__(
+        self,
+        tier: StorageTier,
+        copier: DeviceCopier,
+        *,
+        slot_bytes: int = DEFAULT_CHUNK_BYTES,
+        slots: int = STAGING_SLOTS,
+        encrypt: bool = True,
+        cipher: Cipher | str = DEFAULT_CIPHER,
+    ) -> None:
+        if slot_bytes <= 0 or slots < 1:
+            raise VTensorError(
+                f"slot_bytes={slot_bytes}, slots={slots}: pass a positive slot size and at "
+                "least one staging slot"
+            )
+        self.tier = tier
+        self.copier = copier
+        self.sealer = Sealer(cipher) if encrypt else None
+        self.slot_bytes = slot_bytes
+        self._slots = [copier.staging(slot_bytes) for _ in range(slots)]
+        self.pinned_bytes = slots * slot_bytes
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-staged")
+        self.read_ahead = ReadAhead(tier)
+        self._behind = WriteBehind(tier)  # NOTE [write behind] in io/tiers.py
+
+    def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
+        def timed() -> float:
+            begin = time.perf_counter()
+            self.read_ahead.top_up()
+            job()
+            return time.perf_counter() - begin
+
+        return ThreadTransfer(self._pool.submit(timed), nbytes)
+
+    def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        total = sum(c.nbytes for c in chunks)
+        slot = self.tier.extents.alloc(total)  # one extent per run, as FileTransferEngine
+        for chunk in chunks:
+            chunk.slot = slot
+            slot += chunk.nbytes
+        parts = parts_of(chunks, self.slot_bytes)
+        # The job drops the storage before it ends: the store counts its references once the
+        # transfer is done (NOTE [cuda transfers] in io/transfer.py).
+        held = [_bytes_of(storage)]
+        after, owner = self.copier.mark(), storage._cdata
+
+        def job() -> None:
+            try:
+                self._write_parts(held[0], parts, after, owner)
+            except BaseException:
+                with contextlib.suppress(OSError):  # the first error is the one to report
+                    self._behind.settle()
+                raise
+            finally:
+                held.clear()
+            self._behind.settle()  # the transfer ends with its bytes out of the page cache
+
+        return self._submit(job, total)
+
+    def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
+        parts = parts_of(chunks, self.slot_bytes)
+        self.read_ahead.want([(p.file_offset, p.memory_offset, p.nbytes) for p in parts])
+        held = [_bytes_of(storage)]
+        after, owner = self.copier.mark(), storage._cdata
+
+        def job() -> None:
+            try:
+                self._read_parts(held[0], parts, after, owner)
+            finally:
+                held.clear()
+                for part in parts:  # a failed restore reads no further
+                    self.read_ahead.claim(part.file_offset, part.nbytes)
+
+        return self._submit(job, sum(c.nbytes for c in chunks))
+
+    def _write_parts(self, flat: torch.Tensor, parts: list[Part], after: Fence, owner: int) -> None:
+        count = len(self._slots)
+        fences: list[Fence | None] = [None] * count
+        started = 0
+        try:
+            for i, part in enumerate(parts):
+                # Slots of the parts before ``i`` are written out: refill them ahead.
+                while started < min(len(parts), i + count):
+                    ahead = parts[started]
+                    window = flat[ahead.memory_offset : ahead.memory_offset + ahead.nbytes]
+                    buffer = self._slots[started % count][: ahead.nbytes]
+                    fences[started % count] = self.copier.copy(buffer, window, after)
+                    started += 1
+                fence = fences[i % count]
+                assert fence is not None
+                fence.synchronize()
+                self._write(part, self._slots[i % count], owner)
+        finally:  # never leave a copy into a slot running past the transfer
+            _settle(fences)
+
+    def _read_parts(self, flat: torch.Tensor, parts: list[Part], after: Fence, owner: int) -> None:
+        count = len(self._slots)
+        fences: list[Fence | None] = [None] * count
+        try:
+            for i, part in enumerate(parts):
+                fence = fences[i % count]
+                if fence is not None:  # the slot's copy to the device must be done first
+                    fence.synchronize()
+                buffer = self._slots[i % count]
+                self._read(part, buffer, owner)
+                window = flat[part.memory_offset : part.memory_offset + part.nbytes]
+                fences[i % count] = self.copier.copy(window, buffer[: part.nbytes], after)
+        finally:  # never leave a copy out of a slot running past the transfer
+            _settle(fences)
+
+    def _write(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
+        if self.sealer is None:
+            self.tier.write(part.file_offset, buffer.data_ptr(), part.nbytes)
+            self._behind.written(part.file_offset, part.nbytes)
+            return
+        piece = Piece(
+            part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
+        )
+        self.sealer.seal([piece], self._write_dropped)
+
+    def _read(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
+        if self.sealer is None:
+            self._read_dropped(part.file_offset, [buffer_at(buffer.data_ptr(), part.nbytes)])
+            return
+        piece = Piece(
+            part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
+        )
+        self.sealer.open([piece], self._read_dropped)
+
+    # NOTE [page-cache bound] in io/transfer.py: each write or read is dropped from the page
+    # cache right after it (a write, once the next one's write-back has started).
+    def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
+        self.tier.writev(offset, views)
+        self._behind.written(offset, sum(len(v) for v in views))
+        self.read_ahead.top_up()
+
+    def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
+        nbytes = sum(len(v) for v in views)
+        self.read_ahead.claim(offset, nbytes)
+        self.tier.readv(offset, views)
+        self.tier.release_cache(offset, nbytes, dirty=False)
+        self.read_ahead.top_up()
+
+    def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
+        held = [c for c in chunks if c.slot is not None]
+        for slot, _, nbytes in contiguous_runs(held):
+            self.tier.extents.free(slot, nbytes)
+        if self.sealer is not None:
+            for part in parts_of(held, self.slot_bytes):
+                self.sealer.forget(part.file_offset, part.nbytes)
+        for chunk in held:
+            chunk.slot = None
+
+    def close(self) -> None:  # noqa: D102
+        self._pool.shutdown(wait=True)
+        self.copier.close()
+        self._slots.clear()
+        self.tier.close()
+        if self.sealer is not None:
+            self.sealer.close()

@@ -1,0 +1,159 @@
+"""Which counter measures a device's bytes: on CPU, glibc's heap or the resident pages.
+
+NOTE [CPU counter]
+The manager reads the bytes of a step many times per iteration, so its CPU counter must be cheap
+and must never read less than the tensors alive. Three kinds of reading were weighed:
+
+- glibc's heap counter (``mallinfo2``): exact live bytes of every malloc user, tens of
+  microseconds a reading. Blind when torch allocates through another allocator: jemalloc or
+  mimalloc preloaded, or the mimalloc that PyTorch's aarch64 wheels link into ``libc10`` (its
+  symbols are hidden, so its own statistics cannot be asked either).
+- counting live storages through torch (a dispatch mode, ``measure/dispatch.py``): exact under any
+  allocator, but tens of microseconds per op, in every op: a check for tests, not a counter.
+- the process's anonymous resident pages (``/proc/self/statm``: resident less file-backed and
+  shared pages): about two microseconds a reading, under any allocator, and what the kernel charges
+  the process. It sees pages released in place directly. It follows the live bytes only where
+  the allocator hands freed memory back to the kernel at once; an allocator that keeps it for
+  reuse would let a step grow into pages it freed earlier without the reading moving, an
+  understatement. jemalloc does so for seconds by default, mimalloc for milliseconds or more.
+
+So: where a torch allocation moves glibc's heap counter, that counter is used (exact, and what
+the project has always measured); elsewhere the resident pages, after a probe shows that
+allocations raise them and frees lower them again. Where neither holds, the manager refuses to
+start (``UnmeasurableMemoryError``) and names the allocator's option that returns freed memory at
+once: a budget it cannot measure is one it cannot keep.
+"""
+
+import ctypes
+import functools
+import logging
+import platform
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+
+from vtensor.errors import UnmeasurableMemoryError, VTensorError
+from vtensor.measure.trackers import CudaTracker, DeviceTracker, MallocTracker, ResidentTracker
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+# Pieces of the sizes a step's tensors have: large blocks and many small ones, 16 MiB in all.
+PROBE_PIECES_BYTES = (4 * MIB,) * 3 + (64 * 1024,) * 64
+PROBE_BYTES = sum(PROBE_PIECES_BYTES)
+# A probe passes when the counter moves by at least this share of the bytes allocated or freed.
+PROBE_SHARE = 0.9
+PROBE_TRIES = 3
+
+
+class CpuCounter(StrEnum):
+    """The counter a CPU tracker reads (NOTE [CPU counter])."""
+
+    HEAP = "glibc-heap"  # glibc's mallinfo2: live heap bytes
+    RESIDENT = "resident"  # /proc/self/statm: anonymous resident bytes
+
+
+# The option of each allocator that hands freed memory back to the kernel at once.
+_RETURN_AT_ONCE = {
+    "jemalloc": "MALLOC_CONF=dirty_decay_ms:0,muzzy_decay_ms:0",
+    "mimalloc": "MIMALLOC_PURGE_DELAY=0",
+    "mimalloc 2.0": "MIMALLOC_RESET_DELAY=0",
+    "tcmalloc": "TCMALLOC_AGGRESSIVE_DECOMMIT=t",
+}
+
+
+def allocator_name() -> str:
+    """The allocator that serves malloc in this process, as far as it can be told."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        if f"lib{name}" in maps:
+            if name == "mimalloc" and _mimalloc_version() < 210:
+                return "mimalloc 2.0"
+            return name
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "mimalloc"  # PyTorch's aarch64 builds link it into libc10 as the CPU allocator
+    return "an allocator other than glibc's malloc"
+
+
+def _mimalloc_version() -> int:
+    try:
+        version = ctypes.CDLL(None).mi_version
+    except (AttributeError, OSError):
+        return 1_000
+    version.restype = ctypes.c_int
+    return int(version())
+
+
+def _moves(read: Callable[[], int], *, freed_too: bool) -> bool:
+    """Whether allocating the probe raises ``read`` and, with ``freed_too``, freeing lowers it."""
+    for _ in range(PROBE_TRIES):
+        before = read()
+        pieces = [torch.ones(n // 4) for n in PROBE_PIECES_BYTES]  # written: pages are touched
+        grown = read() - before
+        del pieces
+        left = read() - before
+        if grown >= PROBE_SHARE * PROBE_BYTES and (
+            not freed_too or left <= (1 - PROBE_SHARE) * PROBE_BYTES
+        ):
+            return True
+    return False
+
+
+@functools.cache
+def cpu_counter() -> CpuCounter:
+    """The counter that sees torch's CPU tensors in this process (NOTE [CPU counter]).
+
+    Probed once per process: a few milliseconds.
+
+    Raises:
+        UnmeasurableMemoryError: neither counter follows torch's allocations and frees.
+    """
+    try:
+        heap: MallocTracker | None = MallocTracker()
+    except VTensorError:
+        heap = None
+    if heap is not None and _moves(heap.current_bytes, freed_too=False):
+        return CpuCounter.HEAP
+    try:
+        resident: ResidentTracker | None = ResidentTracker()
+    except VTensorError:
+        resident = None
+    if resident is not None and _moves(resident.current_bytes, freed_too=True):
+        logger.info("CPU bytes are read from the resident pages: torch allocates outside glibc")
+        return CpuCounter.RESIDENT
+    raise UnmeasurableMemoryError(unmeasurable_message(allocator_name()))
+
+
+def unmeasurable_message(allocator: str) -> str:
+    """Why no CPU budget can be kept under ``allocator``, and the fix."""
+    option = _RETURN_AT_ONCE.get(allocator)
+    fix = (
+        f"start Python with {option} in the environment (it hands freed memory back at once) or "
+        "without LD_PRELOAD (glibc's malloc)"
+        if option
+        else "start Python without LD_PRELOAD, so torch allocates through glibc's malloc"
+    )
+    return (
+        f"vtensor cannot measure this process's CPU memory: torch allocates through {allocator}, "
+        "which glibc's heap counter does not see and which keeps freed memory resident, so no "
+        f"budget could be enforced. Fix: {fix}."
+    )
+
+
+def make_device_tracker(device: torch.device) -> DeviceTracker:
+    """Returns the cheap allocation counter for ``device``.
+
+    Raises:
+        UnmeasurableMemoryError: on CPU, no counter follows torch's allocations here.
+        VTensorError: the device type has no tracker, or its backend is unavailable.
+    """
+    if device.type == "cpu":
+        return MallocTracker() if cpu_counter() is CpuCounter.HEAP else ResidentTracker()
+    if device.type == "cuda":
+        return CudaTracker(device)
+    raise VTensorError(f"no device tracker for {device}: use a cpu or cuda device.")
