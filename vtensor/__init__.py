@@ -8,6 +8,7 @@ from vtensor.activations.report import (
     StepStats,
 )
 from vtensor.activations.session import MemoryManager
+from vtensor.budget import BudgetKind, BudgetSpec, device_budget, parse_budget, share_of_peak
 from vtensor.errors import (
     BudgetFormatError,
     IllegalMoveError,
@@ -39,6 +40,8 @@ from vtensor.sizes import format_bytes, parse_bytes
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "BudgetFormatError",
+    "BudgetKind",
+    "BudgetSpec",
     "ChunkState",
     "DemandLayering",
     "Granularity",
@@ -72,8 +75,11 @@ __all__ = [
     "WeightFileMismatchError",
     "WeightFileTruncatedError",
     "WeightFileVersionError",
+    "device_budget",
     "evict_page_cache",
     "format_bytes",
+    "parse_budget",
     "parse_bytes",
+    "share_of_peak",
     "write_weights",
 ]

@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument(
         "--budget",
         required=True,
-        help="memory budget for training, e.g. 64MiB, 4000000 (bytes) or 80%% of the "
-        "model's unmanaged peak",
+        help="memory budget for training, e.g. 64MiB, 4000000 (bytes), 80%% of the "
+        "model's unmanaged peak, or auto (what the device can give: the cgroup's limit, else "
+        "MemAvailable, less a 10%% margin)",
     )
     client.add_argument(
         "--plan-cache", type=Path, required=True, help="folder for vtensor's cached plans"

@@ -28,3 +28,23 @@ def test_the_budget_is_at_most_the_share_and_less_by_under_one_128th() -> None:
 
 def test_a_budget_in_bytes_is_taken_as_given() -> None:
     assert Budget(bytes=27_188_393).of_peak(1 << 30) == 27_188_393
+
+
+def test_auto_is_what_the_device_can_give() -> None:
+    from edgefl.budget import parse_budget
+
+    budget = parse_budget("auto", "fleet micro budget")
+    assert budget.auto and "auto" in str(budget)
+    assert budget.of_peak(1 << 20) > 1 << 20  # this machine has more than a MiB to give
+
+
+def test_bad_budget_forms_name_the_value_and_the_forms() -> None:
+    import pytest
+
+    from edgefl.budget import parse_budget
+    from edgefl.errors import ConfigError
+
+    for value in ("150%", "0%", "abc"):
+        with pytest.raises(ConfigError, match="auto") as err:
+            parse_budget(value, "--budget")
+        assert repr(value) in str(err.value)

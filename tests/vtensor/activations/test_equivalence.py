@@ -41,6 +41,9 @@ BUDGETS: tuple[float | str, ...] = (0.75, 0.5, SMALLEST)
 # workspace, a leaf. At 50 % the blocks' working sets in backward no longer fit these small
 # models' budgets (NOTE [hybrid plan]), so the planner keeps to swapping there.
 RECOMPUTED_AT_75 = ("resnet", "transformer", "tied")
+# Under the resident counter (NOTE [CPU counter]), what a peak may exceed the budget by beyond a
+# chunk: readings move by whole pages and count the allocator's partly used pages.
+RESIDENT_SLACK_BYTES = 256 * 1024
 # Well below any zoo model's smallest feasible budget, so the manager must refuse it.
 PROBE_FRACTION = 1 / 16
 
@@ -211,6 +214,7 @@ def test_equivalence_managed_training_is_bit_identical(
 ) -> None:
     entry = ZOO[name]
     peak = _unmanaged_peak_bytes(name)
+    fell_back = False  # a share below the resident counter's floor: the smallest budget instead
     if budget_spec == SMALLEST:
         budget, result = _smallest_feasible_run(entry, granularity, tmp_storage_dir)
     else:
@@ -227,6 +231,9 @@ def test_equivalence_managed_training_is_bit_identical(
             # Pages that small tensors fill in part count under the resident counter (NOTE [CPU
             # counter]), so the zoo's floors lie higher in its peaks: the smallest budget then.
             budget, result = _smallest_feasible_run(entry, granularity, tmp_storage_dir)
+            fell_back = True
+    # Resident readings move by whole pages and count the allocator's partly used pages.
+    slack = CHUNK_BYTES + (RESIDENT_SLACK_BYTES if cpu_counter() is CpuCounter.RESIDENT else 0)
     what = f"{name} at budget {budget} bytes ({budget_spec}, peak {peak}), {granularity}"
 
     _assert_identical(_reference(name, _steps(granularity)), result, what)
@@ -234,14 +241,14 @@ def test_equivalence_managed_training_is_bit_identical(
     for step, report in enumerate(result.reports):
         assert report.budget_bytes == budget, f"{what}: report.budget_bytes={report.budget_bytes}"
         # The first iteration may profile; from the second on the budget holds, to within a chunk.
-        assert step == 0 or report.peak_device_bytes <= budget + CHUNK_BYTES, (
+        assert step == 0 or report.peak_device_bytes <= budget + slack, (
             f"{what}: optimizer step {step} peaked at {report.peak_device_bytes} bytes; "
             f"worst sub-steps: {_worst_steps(report)}"
         )
     recomputed = [report.recomputed for report in result.reports]
     if granularity != "hybrid":
         assert not any(recomputed), f"{what}: recomputed {recomputed} without recompute=True"
-    if budget_spec == 0.75:
+    if budget_spec == 0.75 and not fell_back:
         # The first iteration is profiled; the later ones replay the LGM plan to the end. A
         # hybrid run profiles again once per candidate recomputation (at most four:
         # ``recompute_candidates``), with its modules recomputed.
