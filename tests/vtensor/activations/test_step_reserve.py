@@ -229,6 +229,8 @@ def test_a_plan_that_moves_nothing_filling_the_budget_replays_lean_once_a_replay
 class _Counter:
     """A heap counter the test sets: the model's allocations."""
 
+    counts_released_pages = False
+
     def __init__(self) -> None:
         self.nbytes = 0
 
@@ -263,6 +265,39 @@ def test_the_rise_counts_what_was_allocated_where_evictions_completed_in_between
         assert evicted >= CHUNK and store.released_bytes == evicted
         assert meter.read() == nbytes + 96 * KIB - evicted  # it rose less, or fell
         assert meter.rise(meter.read()) == 96 * KIB
+    finally:
+        store.close()
+        engine.close()
+
+
+class _Resident(_Counter):
+    """A resident-pages counter the test sets: releases and restored pages show in it."""
+
+    counts_released_pages = True
+
+
+def test_a_restore_counts_from_its_start_under_the_resident_counter(tmp_path: Path) -> None:
+    # The resident pages show a restore only as its reads land; the reading counts it from the
+    # restore's start, as the heap counter does, so the guard never sees less than is coming.
+    engine = FileTransferEngine(StorageTier(tmp_path))
+    try:
+        store = ChunkStore(engine, CHUNK)
+        data = torch.ones(CHUNK // 4 + 4096)
+        record = store.adopt(data.untyped_storage(), step=0)
+        del data
+        counter = _Resident()
+        counter.nbytes = record.nbytes  # the step begins holding the record
+        meter = LiveBytes(counter, store, torch.device("cpu"), baseline_bytes=record.nbytes)
+        evicted = store.evict(record, CHUNK)
+        store.reap(block=True)
+        counter.nbytes -= store.released_bytes  # the released pages left the resident set
+        assert meter.read() == record.nbytes - evicted
+        store.restore(record)  # in flight: no page has landed yet
+        assert store.restoring_bytes == evicted
+        assert meter.read() == record.nbytes
+        store.reap(block=True)
+        counter.nbytes += evicted  # the reads landed
+        assert store.restoring_bytes == 0 and meter.read() == record.nbytes
     finally:
         store.close()
         engine.close()
