@@ -30,7 +30,6 @@ class LiveBytes:
         self.params = params
         self._entry_counter = tracker.current_bytes()
         self._entry_released = store.released_bytes
-        self._entry_restoring = store.restoring_bytes
         self._last_live = 0
         self._last_param = 0
         # Where the guard last acted (NOTE [step reserve]): the reading, parameters, restores
@@ -42,15 +41,13 @@ class LiveBytes:
         """Tracked device bytes now."""
         now = self.tracker.current_bytes()
         # Pages released in place are still allocated for the heap counter: subtracted. The
-        # resident pages see releases directly, and a restore's pages only as its reads land:
-        # those count from the restore's start, as under the heap counter (NOTE [release in
-        # place] in io/pages.py). Frees of memory allocated before the step (a previous loss,
-        # say) lower the counter below its entry value; never report less than nothing.
-        if self.tracker.counts_released_pages:
-            unseen = self.store.restoring_bytes - self._entry_restoring
-        else:
-            unseen = self._entry_released - self.store.released_bytes
-        return max(0, self.baseline_bytes + now - self._entry_counter + unseen)
+        # resident pages see them leave by themselves (NOTE [release in place] in io/pages.py).
+        # Frees of memory allocated before the step (a previous loss, say) lower the counter
+        # below its entry value; never report less than nothing.
+        released = 0
+        if not self.tracker.counts_released_pages:
+            released = self.store.released_bytes - self._entry_released
+        return max(0, self.baseline_bytes + now - self._entry_counter - released)
 
     def note(self, live: int) -> None:
         """``live`` is the reading the next growth is measured from."""

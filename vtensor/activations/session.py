@@ -292,6 +292,7 @@ class MemoryManager:
         self._store = ChunkStore(engine, self.chunk_size)
         self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
         self._tracker = make_device_tracker(device)
+        self._store.populate_restores = self._tracker.counts_released_pages
         return self._store, self._policy, self._tracker
 
     # -- one iteration ------------------------------------------------------------------------

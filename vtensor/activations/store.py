@@ -10,7 +10,7 @@ import torch
 from vtensor.activations.vtensors import Pending, StoreStats, VTensor
 from vtensor.errors import SwapAuthenticationError, VTensorError
 from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks, split_on_pages
-from vtensor.io.pages import PAGE_BYTES, release
+from vtensor.io.pages import PAGE_BYTES, populate, release
 from vtensor.io.transfer import TransferEngine
 
 __all__ = ["ChunkStore", "Pending", "StoreStats", "VTensor"]  # the records live in vtensors.py
@@ -34,10 +34,9 @@ class ChunkStore:
         # Bytes of pages released in place and not yet restored or freed, over all records:
         # the heap counter still counts them as allocated, so its readings subtract them.
         self.released_bytes = 0
-        # Bytes of released pages that restores in flight are filling: the heap counter counts
-        # them from the restore's start, the resident pages only as the reads land, so the
-        # resident readings add them (``LiveBytes.read``).
-        self.restoring_bytes = 0
+        # Whether a restore in place faults its pages in at its start, so that a counter of
+        # resident pages counts it from there, as the heap counter does (``pages.populate``).
+        self.populate_restores = False
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}
         self._by_storage: dict[int, VTensor] = {}
@@ -197,8 +196,6 @@ class ChunkStore:
 
     def _settle(self, record: VTensor) -> None:
         record.pending = None
-        self.restoring_bytes -= record.restoring_bytes
-        record.restoring_bytes = 0
         self._in_flight.pop(record.vid, None)
 
     # -- moves --------------------------------------------------------------------------------
@@ -260,9 +257,9 @@ class ChunkStore:
         if record.in_place:
             # The released pages come back as the reads fill them: counted from now, as a
             # grown storage would be.
+            if self.populate_restores:
+                _populate_chunks(record.storage.data_ptr(), chunks)
             self.released_bytes -= record.released_bytes
-            record.restoring_bytes = record.released_bytes
-            self.restoring_bytes += record.released_bytes
             record.released_bytes = 0
         else:
             self.stats.copied_bytes += record.resident_bytes  # growing copies the prefix
@@ -373,6 +370,11 @@ class ChunkStore:
 
 def _vid(record: VTensor) -> int:
     return record.vid
+
+
+def _populate_chunks(address: int, chunks: Sequence[Chunk]) -> None:
+    for chunk in chunks:
+        populate(address + chunk.offset_bytes, chunk.nbytes)
 
 
 def _release_chunks(address: int, chunks: list[Chunk]) -> int:

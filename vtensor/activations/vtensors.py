@@ -34,7 +34,6 @@ class VTensor:
         resident_bytes: bytes of the chunks on the device and idle (what an eviction can take).
         movable_bytes: bytes of all chunks (``nbytes`` less the partial end pages in place).
         released_bytes: bytes of the pages handed back to the kernel in place.
-        restoring_bytes: bytes of released pages a restore in flight is filling again.
         in_place: evicted chunks release their pages in place instead of shrinking the storage.
     """
 
@@ -50,7 +49,6 @@ class VTensor:
     resident_bytes: int = 0
     movable_bytes: int = 0
     released_bytes: int = 0
-    restoring_bytes: int = 0
     in_place: bool = False
 
     def device_chunks(self) -> list[Chunk]:
