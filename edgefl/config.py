@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import os
+import re
 import shlex
 import threading
 import time
@@ -19,16 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import vtensor
-from edgefl.budget import parse_budget
 from edgefl.data.partition import Partitioner
 from edgefl.errors import ConfigError
-from edgefl.fleet import check_fleet
+from edgefl.fleet import fleet_settings
 from edgefl.privacy import check_secure_aggregation, privacy_settings
 from edgefl.settings import (
     ClientSettings,
     DataSettings,
-    DeviceClass,
-    FleetSettings,
     ModelSettings,
     OffloadParams,
     PacingSettings,
@@ -81,20 +79,64 @@ def compose_config(overrides: Sequence[str] = (), *, with_hydra: bool = False) -
 
     ``with_hydra`` keeps Hydra's own ``hydra`` node (for ``--cfg hydra`` and ``--info``).
     """
+    try:
+        return _compose(overrides, with_hydra)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = (
+            _class_hint(overrides) or f"config overrides {list(overrides)} do not compose: {exc}"
+        )
+        raise ConfigError(message) from exc
+
+
+def _compose(overrides: Sequence[str], with_hydra: bool) -> DictConfig:
     with _LOCK:
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-                cfg = compose(
+                return compose(
                     config_name="config",
                     overrides=list(overrides),
                     return_hydra_config=with_hydra,
                 )
-        except (HydraException, OmegaConfBaseException) as exc:
-            raise ConfigError(f"config overrides {list(overrides)} do not compose: {exc}") from exc
         finally:
             GlobalHydra.instance().clear()
-    return cfg
+
+
+_CLASS_OVERRIDE = re.compile(r"^([+~]*)fleet\.classes\.([^.=]+)(.*)$")
+
+
+def _class_hint(overrides: Sequence[str]) -> str | None:
+    """Why an override of a device class that the fleet lacks fails, or None.
+
+    Device classes are keyed by name (``fleet.classes.micro.budget``); a number or a name the
+    chosen fleet does not have gets the fleet's class names, in order.
+    """
+    for override in overrides:
+        match = _CLASS_OVERRIDE.match(override)
+        if match is None or match.group(1).startswith("+"):
+            continue
+        others = [o for o in overrides if not _CLASS_OVERRIDE.match(o)]
+        try:
+            classes = _compose(others, False).fleet.classes
+        except (HydraException, OmegaConfBaseException):
+            return None
+        prefix, key, rest = match.groups()
+        if not isinstance(classes, DictConfig) or not classes or key in classes:
+            continue
+        names = [str(name) for name in classes]
+        listed = ", ".join(f"{i} {name}" for i, name in enumerate(names))
+        if key.isdigit():
+            name = names[int(key)] if int(key) < len(names) else names[0]
+            return (
+                f"fleet.classes.{key}: device classes are named, not numbered; set "
+                f"{prefix}fleet.classes.{name}{rest} (classes: {listed})"
+            )
+        return (
+            f"fleet.classes.{key}: the fleet has no such device class (classes: {listed}); "
+            f"set e.g. {prefix}fleet.classes.{names[0]}{rest}, or add one with "
+            f"+fleet.classes.{key}={{budget: 50%, share: 0.5}}"
+        )
+    return None
 
 
 CFG_PARTS = ("job", "hydra", "all")
@@ -189,19 +231,7 @@ def _settings(raw: dict[str, Any]) -> RunSettings:
     privacy = privacy_settings(raw["privacy"])
     resume_from = raw["server"].get("resume_from")
     output_dir = raw["output_dir"] or resume_from or f"outputs/{time.strftime('%Y%m%d-%H%M%S')}"
-    fleet_raw = raw["fleet"]
-    fleet = FleetSettings(
-        classes=tuple(
-            DeviceClass(
-                str(c["name"]),
-                parse_budget(c["budget"], f"fleet {c['name']} budget"),
-                float(c["share"]),
-            )
-            for c in fleet_raw["classes"]
-        ),
-        plan_cache_root=fleet_raw.get("plan_cache_root"),
-    )
-    check_fleet(fleet)
+    fleet = fleet_settings(raw["fleet"])
     client = ClientSettings(
         seed=int(raw["seed"]),
         data=_data(raw["dataset"], raw["partitioner"]),

@@ -1,9 +1,55 @@
-"""Map a simulated client's partition id to a device class of the fleet, deterministically."""
+"""The fleet's device classes: read from config, checked, and dealt to clients deterministically."""
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
+from edgefl.budget import parse_budget
 from edgefl.errors import ConfigError
 from edgefl.settings import DeviceClass, FleetSettings
+
+_CLASS_EXAMPLES = {"budget": "50%", "share": "0.5"}  # the keys of a class, with an example value
+
+
+def fleet_settings(raw: Mapping[str, Any]) -> FleetSettings:
+    """Checked settings of conf/fleet's plain data: classes keyed by name, kept in their order.
+
+    Raises:
+        ConfigError: naming the key (``fleet.classes.<name>.<key>``) and what it accepts.
+    """
+    classes = raw["classes"]
+    if not isinstance(classes, Mapping):
+        raise ConfigError(
+            f"fleet.classes={classes!r} must map each class name to its budget and share, "
+            "e.g. {micro: {budget: 40%, share: 0.5}, small: {budget: 60%, share: 0.5}}"
+        )
+    devices = []
+    for name, entry in classes.items():
+        where = f"fleet.classes.{name}"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(
+                f"{where}={entry!r} must set budget and share, e.g. "
+                f"{where}={{budget: 50%, share: 0.5}}"
+            )
+        unknown = sorted(set(entry) - set(_CLASS_EXAMPLES))
+        if unknown:
+            raise ConfigError(
+                f"unknown config key {where}.{unknown[0]}; a device class sets budget and share"
+            )
+        for key, example in _CLASS_EXAMPLES.items():
+            if key not in entry:
+                raise ConfigError(f"{where} has no {key}; set e.g. +{where}.{key}={example}")
+        budget = parse_budget(entry["budget"], f"{where}.budget")
+        devices.append(DeviceClass(str(name), budget, _share(entry["share"], f"{where}.share")))
+    fleet = FleetSettings(tuple(devices), plan_cache_root=raw.get("plan_cache_root"))
+    check_fleet(fleet)
+    return fleet
+
+
+def _share(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{what}={value!r} is not a number; set e.g. {what}=0.5")
+    return float(value)
 
 
 def check_fleet(fleet: FleetSettings) -> None:

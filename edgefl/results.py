@@ -1,5 +1,7 @@
 """Write a run's results: per-round metrics (JSON, CSV), per-client metrics, model, settings.
 
+Their folder is checked before the run starts (``check_output_dir``).
+
 clients.csv has a row per reply, its metrics as sent, except the plan source shown by name
 (NOTE [plan-source codes] in edgefl.records).
 """
@@ -7,11 +9,13 @@ clients.csv has a row per reply, its metrics as sent, except the plan source sho
 import csv
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from edgefl.errors import ConfigError
 from edgefl.history import RunHistory
 from edgefl.records import PLAN_SOURCE, plan_source_name
 from edgefl.settings import RunSettings
@@ -21,6 +25,23 @@ CLIENTS_CSV = "clients.csv"
 MODEL_FILE = "final_model.pt"
 SETTINGS_JSON = "settings.json"
 SUMMARY_TXT = "summary.txt"
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and write and remove a probe file there, before a run starts.
+
+    Raises:
+        ConfigError: naming ``output_dir``, the folder and the OS error.
+    """
+    probe = out_dir / f".write-probe-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"output_dir={out_dir}: cannot write there ({exc}); choose a writable folder"
+        ) from None
 
 
 def write_results(

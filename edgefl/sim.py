@@ -29,6 +29,7 @@ from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
 from edgefl.ray_cluster import ray_init_args
 from edgefl.recording_grid import ExchangeObserver
 from edgefl.reference import ReferenceRound, time_unmanaged_round
+from edgefl.results import check_output_dir
 from edgefl.server_app import build_server_app, resume_point
 from edgefl.settings import RunSettings
 from edgefl.sweep import is_multirun, run_multirun
@@ -47,9 +48,10 @@ _OFFLINE_ENV = {
 def prepare(settings: RunSettings) -> RunSettings:
     """Fill run-time defaults and fail fast on bad config.
 
-    The plan cache goes under the output folder; client 0's data is loaded and the model built
-    before any simulation engine starts.
+    The output folder is created and written to first; the plan cache goes under it; client 0's
+    data is loaded and the model built before any simulation engine starts.
     """
+    check_output_dir(Path(settings.server.output_dir))
     fleet = settings.client.fleet
     if fleet.plan_cache_root is None:
         fleet = dataclasses.replace(

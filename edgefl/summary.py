@@ -1,5 +1,6 @@
 """Human-readable text of a run: the line logged per round and the tables printed at the end."""
 
+import re
 from collections.abc import Sequence
 
 import vtensor
@@ -41,7 +42,7 @@ def round_line(record: RoundRecord, num_rounds: int) -> str:
 
 
 def summary_table(history: RunHistory) -> str:
-    """A fixed-width table of every round, then the distinct client errors."""
+    """A fixed-width table of every round, then the client errors (``error_lines``)."""
     header = (
         f"{'round':>5} {'central acc':>11} {'central loss':>12} {'trained':>7} "
         f"{'failed':>6} {'train loss':>10} {'peak/budget':>11} {'swapped':>11} "
@@ -55,9 +56,31 @@ def summary_table(history: RunHistory) -> str:
             f"{_pct(r.max_peak_fraction):>11} {format_bytes(r.bytes_swapped):>11} "
             f"{r.stall_s:>7.1f} {r.wall_s:>7.1f}"
         )
-    reasons = sorted({c.error for c in history.errors() if c.error})
-    lines += [f"client error: {reason}" for reason in reasons]
+    lines += error_lines([c.error for c in history.errors() if c.error])
     return "\n".join(lines)
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def error_lines(reasons: Sequence[str]) -> list[str]:
+    """One line per distinct reason, reasons that differ only in their numbers counted as one.
+
+    A group shows its first reason; "(numbers vary)" says that its others differ from it in
+    byte figures, client numbers or rounds.
+    """
+    groups: dict[str, list[str]] = {}
+    for reason in reasons:
+        text = " ".join(reason.split())  # Flower's reasons may span lines
+        groups.setdefault(_NUMBER.sub("#", text), []).append(text)
+    lines = []
+    for texts in groups.values():
+        if len(texts) == 1:
+            lines.append(f"client error: {texts[0]}")
+            continue
+        vary = " (numbers vary)" if len(set(texts)) > 1 else ""
+        lines.append(f"client error ({len(texts)} x): {texts[0]}{vary}")
+    return lines
 
 
 def _num(value: float | None, digits: int) -> str:

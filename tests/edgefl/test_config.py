@@ -1,3 +1,4 @@
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,8 +68,44 @@ def test_bad_override_is_a_config_error() -> None:
 
 
 def test_bad_budget_names_the_class() -> None:
-    with pytest.raises(ConfigError, match="fleet edge budget"):
-        load_run_settings(["fleet=uniform", "fleet.classes.0.budget=lots"])
+    with pytest.raises(ConfigError, match=r"fleet\.classes\.edge\.budget='lots'"):
+        load_run_settings(["fleet=uniform", "fleet.classes.edge.budget=lots"])
+
+
+def test_fleet_classes_are_addressed_by_name_in_their_order() -> None:
+    fleet = load_run_settings(["fleet.classes.micro.budget=50%"]).client.fleet
+    assert [c.name for c in fleet.classes] == ["micro", "small", "medium"]
+    assert fleet.classes[0].budget.peak_fraction == 0.5
+    assert fleet.classes[1].budget.peak_fraction == 0.6  # the others keep conf/fleet's
+
+
+def test_bad_class_budget_names_the_key_and_the_accepted_forms() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_run_settings(["fleet.classes.micro.budget=abc"])
+    message = str(caught.value)
+    assert "fleet.classes.micro.budget='abc'" in message and "\n" not in message
+    assert "bytes" in message and "'80%'" in message and "'auto'" in message
+
+
+def test_a_numbered_class_path_points_to_the_named_one() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_run_settings(["fleet.classes.0.budget=50%"])
+    message = str(caught.value)
+    assert "fleet.classes.micro.budget" in message and "\n" not in message
+    assert "classes: 0 micro, 1 small, 2 medium" in message
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("fleet.classes.micro.share=half", "fleet.classes.micro.share='half'"),
+        ("+fleet.classes.micro.speed=2", "fleet.classes.micro.speed"),
+        ("~fleet.classes.micro.budget", "fleet.classes.micro has no budget"),
+    ],
+)
+def test_a_bad_class_entry_is_named(override: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_run_settings([override])
 
 
 def test_unknown_privacy_mode_is_refused() -> None:

@@ -1,9 +1,13 @@
 """The edgefl-sim entry point's cheap paths (no simulation engine)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from edgefl.config import load_run_settings
-from edgefl.errors import PartitionError
+from edgefl.errors import ConfigError, PartitionError
 from edgefl.sim import main, prepare
 
 
@@ -14,8 +18,8 @@ def test_help_lists_every_group(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"  {group}:" in out
 
 
-def test_bad_config_fails_before_the_engine_starts() -> None:
-    overrides = ["partitioner=natural", "output_dir=/tmp/edgefl-never-written"]
+def test_bad_config_fails_before_the_engine_starts(tmp_path: Path) -> None:
+    overrides = ["partitioner=natural", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(PartitionError, match="iid or dirichlet"):  # MNIST has no natural ids
         prepare(load_run_settings(overrides))
     assert main(overrides) == 2
@@ -37,3 +41,37 @@ def test_cfg_hydra_and_info_describe_the_config(capsys: pytest.CaptureFixture[st
 
 def test_cfg_with_an_unknown_part_is_a_usage_error() -> None:
     assert main(["--cfg", "everything"]) == 2
+
+
+def test_a_bad_class_budget_is_a_usage_error() -> None:
+    assert main(["fleet.classes.micro.budget=abc"]) == 2  # the message: test_config.py
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_unwritable_output_dir_fails_in_one_line_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "edgefl.sim", "output_dir=/proc/x", "debug=fast"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,  # it fails before any engine starts, in seconds
+    )
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "output_dir=/proc/x: cannot write there" in errors[0]
+    assert "choose a writable folder" in errors[0]
+    assert "Traceback" not in done.stderr and "Ray instance" not in done.stderr
+    assert len(done.stderr.splitlines()) <= 3
+
+
+def test_the_output_dir_is_checked_first(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    settings = load_run_settings([f"output_dir={blocked / 'run'}", "partitioner=natural"])
+    with pytest.raises(ConfigError, match=r"output_dir=.*a-file/run: cannot write there"):
+        prepare(settings)  # before the partitioner's error: nothing else is done first
+    writable = tmp_path / "new" / "run"
+    prepare(load_run_settings([f"output_dir={writable}", "debug=fast"]))
+    assert writable.is_dir() and not any(writable.iterdir())  # the probe is gone

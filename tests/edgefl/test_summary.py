@@ -6,7 +6,7 @@ from edgefl.history import ClientRound, RunHistory
 from edgefl.records import plan_source_code
 from edgefl.reference import ReferenceRound
 from edgefl.settings import DeviceClass
-from edgefl.summary import class_table
+from edgefl.summary import class_table, summary_table
 
 MIB = 1 << 20
 CLASSES = (
@@ -95,3 +95,18 @@ def test_class_table_with_only_deciding_rounds() -> None:
     history.clients.append(_reply(1, vtensor.PlanSource.PROFILED, 4.0))
     table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
     assert _times(table, "micro") == ["-", "-", "4.0"]
+
+
+def test_summary_table_counts_client_errors_that_differ_only_in_numbers() -> None:
+    history = RunHistory()
+    history.clients += [
+        ClientRound(r, "train", 3, {}, f"client 3 (device class micro): budget {b} MiB too small")
+        for r, b in ((1, "7.5"), (2, "7.6"), (3, "7.5"))
+    ]
+    history.clients.append(ClientRound(3, "train", 5, {}, "data missing"))
+    errors = [line for line in summary_table(history).splitlines() if "client error" in line]
+    assert errors == [
+        "client error (3 x): client 3 (device class micro): budget 7.5 MiB too small "
+        "(numbers vary)",
+        "client error: data missing",
+    ]
