@@ -133,3 +133,28 @@ def test_auto_where_nothing_can_be_read_names_the_fix(
 def test_a_share_of_the_peak_needs_the_planned_policy() -> None:
     with pytest.raises(BudgetFormatError, match="policy='planned'"):
         vtensor.MemoryManager("50%", policy="reactive")
+
+
+def test_the_unmanaged_peak_from_the_trace_is_what_an_unmanaged_step_holds(tmp_path: Path) -> None:
+    model, x = _model_and_batch()
+
+    def steps(manager: vtensor.MemoryManager) -> None:
+        for _ in range(2):
+            with manager.step(model, inputs=(x,)):
+                model(x).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path) as unlimited:
+        steps(unlimited)
+    assert unlimited.unmanaged_peak_bytes == unlimited.reports[0].peak_device_bytes
+    with vtensor.MemoryManager("70%", storage_dir=tmp_path) as managed:
+        steps(managed)
+    # Under a budget that binds, the trace still knows what the step would have held: what the
+    # unlimited manager's second step held (the first also holds torch's one-time allocations).
+    assert managed.reports[1].bytes_out > 0
+    held = unlimited.reports[1].peak_device_bytes
+    assert managed.unmanaged_peak_bytes is not None
+    assert abs(managed.unmanaged_peak_bytes - held) <= 0.02 * held, (
+        managed.unmanaged_peak_bytes,
+        held,
+    )

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vtensor.activations.budgeting import ManagerBudget
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
 from vtensor.activations.model_state import ScanCache, StateStorages, check_start, device_of
@@ -22,8 +23,7 @@ from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.store import ChunkStore
 from vtensor.activations.wiring import instrumented
-from vtensor.budget import BudgetKind, device_budget, parse_budget, share_of_peak
-from vtensor.errors import BudgetFormatError, InfeasibleBudgetError, VTensorError
+from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import Tier, engine_for, resolve_tier
 from vtensor.measure.clock import device_now
@@ -32,7 +32,6 @@ from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
-from vtensor.planner.memory_model import unmanaged_peak
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -138,7 +137,6 @@ class MemoryManager:
     ) -> None:
         if encode_masks not in (True, False, "auto"):
             raise VTensorError(f"encode_masks={encode_masks!r}: use True, False or 'auto'")
-        self.budget_spec = parse_budget(budget)
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
         try:
             self.granularity = Granularity(granularity)
@@ -169,17 +167,9 @@ class MemoryManager:
             raise VTensorError(
                 f"policy={policy!r} is not one of {[p.value for p in Policy]}"
             ) from None
-        if self.budget_spec.kind is BudgetKind.PEAK_SHARE and self.policy is not Policy.PLANNED:
-            raise BudgetFormatError(
-                f"budget={budget!r} is a share of the unmanaged peak, which the profiled trace "
-                "gives: use policy='planned', or a budget in bytes"
-            )
+        self._budget = ManagerBudget(budget, planned=self.policy is Policy.PLANNED)
         self.plan_cache_dir = plan_cache_dir
         self.recompute, self.encode_masks = recompute, encode_masks
-        # Resolved at the first step where the budget is a share of the peak or "auto".
-        self.budget_bytes = self.budget_spec.nbytes
-        self.budget_source = "given in bytes" if self.budget_bytes else ""
-        self._share_pending = self.budget_spec.kind is BudgetKind.PEAK_SHARE
         self._plans = self._plan_book()
         self.check_every_hook = check_every_hook
         self._quiet = QuietTurns.shared(plan_cache_dir)  # NOTE [quiet replay], quiet.py
@@ -236,44 +226,33 @@ class MemoryManager:
             encode_masks=self.encode_masks,
         )
 
-    def _use_budget(self, budget_bytes: int, source: str) -> None:
-        """From now on the budget is ``budget_bytes`` (NOTE [budget forms] in budget.py)."""
-        self.budget_bytes, self.budget_source = budget_bytes, source
-        self._plans.close()
-        self._plans = self._plan_book()
-        if self._store is not None:
-            self._policy = ReactivePolicy(self._store, budget_bytes, self.prefetch_depth)
-        logger.info("budget %s: %s", format_bytes(budget_bytes), source)
+    @property
+    def budget_bytes(self) -> int:
+        """The budget in bytes (0 until a budget of ``"N%"`` or ``"auto"`` resolves)."""
+        return self._budget.nbytes
 
-    def _resolve_device_budget(self, device: torch.device, held_bytes: int) -> None:
-        """Resolve ``"auto"``, or the budget a share of the peak profiles under, at a first step."""
-        resolved = device_budget(device, held_bytes)
-        if resolved is None:
-            raise BudgetFormatError(
-                f"budget={str(self.budget_spec)!r}: nothing says how much memory {device} can "
-                "give this process (no cgroup limit, no MemAvailable); give the budget in bytes"
-            )
-        nbytes, source = resolved
-        if self._share_pending:
-            source = f"{source}; the profiled iteration, for {self.budget_spec} of its peak"
-        self._use_budget(nbytes, source)
-
-    def _resolve_share(self, trace: Trace, pending_state_bytes: int) -> None:
-        """Resolve ``"N%"`` from the unmanaged peak of the profiled ``trace``."""
-        peak = unmanaged_peak(trace) + pending_state_bytes
-        fraction = self.budget_spec.peak_fraction
-        source = f"{self.budget_spec} of the unmanaged peak, {format_bytes(peak)} (profiled trace)"
-        self._share_pending = False
-        self._use_budget(share_of_peak(fraction, peak), source)
+    @property
+    def budget_source(self) -> str:
+        """Where :attr:`budget_bytes` came from (NOTE [budget forms] in ``vtensor/budget.py``)."""
+        return self._budget.source
 
     @property
     def unmanaged_peak_bytes(self) -> int | None:
-        """The unmanaged peak of the last profiled iteration's model and batch, from its trace.
+        """The unmanaged peak of this model and batch, from the first profiled iteration's trace.
 
-        What training without the manager would have held at most (tensors the trace saw), under
-        any budget: one step under ``budget="auto"`` finds it without an unmanaged run.
+        What training without the manager would have held at most (the tensors the trace saw,
+        and the optimizer state to come), under any budget: one step under ``budget="auto"``
+        finds it without an unmanaged run.
         """
-        return unmanaged_peak(self._trace) if self._trace is not None else None
+        return self._budget.unmanaged_peak_bytes
+
+    def _budget_resolved(self) -> None:
+        """The budget changed: plans and the reactive policy follow it."""
+        self._plans.close()
+        self._plans = self._plan_book()
+        if self._store is not None:
+            self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
+        logger.info("budget %s: %s", format_bytes(self.budget_bytes), self.budget_source)
 
     def _ensure_started(
         self, device: torch.device
@@ -344,7 +323,8 @@ class MemoryManager:
             scan, optimizer, inputs, device, self._scans.pointers
         )
         if not self.budget_bytes:
-            self._resolve_device_budget(device, state_bytes)
+            self._budget.resolve_device(device, state_bytes)
+            self._budget_resolved()
             store, policy, tracker = self._ensure_started(device)
         baseline = check_start(state_bytes, self.budget_bytes, pending, held)
         peaks = self._peaks = self._peaks or IndependentPeak(
@@ -441,8 +421,8 @@ class MemoryManager:
             pending_state_bytes,
         )
         self._reports.append(dataclasses.replace(report, budget_source=budget_source))
-        if trace is not None and self._share_pending:
-            self._resolve_share(trace, pending_state_bytes)
+        if trace is not None and self._budget.note_profile(trace, pending_state_bytes):
+            self._budget_resolved()
         if logger.isEnabledFor(logging.DEBUG):  # not formatted at every step for nothing
             sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)
             sizes_text = ", ".join(map(format_bytes, sizes))
