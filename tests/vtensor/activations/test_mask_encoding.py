@@ -19,7 +19,7 @@ from vtensor.activations.encodings import (
     masks_encoded,
 )
 from vtensor.errors import VTensorError
-from vtensor.measure.trackers import MallocTracker
+from vtensor.measure.counter import make_device_tracker
 
 BOUNDS = [(0.0, 6.0), (-1.0, 1.0), (-0.3, 0.7), (-2.0, 1e-3)]
 
@@ -170,7 +170,7 @@ def test_without_saved_tensor_hooks_a_clamp_gives_up_its_input_and_keeps_no_grap
     assert torch.equal(leaf.grad, 4 * torch.where((out > 0) & (out < 6), grad, 0.0))
     # the hooks hold a detached alias of the output: no cycle keeps the graph alive once the
     # output goes, even where backward never ran
-    heap = MallocTracker()
+    heap = make_device_tracker(torch.device("cpu"))
     leaf = torch.randn(1 << 24, requires_grad=True)  # 64 MiB: mmapped, returned when freed
     before = heap.current_bytes()
     unused = masked_hardtanh(leaf * 2, 0.0, 6.0, "clamp")

@@ -163,9 +163,9 @@ def test_torch_frees_each_recomputed_tensor_after_its_use_as_the_planner_models(
     # them all through the unit's backward, the planner would under-count its working set.
     from torch.utils.checkpoint import checkpoint
 
-    from vtensor.measure.trackers import MallocTracker
+    from vtensor.measure.counter import make_device_tracker
 
-    tracker, nbytes = MallocTracker(), 16 * MIB
+    tracker, nbytes = make_device_tracker(torch.device("cpu")), 16 * MIB
     readings: dict[str, int] = {}
 
     class Probe(torch.autograd.Function):
