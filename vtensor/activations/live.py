@@ -28,6 +28,7 @@ class LiveBytes:
         self.store = store
         self.baseline_bytes = baseline_bytes
         self.params = params
+        tracker.settle()  # the allocator's kept pages out of the entry reading
         self._entry_counter = tracker.current_bytes()
         self._entry_released = store.released_bytes
         self._last_live = 0

@@ -19,22 +19,24 @@ and must never read less than the tensors alive. Three kinds of reading were wei
 
 So: where a torch allocation moves glibc's heap counter, that counter is used (exact, and what
 the project has always measured); elsewhere the resident pages, after a probe shows that
-allocations raise them and frees lower them again. Where neither holds, the manager refuses to
-start (``UnmeasurableMemoryError``) and names the allocator's option that returns freed memory at
-once: a budget it cannot measure is one it cannot keep.
+allocations raise them and frees lower them again; and before each step's entry reading the
+allocator is asked to hand back the freed pages it still keeps (``measure/allocator_calls.py``).
+Where neither holds, the manager refuses to start (``UnmeasurableMemoryError``) and names the
+allocator's option that returns freed memory at once: a budget it cannot measure is one it
+cannot keep.
 """
 
 import ctypes
 import functools
 import logging
 import platform
-from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 
 import torch
 
 from vtensor.errors import UnmeasurableMemoryError, VTensorError
+from vtensor.measure.allocator_calls import allocator_collect
 from vtensor.measure.trackers import CudaTracker, DeviceTracker, MallocTracker, ResidentTracker
 
 logger = logging.getLogger(__name__)
@@ -89,9 +91,14 @@ def _mimalloc_version() -> int:
     return int(version())
 
 
-def _moves(read: Callable[[], int], *, freed_too: bool) -> bool:
-    """Whether allocating the probe raises ``read`` and, with ``freed_too``, freeing lowers it."""
+def _moves(tracker: DeviceTracker, *, freed_too: bool) -> bool:
+    """Whether allocating the probe raises the reading and, with ``freed_too``, freeing lowers it.
+
+    Lowered at once, without ``settle``: inside a step nothing settles.
+    """
+    read = tracker.current_bytes
     for _ in range(PROBE_TRIES):
+        tracker.settle()
         before = read()
         pieces = [torch.ones(n // 4) for n in PROBE_PIECES_BYTES]  # written: pages are touched
         grown = read() - before
@@ -117,13 +124,13 @@ def cpu_counter() -> CpuCounter:
         heap: MallocTracker | None = MallocTracker()
     except VTensorError:
         heap = None
-    if heap is not None and _moves(heap.current_bytes, freed_too=False):
+    if heap is not None and _moves(heap, freed_too=False):
         return CpuCounter.HEAP
     try:
-        resident: ResidentTracker | None = ResidentTracker()
+        resident: ResidentTracker | None = ResidentTracker(allocator_collect())
     except VTensorError:
         resident = None
-    if resident is not None and _moves(resident.current_bytes, freed_too=True):
+    if resident is not None and _moves(resident, freed_too=True):
         logger.info("CPU bytes are read from the resident pages: torch allocates outside glibc")
         return CpuCounter.RESIDENT
     raise UnmeasurableMemoryError(unmeasurable_message(allocator_name()))
@@ -153,7 +160,9 @@ def make_device_tracker(device: torch.device) -> DeviceTracker:
         VTensorError: the device type has no tracker, or its backend is unavailable.
     """
     if device.type == "cpu":
-        return MallocTracker() if cpu_counter() is CpuCounter.HEAP else ResidentTracker()
+        if cpu_counter() is CpuCounter.HEAP:
+            return MallocTracker()
+        return ResidentTracker(allocator_collect())
     if device.type == "cuda":
         return CudaTracker(device)
     raise VTensorError(f"no device tracker for {device}: use a cpu or cuda device.")

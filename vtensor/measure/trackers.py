@@ -52,6 +52,10 @@ class DeviceTracker(Protocol):
         """Process memory that no step owns, left out of :meth:`current_bytes`."""
         ...
 
+    def settle(self) -> None:
+        """Make the next reading exact before a step's entry reading (a no-op where it is)."""
+        ...
+
 
 class _MallInfo2(ctypes.Structure):
     # Field order of glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33); every field is a size_t.
@@ -146,6 +150,9 @@ class MallocTracker:
         """Bytes of MKL's buffer pool, left out of :meth:`current_bytes` (0 without MKL)."""
         return self._mkl_pool() if self._mkl_pool is not None else 0
 
+    def settle(self) -> None:
+        """Nothing to do: the heap counter reads live bytes."""
+
 
 class ResidentTracker:
     """Anonymous resident bytes of this process, less MKL's buffer pool (NOTE [CPU counter]).
@@ -157,11 +164,13 @@ class ResidentTracker:
 
     counts_released_pages = True  # a page released in place leaves the resident set at once
 
-    def __init__(self) -> None:
+    def __init__(self, collect: Callable[[], None] | None = None) -> None:
+        """``collect``: makes the allocator hand back the freed memory it keeps (``settle``)."""
         self._pid = -1
         self._fd = -1
         self._open()
         self._mkl_pool = _mkl_pool_reader()
+        self._collect = collect
 
     def _open(self) -> None:
         # /proc/self is resolved when opened: a forked child must open its own.
@@ -186,6 +195,14 @@ class ResidentTracker:
     def pool_bytes(self) -> int:
         """Bytes of MKL's buffer pool, left out of :meth:`current_bytes` (0 without MKL)."""
         return self._mkl_pool() if self._mkl_pool is not None else 0
+
+    def settle(self) -> None:
+        """Have the allocator hand back the freed pages it keeps (``measure/allocator_calls.py``).
+
+        A step could grow into them without the resident pages moving.
+        """
+        if self._collect is not None:
+            self._collect()
 
     def __del__(self) -> None:
         if self._fd >= 0:
@@ -224,6 +241,9 @@ class CudaTracker:
     def pool_bytes(self) -> int:
         """Nothing is left out of the allocator's count of tensor bytes."""
         return 0
+
+    def settle(self) -> None:
+        """Nothing to do: the allocator counts tensor bytes."""
 
     def peak_bytes(self) -> int:
         """Returns the most bytes allocated to tensors on the device since the last reset."""

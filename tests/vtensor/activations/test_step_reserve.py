@@ -240,6 +240,9 @@ class _Counter:
     def pool_bytes(self) -> int:
         return 0
 
+    def settle(self) -> None:
+        pass
+
 
 def test_the_rise_counts_what_was_allocated_where_evictions_completed_in_between(
     tmp_path: Path,

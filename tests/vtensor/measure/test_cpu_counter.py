@@ -28,10 +28,13 @@ from vtensor.measure.counter import (
 )
 
 MIB = 1 << 20
-# A reading may fall short of the live tensor bytes by at most this: allocator headers, the
-# partial pages of small tensors, a free of some earlier object between two readings.
+# A reading may fall short of the live tensor bytes by at most this. Under the heap counter:
+# allocator headers, a free of some earlier object between two readings. Under the resident
+# counter, also the free space inside pages the allocator holds resident for objects still
+# alive (of other threads, of earlier tests): small tensors fill it without a new page. After a
+# long test process that space held 1.6 MiB under mimalloc 2.0.
 TOLERANCE = 0.05
-TOLERANCE_BYTES = 256 * 1024
+TOLERANCE_BYTES = 2 * MIB
 LIBS = Path("/usr/lib/x86_64-linux-gnu")
 MIMALLOC, JEMALLOC = LIBS / "libmimalloc.so.2", LIBS / "libjemalloc.so.2"
 # Sizes of a step's tensors, small to large: 24.4 MiB in all.
@@ -45,6 +48,7 @@ def _live(tensors: list[torch.Tensor]) -> int:
 def test_cpu_tracker_reads_at_least_the_live_tensor_bytes() -> None:
     tracker = make_device_tracker(torch.device("cpu"))
     torch.ones(1024)  # first-use allocations of torch's CPU path stay out of the measurement
+    tracker.settle()  # as at a step's entry
     before = tracker.current_bytes()
     tensors = [torch.ones(n // 4) for n in SIZES]
     live = _live(tensors)

@@ -1,0 +1,127 @@
+"""The call that makes the allocator serving torch hand back the freed memory it still keeps.
+
+Under the resident counter (NOTE [CPU counter] in ``measure/counter.py``) a step's growth is read
+against the resident pages at its entry. Pages the allocator freed earlier but keeps for reuse
+are in that entry reading, and the step can grow into them without the reading moving: an
+understatement by what the allocator kept. mimalloc keeps an emptied page of each size class
+for a while, whatever its purge delay; jemalloc keeps dirty pages until they decay. So before a
+step's entry reading the allocator is asked to hand back what it keeps:
+
+- mimalloc: ``mi_collect(true)``. Preloaded, it is an exported symbol. PyTorch's aarch64 wheels
+  link mimalloc into ``libc10`` with hidden symbols; their static symbol table still names it, so
+  its address is read there (``_local_function``) and checked to lie in libc10's code.
+- jemalloc: ``mallctl("arena.4096.purge")`` (4096: every arena).
+- glibc: none is needed, the heap counter reads live bytes.
+"""
+
+import ctypes
+import functools
+import logging
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SHT_SYMTAB = 2
+_STT_FUNC = 2
+_JEMALLOC_PURGE_ALL = b"arena.4096.purge"
+
+
+@functools.cache
+def allocator_collect() -> Callable[[], None] | None:
+    """The call that hands back the freed memory the allocator keeps; None where none is known.
+
+    Found once per process (reading libc10's symbol table takes tens of milliseconds).
+    """
+    process = ctypes.PyDLL(None)
+    exported = getattr(process, "mi_collect", None)
+    if exported is not None:
+        return _bool_call(ctypes.cast(exported, ctypes.c_void_p).value or 0)
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None:
+        mallctl.restype = ctypes.c_int
+        mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
+        mallctl.argtypes += [ctypes.c_void_p, ctypes.c_size_t]
+
+        def purge() -> None:
+            mallctl(_JEMALLOC_PURGE_ALL, None, None, None, 0)
+
+        return purge
+    libc10 = Path(torch.__file__).parent / "lib" / "libc10.so"
+    address = _local_function(libc10, b"mi_collect")
+    return _bool_call(address) if address else None
+
+
+def _bool_call(address: int) -> Callable[[], None] | None:
+    if not address:
+        return None
+    function = ctypes.CFUNCTYPE(None, ctypes.c_bool)(address)
+
+    def collect() -> None:
+        function(True)
+
+    return collect
+
+
+def _local_function(library: Path, name: bytes) -> int:
+    """The address of function ``name`` of the loaded ``library`` from its static symbol table.
+
+    0 where the library is not loaded, has no symbol table or no such function, or the address
+    falls outside its executable mappings.
+    """
+    mappings = _mappings(library)
+    if not mappings:
+        return 0
+    try:
+        value = _symbol_value(library.read_bytes(), name)
+    except (OSError, struct.error, ValueError):
+        return 0
+    if value is None:
+        return 0
+    base = min(start - offset for start, _, offset, _ in mappings)
+    address = base + value
+    inside = any(start <= address < end and "x" in perms for start, end, _, perms in mappings)
+    return address if inside else 0
+
+
+def _mappings(library: Path) -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, permissions) of each mapping of ``library`` in this process."""
+    found = []
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    target = str(library.resolve())
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, end, int(fields[2], 16), fields[1]))
+    return found
+
+
+def _symbol_value(image: bytes, name: bytes) -> int | None:
+    """``st_value`` of function ``name`` in a little-endian ELF64 image's ``.symtab``."""
+    if image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
+        raise ValueError("not a little-endian ELF64 file")
+    (shoff,) = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", image, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)
+    ]
+    for section in sections:
+        if section[1] != _SHT_SYMTAB:
+            continue
+        offset, size, link, entsize = section[4], section[5], section[6], section[9]
+        strings = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            st_name, st_info, _, _, st_value, st_size = struct.unpack_from("<IBBHQQ", image, at)
+            if st_info & 0xF != _STT_FUNC or not st_size:
+                continue
+            end = image.index(b"\0", strings + st_name)
+            if image[strings + st_name : end] == name:
+                return int(st_value)
+    return None
