@@ -12,11 +12,16 @@ step's entry reading the allocator is asked to hand back what it keeps:
   its address is read there (``_local_function``) and checked to lie in libc10's code.
 - jemalloc: ``mallctl("arena.4096.purge")`` (4096: every arena).
 - glibc: none is needed, the heap counter reads live bytes.
+
+Inside a step the allocator must hand freed pages back at once for the resident pages to follow
+the tensors (the counter's probe checks it). For the mimalloc inside libc10, which its users do
+not choose, ``purge_at_once`` sets that option, as ``MIMALLOC_PURGE_DELAY=0`` would at start.
 """
 
 import ctypes
 import functools
 import logging
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +30,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# mimalloc's option number of purge_delay (mimalloc.h, 2.1 and later) and its default in ms.
+_MI_PURGE_DELAY = 15
+_MI_PURGE_DELAY_DEFAULT_MS = 10
 _SHT_SYMTAB = 2
 _STT_FUNC = 2
 _JEMALLOC_PURGE_ALL = b"arena.4096.purge"
@@ -50,9 +58,33 @@ def allocator_collect() -> Callable[[], None] | None:
             mallctl(_JEMALLOC_PURGE_ALL, None, None, None, 0)
 
         return purge
-    libc10 = Path(torch.__file__).parent / "lib" / "libc10.so"
-    address = _local_function(libc10, b"mi_collect")
+    address = _local_function(_libc10(), b"mi_collect")
     return _bool_call(address) if address else None
+
+
+def _libc10() -> Path:
+    return Path(torch.__file__).parent / "lib" / "libc10.so"
+
+
+@functools.cache
+def purge_at_once() -> bool:
+    """Have the mimalloc inside libc10 hand freed pages back at once; whether it now does.
+
+    Left alone where the user set ``MIMALLOC_PURGE_DELAY``, and where the option does not read
+    its default (another mimalloc, whose options are numbered otherwise).
+    """
+    if "MIMALLOC_PURGE_DELAY" in os.environ:
+        return os.environ["MIMALLOC_PURGE_DELAY"].strip() == "0"
+    getter = _local_function(_libc10(), b"mi_option_get")
+    setter = _local_function(_libc10(), b"mi_option_set")
+    if not getter or not setter:
+        return False
+    get = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_int)(getter)
+    if int(get(_MI_PURGE_DELAY)) != _MI_PURGE_DELAY_DEFAULT_MS:
+        return False
+    ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_long)(setter)(_MI_PURGE_DELAY, 0)
+    logger.info("torch's mimalloc now hands freed pages back at once (its purge delay set to 0)")
+    return int(get(_MI_PURGE_DELAY)) == 0
 
 
 def _bool_call(address: int) -> Callable[[], None] | None:
@@ -76,7 +108,7 @@ def _local_function(library: Path, name: bytes) -> int:
     if not mappings:
         return 0
     try:
-        value = _symbol_value(library.read_bytes(), name)
+        value = _symbols(library).get(name)
     except (OSError, struct.error, ValueError):
         return 0
     if value is None:
@@ -103,8 +135,14 @@ def _mappings(library: Path) -> list[tuple[int, int, int, str]]:
     return found
 
 
-def _symbol_value(image: bytes, name: bytes) -> int | None:
-    """``st_value`` of function ``name`` in a little-endian ELF64 image's ``.symtab``."""
+@functools.cache
+def _symbols(library: Path) -> dict[bytes, int]:
+    """Every sized function of ``library``'s ``.symtab`` whose name begins with ``mi_``."""
+    return _functions(library.read_bytes(), b"mi_")
+
+
+def _functions(image: bytes, prefix: bytes) -> dict[bytes, int]:
+    """``st_value`` of each sized function named ``prefix...`` in an ELF64 LE ``.symtab``."""
     if image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
         raise ValueError("not a little-endian ELF64 file")
     (shoff,) = struct.unpack_from("<Q", image, 0x28)
@@ -112,6 +150,7 @@ def _symbol_value(image: bytes, name: bytes) -> int | None:
     sections = [
         struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)
     ]
+    found: dict[bytes, int] = {}
     for section in sections:
         if section[1] != _SHT_SYMTAB:
             continue
@@ -121,7 +160,7 @@ def _symbol_value(image: bytes, name: bytes) -> int | None:
             st_name, st_info, _, _, st_value, st_size = struct.unpack_from("<IBBHQQ", image, at)
             if st_info & 0xF != _STT_FUNC or not st_size:
                 continue
-            end = image.index(b"\0", strings + st_name)
-            if image[strings + st_name : end] == name:
-                return int(st_value)
-    return None
+            start = strings + st_name
+            if image.startswith(prefix, start):
+                found[image[start : image.index(b"\0", start)]] = int(st_value)
+    return found

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from vtensor.errors import UnmeasurableMemoryError, VTensorError
-from vtensor.measure.allocator_calls import allocator_collect
+from vtensor.measure.allocator_calls import allocator_collect, purge_at_once
 from vtensor.measure.trackers import CudaTracker, DeviceTracker, MallocTracker, ResidentTracker
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ def cpu_counter() -> CpuCounter:
         heap = None
     if heap is not None and _moves(heap, freed_too=False):
         return CpuCounter.HEAP
+    purge_at_once()  # the mimalloc inside PyTorch's aarch64 libc10, which users do not choose
     try:
         resident: ResidentTracker | None = ResidentTracker(allocator_collect())
     except VTensorError:
