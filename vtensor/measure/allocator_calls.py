@@ -109,12 +109,14 @@ def _local_function(library: Path, name: bytes) -> int:
         return 0
     try:
         value = _symbols(library).get(name)
+        first_vaddr = _first_load_vaddr(library)
     except (OSError, struct.error, ValueError):
         return 0
-    if value is None:
+    starts = [start for start, _, offset, _ in mappings if offset == 0]
+    if value is None or first_vaddr is None or not starts:
         return 0
-    base = min(start - offset for start, _, offset, _ in mappings)
-    address = base + value
+    # The segment at file offset 0 is mapped at the load base plus its own virtual address.
+    address = starts[0] - first_vaddr + value
     inside = any(start <= address < end and "x" in perms for start, end, _, perms in mappings)
     return address if inside else 0
 
@@ -133,6 +135,22 @@ def _mappings(library: Path) -> list[tuple[int, int, int, str]]:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             found.append((start, end, int(fields[2], 16), fields[1]))
     return found
+
+
+@functools.cache
+def _first_load_vaddr(library: Path) -> int | None:
+    """The virtual address of ``library``'s loadable segment at file offset 0."""
+    with library.open("rb") as f:
+        header = f.read(64)
+        (phoff,) = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr = struct.unpack_from("<IIQQ", table, i * phentsize)
+        if p_type == 1 and p_offset == 0:  # PT_LOAD
+            return int(p_vaddr)
+    return None
 
 
 @functools.cache
