@@ -31,7 +31,7 @@ leaves out, so the comparison errs on the lenient side by those few hundred KB.
 
 Environment: set ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc) so freed memory goes back to the OS at
 once (NOTE [honest RSS] in vtensor/measure/rss.py); on aarch64 torch allocates through mimalloc,
-which needs ``MIMALLOC_PURGE_DELAY=0`` for the same. The exit status is 0 on PASS, 1 on FAIL.
+which vtensor sets to do the same (NOTE [CPU counter] in vtensor/measure/counter.py). The exit status is 0 on PASS, 1 on FAIL.
 """
 
 import argparse

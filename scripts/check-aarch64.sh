@@ -17,8 +17,9 @@
 #   4. mounts proc, sys, dev, a fake aarch64 /proc/cpuinfo (two Cortex-A76 cores like a Pi 5, or
 #      two Cortex-A72 cores like a Pi 4: torch's CPU detection segfaults on the x86 one) and this
 #      checkout, read-only, at /proj/src; everything is unmounted on exit, in reverse order;
-#   5. runs, in the chroot with QEMU_CPU=<cpu> and MIMALLOC_PURGE_DELAY=0 (torch's aarch64 wheel
-#      allocates through a mimalloc in libc10; this makes it return freed memory at once):
+#   5. runs, in the chroot with QEMU_CPU=<cpu> and no allocator option (torch's aarch64 wheel
+#      allocates through a mimalloc in libc10, which vtensor sets to return freed memory at once;
+#      NOTE [CPU counter] in vtensor/measure/counter.py):
 #        (a) import: `import torch`, its version, a 256x256 matmul;
 #        (b) tests:  pytest -q over tests/vtensor/measure/ (all of it) and a subset of
 #                    tests/vtensor/activations/test_equivalence.py: by default
@@ -288,7 +289,7 @@ mount -o remount,bind,ro "$ROOT/proj/src"
 in_root() {  # in_root CMD...: run in the chroot, in /proj/src, with the emulated CPU
     chroot "$ROOT" /usr/bin/env -i \
         PATH="$VENV/bin:/usr/local/bin:/usr/bin:/bin" HOME=/root LANG=C.UTF-8 TMPDIR=/tmp \
-        QEMU_CPU="$CPU" MIMALLOC_PURGE_DELAY=0 MALLOC_MMAP_THRESHOLD_=65536 \
+        QEMU_CPU="$CPU" MALLOC_MMAP_THRESHOLD_=65536 \
         PYTHONDONTWRITEBYTECODE=1 HYPOTHESIS_STORAGE_DIRECTORY=/tmp/hypothesis PYTHONPATH=/proj/src \
         /bin/sh -c 'cd /proj/src && exec "$@"' sh "$@"
 }

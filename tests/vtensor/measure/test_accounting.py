@@ -450,6 +450,7 @@ def _run_probe(env_extra: dict[str, str]) -> dict[str, object]:
     return result
 
 
+@heap_counter_only  # its honesty is glibc's, under MALLOC_MMAP_THRESHOLD_
 def test_rss_meter_peak_rises_by_tensor_size_when_honest() -> None:
     result = _run_probe({"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert result["honest"] is True
