@@ -137,16 +137,3 @@ def test_the_message_names_the_allocator_and_the_fix() -> None:
     assert "LD_PRELOAD" in unmeasurable_message("an allocator other than glibc's malloc")
     assert isinstance(allocator_name(), str)
     assert issubclass(UnmeasurableMemoryError, vtensor.VTensorError)
-
-
-def test_nested_units_that_begin_at_the_same_reading_end_apart() -> None:
-    """Page-granular readings often repeat: watches must be told apart by identity."""
-    from vtensor.activations.recorder import UnitHighs
-
-    highs = UnitHighs()
-    highs.note(4096)
-    outer, inner = highs.begin(), highs.begin()
-    highs.note(3 * 4096)
-    assert highs.end(inner) == 2 * 4096
-    highs.note(5 * 4096)
-    assert highs.end(outer) == 4 * 4096
