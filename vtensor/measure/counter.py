@@ -17,13 +17,16 @@ and must never read less than the tensors alive. Three kinds of reading were wei
   reuse would let a step grow into pages it freed earlier without the reading moving, an
   understatement. jemalloc does so for seconds by default, mimalloc for milliseconds or more.
 
-So: where a torch allocation moves glibc's heap counter, that counter is used (exact, and what
-the project has always measured); elsewhere the resident pages, after a probe shows that
-allocations raise them and frees lower them again; and before each step's entry reading the
-allocator is asked to hand back the freed pages it still keeps (``measure/allocator_calls.py``).
-Where neither holds, the manager refuses to start (``UnmeasurableMemoryError``) and names the
-allocator's option that returns freed memory at once: a budget it cannot measure is one it
-cannot keep.
+So: where a torch allocation moves glibc's heap counter, that counter is used (exact);
+elsewhere the resident pages, after a probe shows that allocations raise them and frees lower
+them again at once; and before each step's entry reading the allocator is asked to hand back the
+freed pages it still keeps (``measure/allocator_calls.py``). Where neither holds, the manager
+refuses to start (``UnmeasurableMemoryError``) and names the allocator's option that returns
+freed memory at once: a budget it cannot measure is one it cannot keep.
+
+One understatement remains under the resident pages: the free space inside pages the allocator
+holds for objects still alive, which small tensors fill without a new page. No call hands it
+back; a long process that trained many models leaves a few MiB of it.
 """
 
 import ctypes

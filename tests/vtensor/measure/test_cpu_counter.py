@@ -32,9 +32,9 @@ MIB = 1 << 20
 # allocator headers, a free of some earlier object between two readings. Under the resident
 # counter, also the free space inside pages the allocator holds resident for objects still
 # alive (of other threads, of earlier tests): small tensors fill it without a new page, and a
-# long test process leaves some.
+# long test process leaves a few MiB of it (NOTE [CPU counter]).
 TOLERANCE = 0.05
-TOLERANCE_BYTES = 2 * MIB
+TOLERANCE_BYTES = 4 * MIB
 LIBS = Path("/usr/lib/x86_64-linux-gnu")
 MIMALLOC, JEMALLOC = LIBS / "libmimalloc.so.2", LIBS / "libjemalloc.so.2"
 # Sizes of a step's tensors, small to large: 24.4 MiB in all.
