@@ -13,20 +13,19 @@ chunk is part of its identity: NOTE [sealed swap] in ``io/sealing.py``), so the 
 ciphertext only, at the chunk's offsets, as ``FileTransferEngine`` writes it.
 """
 
-import concurrent.futures
 import contextlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vtensor.errors import VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkState
+from vtensor.io.file_io import SwapFileIo
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.io.staging import DeviceCopier, Fence
-from vtensor.io.tiers import StorageTier, WriteBehind, buffer_at
-from vtensor.io.transfer import ReadAhead, ThreadTransfer, Transfer, contiguous_runs
+from vtensor.io.tiers import StorageTier, buffer_at
+from vtensor.io.transfer import Transfer, contiguous_runs
 
 STAGING_SLOTS = 2  # one part in a device copy while the other is sealed and written
 
@@ -98,18 +97,7 @@ class StagedTransferEngine:
         self.slot_bytes = slot_bytes
         self._slots = [copier.staging(slot_bytes) for _ in range(slots)]
         self.pinned_bytes = slots * slot_bytes
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-staged")
-        self.read_ahead = ReadAhead(tier)
-        self._behind = WriteBehind(tier)  # NOTE [write behind] in io/tiers.py
-
-    def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
-        def timed() -> float:
-            begin = time.perf_counter()
-            self.read_ahead.top_up()
-            job()
-            return time.perf_counter() - begin
-
-        return ThreadTransfer(self._pool.submit(timed), nbytes)
+        self.io = SwapFileIo(tier, "vtensor-staged")
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         total = sum(c.nbytes for c in chunks)
@@ -128,17 +116,17 @@ class StagedTransferEngine:
                 self._write_parts(held[0], parts, after, owner)
             except BaseException:
                 with contextlib.suppress(OSError):  # the first error is the one to report
-                    self._behind.settle()
+                    self.io.behind.settle()
                 raise
             finally:
                 held.clear()
-            self._behind.settle()  # the transfer ends with its bytes out of the page cache
+            self.io.behind.settle()  # the transfer ends with its bytes out of the page cache
 
-        return self._submit(job, total)
+        return self.io.submit(job, total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         parts = parts_of(chunks, self.slot_bytes)
-        self.read_ahead.want([(p.file_offset, p.memory_offset, p.nbytes) for p in parts])
+        self.io.read_ahead.want([(p.file_offset, p.memory_offset, p.nbytes) for p in parts])
         held = [_bytes_of(storage)]
         after, owner = self.copier.mark(), storage._cdata
 
@@ -148,9 +136,9 @@ class StagedTransferEngine:
             finally:
                 held.clear()
                 for part in parts:  # a failed restore reads no further
-                    self.read_ahead.claim(part.file_offset, part.nbytes)
+                    self.io.read_ahead.claim(part.file_offset, part.nbytes)
 
-        return self._submit(job, sum(c.nbytes for c in chunks))
+        return self.io.submit(job, sum(c.nbytes for c in chunks))
 
     def _write_parts(self, flat: torch.Tensor, parts: list[Part], after: Fence, owner: int) -> None:
         count = len(self._slots)
@@ -190,35 +178,21 @@ class StagedTransferEngine:
     def _write(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
         if self.sealer is None:
             self.tier.write(part.file_offset, buffer.data_ptr(), part.nbytes)
-            self._behind.written(part.file_offset, part.nbytes)
+            self.io.behind.written(part.file_offset, part.nbytes)
             return
         piece = Piece(
             part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
         )
-        self.sealer.seal([piece], self._write_dropped)
+        self.sealer.seal([piece], self.io.write_dropped)
 
     def _read(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
         if self.sealer is None:
-            self._read_dropped(part.file_offset, [buffer_at(buffer.data_ptr(), part.nbytes)])
+            self.io.read_dropped(part.file_offset, [buffer_at(buffer.data_ptr(), part.nbytes)])
             return
         piece = Piece(
             part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
         )
-        self.sealer.open([piece], self._read_dropped)
-
-    # NOTE [page-cache bound] in io/transfer.py: each write or read is dropped from the page
-    # cache right after it (a write, once the next one's write-back has started).
-    def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
-        self.tier.writev(offset, views)
-        self._behind.written(offset, sum(len(v) for v in views))
-        self.read_ahead.top_up()
-
-    def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
-        nbytes = sum(len(v) for v in views)
-        self.read_ahead.claim(offset, nbytes)
-        self.tier.readv(offset, views)
-        self.tier.release_cache(offset, nbytes, dirty=False)
-        self.read_ahead.top_up()
+        self.sealer.open([piece], self.io.read_dropped)
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
         held = [c for c in chunks if c.slot is not None]
@@ -231,7 +205,7 @@ class StagedTransferEngine:
             chunk.slot = None
 
     def close(self) -> None:  # noqa: D102
-        self._pool.shutdown(wait=True)
+        self.io.close()
         self.copier.close()
         self._slots.clear()
         self.tier.close()

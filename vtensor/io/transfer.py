@@ -1,24 +1,19 @@
 """Asynchronous transfer engines: a background thread for file I/O, a side stream for CUDA."""
 
-import collections
-import concurrent.futures
 import contextlib
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from vtensor.io.chunk import Chunk, ChunkState
+from vtensor.io.file_io import SwapFileIo
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
-from vtensor.io.tiers import HostTier, StorageTier, WriteBehind, buffer_at
+from vtensor.io.tiers import HostTier, StorageTier, buffer_at
 
 logger = logging.getLogger(__name__)
-
-READ_AHEAD_BYTES = 16 << 20  # most swap-file bytes read ahead of their restores at a time
 
 
 class Transfer(Protocol):
@@ -37,23 +32,6 @@ class Transfer(Protocol):
     def busy_s(self) -> float:
         """Seconds the transfer itself took (valid once done)."""
         ...
-
-
-@dataclass
-class ThreadTransfer:
-    """A file transfer running on the engine's I/O thread."""
-
-    future: concurrent.futures.Future[float]
-    nbytes: int
-
-    def done(self) -> bool:  # noqa: D102
-        return self.future.done()
-
-    def wait(self) -> None:  # noqa: D102
-        self.future.result()
-
-    def busy_s(self) -> float:  # noqa: D102
-        return self.future.result() if self.future.done() else 0.0
 
 
 @dataclass
@@ -111,79 +89,6 @@ class TransferEngine(Protocol):
         ...
 
 
-class ReadAhead:
-    """Swap-file ranges that queued restores will read, asked of the kernel ahead of the reads.
-
-    NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is still busy
-    with earlier jobs or with decrypting the previous staging buffer, so the job finds them in
-    the page cache. Pages read ahead stay in the page cache until their job copies them out and
-    drops them, so the bytes asked for and not yet read are capped (``limit_bytes``). The
-    window slides: every staging buffer the I/O thread reads gives its bytes back and the
-    thread asks for the next ones, of the same restore or of the restores queued behind it, so
-    a restore larger than the cap and the restores after it are read ahead too. Only the I/O
-    thread asks (``posix_fadvise(WILLNEED)`` blocks while it queues the reads, ~0.6 ms per call
-    here), and it takes a range out of the queue before reading it, so no range is ever asked
-    for after its job has read and dropped it (which would leave its pages cached).
-    """
-
-    def __init__(self, tier: StorageTier, limit_bytes: int = READ_AHEAD_BYTES) -> None:
-        self.tier = tier
-        self.limit_bytes = limit_bytes
-        self._lock = threading.Lock()
-        # [start, end) file ranges in the order restores will read them: not asked for yet,
-        # and asked for but not read yet. ``want`` appends from the compute thread.
-        self._wanted: collections.deque[list[int]] = collections.deque()
-        self._asked: list[list[int]] = []
-        self.ahead_bytes = 0  # bytes of ``_asked``
-
-    def want(self, runs: Sequence[tuple[int, int, int]]) -> None:
-        """Queue the (slot, memory offset, bytes) runs of a restore just issued."""
-        with self._lock:
-            self._wanted.extend([slot, slot + nbytes] for slot, _, nbytes in runs)
-
-    def claim(self, start: int, nbytes: int) -> None:
-        """On the I/O thread, before reading ``[start, start + nbytes)``: it is no longer ahead."""
-        end = start + nbytes
-        with self._lock:
-            self._wanted = collections.deque(_cut(self._wanted, start, end))
-            kept = list(_cut(self._asked, start, end))
-            self.ahead_bytes = sum(b - a for a, b in kept)
-            self._asked = kept
-
-    def top_up(self) -> None:
-        """On the I/O thread: ask for the next wanted bytes, up to the cap."""
-        asked: list[tuple[int, int]] = []
-        with self._lock:
-            room = self.limit_bytes - self.ahead_bytes
-            while room > 0 and self._wanted:
-                head = self._wanted[0]
-                take = min(head[1] - head[0], room)
-                asked.append((head[0], take))
-                self._asked.append([head[0], head[0] + take])
-                head[0] += take
-                if head[0] == head[1]:
-                    self._wanted.popleft()
-                room -= take
-                self.ahead_bytes += take
-        for offset, nbytes in asked:
-            try:
-                self.tier.read_ahead(offset, nbytes)
-            except OSError:  # advisory: the restore reads the bytes itself, only later
-                logger.debug("read-ahead of %d bytes at %d failed", nbytes, offset, exc_info=True)
-
-
-def _cut(ranges: Iterable[list[int]], start: int, end: int) -> Iterator[list[int]]:
-    """``ranges`` less ``[start, end)``, in order."""
-    for a, b in ranges:
-        if b <= start or a >= end:
-            yield [a, b]
-            continue
-        if a < start:
-            yield [a, start]
-        if b > end:
-            yield [end, b]
-
-
 class FileTransferEngine:
     """Storage-tier transfers on one background thread (raw syscalls and AEAD release the GIL).
 
@@ -199,36 +104,7 @@ class FileTransferEngine:
     ) -> None:
         self.tier = tier
         self.sealer = Sealer(cipher) if encrypt else None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtensor-io")
-        self.read_ahead = ReadAhead(tier)
-        self._behind = WriteBehind(tier)  # NOTE [write behind] in io/tiers.py
-
-    def _submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
-        def timed() -> float:
-            begin = time.perf_counter()
-            self.read_ahead.top_up()
-            job()
-            return time.perf_counter() - begin
-
-        return ThreadTransfer(self._pool.submit(timed), nbytes)
-
-    # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
-    # vectored call and drop its pages from the page cache right after it (a write, once the
-    # next one's write-back has started: NOTE [write behind] in io/tiers.py), so the swap file
-    # holds at most about two staging buffers of page cache on the I/O thread's account, instead
-    # of a whole eviction run or restore (tens of MiB for a large activation).
-    # Between staging buffers the window of NOTE [read-ahead] slides on.
-    def _write_dropped(self, offset: int, views: list[memoryview]) -> None:
-        self.tier.writev(offset, views)
-        self._behind.written(offset, sum(len(v) for v in views))
-        self.read_ahead.top_up()
-
-    def _read_dropped(self, offset: int, views: list[memoryview]) -> None:
-        nbytes = sum(len(v) for v in views)
-        self.read_ahead.claim(offset, nbytes)
-        self.tier.readv(offset, views)
-        self.tier.release_cache(offset, nbytes, dirty=False)
-        self.read_ahead.top_up()
+        self.io = SwapFileIo(tier, "vtensor-io")
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
@@ -250,34 +126,34 @@ class FileTransferEngine:
                     self.tier.write(start, address, total)
                     self.tier.release_cache(start, total, dirty=True)
                 else:
-                    sealer.seal(pieces, self._write_dropped)
+                    sealer.seal(pieces, self.io.write_dropped)
             except BaseException:
                 with contextlib.suppress(OSError):  # the first error is the one to report
-                    self._behind.settle()
+                    self.io.behind.settle()
                 raise
-            self._behind.settle()  # the transfer ends with its bytes out of the cache
+            self.io.behind.settle()  # the transfer ends with its bytes out of the cache
 
-        return self._submit(job, total)
+        return self.io.submit(job, total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         base = storage.data_ptr()
         runs = contiguous_runs(chunks)
         sealer = self.sealer
         pieces = _pieces(storage, chunks) if sealer is not None else []
-        self.read_ahead.want(runs)
+        self.io.read_ahead.want(runs)
 
         def job() -> None:
             try:
                 if sealer is not None:
-                    sealer.open(pieces, self._read_dropped)
+                    sealer.open(pieces, self.io.read_dropped)
                     return
                 for slot, offset, nbytes in runs:
-                    self._read_dropped(slot, [buffer_at(base + offset, nbytes)])
+                    self.io.read_dropped(slot, [buffer_at(base + offset, nbytes)])
             finally:
                 for slot, _, nbytes in runs:  # a failed restore reads no further
-                    self.read_ahead.claim(slot, nbytes)
+                    self.io.read_ahead.claim(slot, nbytes)
 
-        return self._submit(job, sum(c.nbytes for c in chunks))
+        return self.io.submit(job, sum(c.nbytes for c in chunks))
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
         held = [c for c in chunks if c.slot is not None]
@@ -290,7 +166,7 @@ class FileTransferEngine:
             chunk.slot = None
 
     def close(self) -> None:  # noqa: D102
-        self._pool.shutdown(wait=True)
+        self.io.close()
         self.tier.close()
         if self.sealer is not None:
             self.sealer.close()

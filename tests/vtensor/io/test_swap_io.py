@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from vtensor.io.chunk import split_into_chunks
+from vtensor.io.file_io import READ_AHEAD_BYTES, ReadAhead
 from vtensor.io.pages import PAGE_BYTES
 from vtensor.io.tiers import StorageTier
-from vtensor.io.transfer import READ_AHEAD_BYTES, FileTransferEngine, ReadAhead
+from vtensor.io.transfer import FileTransferEngine
 
 CHUNK_BYTES = 1 << 20
 TENSOR_BYTES = 8 << 20
@@ -43,7 +44,7 @@ def test_swap_file_leaves_page_cache_and_read_ahead_is_capped(
 
     def recording(offset: int, nbytes: int) -> None:
         asked.append(nbytes)
-        assert engine.read_ahead.ahead_bytes <= READ_AHEAD_BYTES
+        assert engine.io.read_ahead.ahead_bytes <= READ_AHEAD_BYTES
         read_ahead(offset, nbytes)
 
     monkeypatch.setattr(engine.tier, "read_ahead", recording)
@@ -71,7 +72,7 @@ def test_swap_file_leaves_page_cache_and_read_ahead_is_capped(
         assert READ_AHEAD_BYTES < TENSORS * TENSOR_BYTES  # the cap was exercised
         # The window slid past the cap: more than it was asked for over the restores.
         assert sum(asked) > READ_AHEAD_BYTES
-        assert engine.read_ahead.ahead_bytes == 0
+        assert engine.io.read_ahead.ahead_bytes == 0
         assert _cached_pages(engine.tier.fd, size) == 0  # read pages dropped, no kernel read-ahead
     finally:
         engine.close()

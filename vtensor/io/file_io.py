@@ -1,0 +1,154 @@
+"""The one I/O thread of a swap file: its jobs, the read-ahead window, the write-behind.
+
+Both file engines (``FileTransferEngine`` on CPU, ``StagedTransferEngine`` on CUDA) move their
+bytes through it.
+"""
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from vtensor.io.tiers import StorageTier, WriteBehind
+
+logger = logging.getLogger(__name__)
+
+READ_AHEAD_BYTES = 16 << 20  # most swap-file bytes read ahead of their restores at a time
+
+
+@dataclass
+class ThreadTransfer:
+    """A file transfer running on the engine's I/O thread."""
+
+    future: concurrent.futures.Future[float]
+    nbytes: int
+
+    def done(self) -> bool:  # noqa: D102
+        return self.future.done()
+
+    def wait(self) -> None:  # noqa: D102
+        self.future.result()
+
+    def busy_s(self) -> float:  # noqa: D102
+        return self.future.result() if self.future.done() else 0.0
+
+
+class ReadAhead:
+    """Swap-file ranges that queued restores will read, asked of the kernel ahead of the reads.
+
+    NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is still busy
+    with earlier jobs or with decrypting the previous staging buffer, so the job finds them in
+    the page cache. Pages read ahead stay in the page cache until their job copies them out and
+    drops them, so the bytes asked for and not yet read are capped (``limit_bytes``). The
+    window slides: every staging buffer the I/O thread reads gives its bytes back and the
+    thread asks for the next ones, of the same restore or of the restores queued behind it, so
+    a restore larger than the cap and the restores after it are read ahead too. Only the I/O
+    thread asks (``posix_fadvise(WILLNEED)`` blocks while it queues the reads, ~0.6 ms per call
+    here), and it takes a range out of the queue before reading it, so no range is ever asked
+    for after its job has read and dropped it (which would leave its pages cached).
+    """
+
+    def __init__(self, tier: StorageTier, limit_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.tier = tier
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+        # [start, end) file ranges in the order restores will read them: not asked for yet,
+        # and asked for but not read yet. ``want`` appends from the compute thread.
+        self._wanted: collections.deque[list[int]] = collections.deque()
+        self._asked: list[list[int]] = []
+        self.ahead_bytes = 0  # bytes of ``_asked``
+
+    def want(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Queue the (slot, memory offset, bytes) runs of a restore just issued."""
+        with self._lock:
+            self._wanted.extend([slot, slot + nbytes] for slot, _, nbytes in runs)
+
+    def claim(self, start: int, nbytes: int) -> None:
+        """On the I/O thread, before reading ``[start, start + nbytes)``: it is no longer ahead."""
+        end = start + nbytes
+        with self._lock:
+            self._wanted = collections.deque(_cut(self._wanted, start, end))
+            kept = list(_cut(self._asked, start, end))
+            self.ahead_bytes = sum(b - a for a, b in kept)
+            self._asked = kept
+
+    def top_up(self) -> None:
+        """On the I/O thread: ask for the next wanted bytes, up to the cap."""
+        asked: list[tuple[int, int]] = []
+        with self._lock:
+            room = self.limit_bytes - self.ahead_bytes
+            while room > 0 and self._wanted:
+                head = self._wanted[0]
+                take = min(head[1] - head[0], room)
+                asked.append((head[0], take))
+                self._asked.append([head[0], head[0] + take])
+                head[0] += take
+                if head[0] == head[1]:
+                    self._wanted.popleft()
+                room -= take
+                self.ahead_bytes += take
+        for offset, nbytes in asked:
+            try:
+                self.tier.read_ahead(offset, nbytes)
+            except OSError:  # advisory: the restore reads the bytes itself, only later
+                logger.debug("read-ahead of %d bytes at %d failed", nbytes, offset, exc_info=True)
+
+
+def _cut(ranges: Iterable[list[int]], start: int, end: int) -> Iterator[list[int]]:
+    """``ranges`` less ``[start, end)``, in order."""
+    for a, b in ranges:
+        if b <= start or a >= end:
+            yield [a, b]
+            continue
+        if a < start:
+            yield [a, start]
+        if b > end:
+            yield [end, b]
+
+
+class SwapFileIo:
+    """Jobs on one background thread, each topping up the read-ahead window before it runs."""
+
+    def __init__(self, tier: StorageTier, thread_name: str) -> None:
+        self.tier = tier
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self.read_ahead = ReadAhead(tier)
+        self.behind = WriteBehind(tier)  # NOTE [write behind] in io/tiers.py
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
+        """Run ``job`` on the I/O thread; the transfer it stands for moves ``nbytes``."""
+
+        def timed() -> float:
+            begin = time.perf_counter()
+            self.read_ahead.top_up()
+            job()
+            return time.perf_counter() - begin
+
+        return ThreadTransfer(self._pool.submit(timed), nbytes)
+
+    # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
+    # vectored call and drop its pages from the page cache right after it (a write, once the
+    # next one's write-back has started: NOTE [write behind] in io/tiers.py), so the swap file
+    # holds at most about two staging buffers of page cache on the I/O thread's account, instead
+    # of a whole eviction run or restore (tens of MiB for a large activation).
+    # Between staging buffers the window of NOTE [read-ahead] slides on.
+    def write_dropped(self, offset: int, views: list[memoryview]) -> None:
+        """Write ``views`` at ``offset``; their pages leave the cache once the next write began."""
+        self.tier.writev(offset, views)
+        self.behind.written(offset, sum(len(v) for v in views))
+        self.read_ahead.top_up()
+
+    def read_dropped(self, offset: int, views: list[memoryview]) -> None:
+        """Read ``views`` from ``offset`` and drop their pages from the cache."""
+        nbytes = sum(len(v) for v in views)
+        self.read_ahead.claim(offset, nbytes)
+        self.tier.readv(offset, views)
+        self.tier.release_cache(offset, nbytes, dirty=False)
+        self.read_ahead.top_up()
+
+    def close(self) -> None:
+        """Wait for the jobs queued."""
+        self._pool.shutdown(wait=True)
