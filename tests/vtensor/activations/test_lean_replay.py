@@ -19,7 +19,7 @@ from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.quiet import QUIET_RUN
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
-from vtensor.io.transfer import FileTransferEngine
+from vtensor.io.file_io import SwapFileIo
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
 from vtensor.planner.lgm import PLANNER_VERSION
@@ -415,9 +415,9 @@ def test_a_plan_the_guard_had_to_help_is_planned_again_under_a_margin_once(
 @pytest.fixture
 def in_flight(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Writes slower than compute; (bytes in flight, the step's headroom) as each step begins."""
-    write = FileTransferEngine._write_dropped
+    write = SwapFileIo.write_dropped
 
-    def slow(self: FileTransferEngine, offset: int, views: list[memoryview]) -> None:
+    def slow(self: SwapFileIo, offset: int, views: list[memoryview]) -> None:
         time.sleep(0.002)
         write(self, offset, views)
 
@@ -428,7 +428,7 @@ def in_flight(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         held.append((self.store.outgoing_bytes(), self.plan.step_headroom_bytes[index]))
         on_step(self, index, name, *room)
 
-    monkeypatch.setattr(FileTransferEngine, "_write_dropped", slow)
+    monkeypatch.setattr(SwapFileIo, "write_dropped", slow)
     monkeypatch.setattr(PlanExecutor, "on_step", noted)
     return held
 
