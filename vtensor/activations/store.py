@@ -3,7 +3,7 @@
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -372,21 +372,25 @@ def _vid(record: VTensor) -> int:
     return record.vid
 
 
-def _populate_chunks(address: int, chunks: Sequence[Chunk]) -> None:
-    for chunk in chunks:
-        populate(address + chunk.offset_bytes, chunk.nbytes)
-
-
-def _release_chunks(address: int, chunks: list[Chunk]) -> int:
-    """Release the pages of ``chunks``, one call per contiguous run."""
-    released = 0
+def _page_runs(chunks: Sequence[Chunk]) -> Iterator[tuple[int, int]]:
+    """(offset, bytes) of each contiguous run of ``chunks`` in their storage, in order."""
     start = end = -1
     for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
         if chunk.offset_bytes != end:
             if end > start:
-                released += release(address + start, end - start)
+                yield start, end - start
             start = chunk.offset_bytes
         end = chunk.offset_bytes + chunk.nbytes
     if end > start:
-        released += release(address + start, end - start)
-    return released
+        yield start, end - start
+
+
+def _populate_chunks(address: int, chunks: Sequence[Chunk]) -> None:
+    """Fault in the pages of ``chunks``, one call per contiguous run."""
+    for offset, nbytes in _page_runs(chunks):
+        populate(address + offset, nbytes)
+
+
+def _release_chunks(address: int, chunks: Sequence[Chunk]) -> int:
+    """Release the pages of ``chunks``, one call per contiguous run."""
+    return sum(release(address + offset, nbytes) for offset, nbytes in _page_runs(chunks))
