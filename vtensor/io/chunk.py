@@ -7,11 +7,9 @@ from enum import StrEnum
 from vtensor.errors import IllegalMoveError
 
 # NOTE [default chunk size]
-# 1 MiB: the trace-driven study behind this project (docs/vtensor.md) measured that 1 MiB chunks
-# capture nearly all of the swap-volume reduction over whole-tensor swapping (64-256 KiB chunks
-# moved < 1% fewer bytes), while chunks below ~1 MiB make every transfer syscall- and
-# latency-bound (DeepSpeed's MIN_AIO_BYTES is 1 MiB for the same reason). It is also a multiple
-# of every page size in use (4, 16 and 64 KiB), so file offsets stay page-aligned.
+# 1 MiB: smaller chunks barely cut the bytes swapped (docs/vtensor.md) but make every transfer
+# syscall- and latency-bound (DeepSpeed's MIN_AIO_BYTES is 1 MiB for the same reason). It is a
+# multiple of every page size in use (4, 16 and 64 KiB), so file offsets stay page-aligned.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 

@@ -40,15 +40,12 @@ class ReadAhead:
     """Swap-file ranges that queued restores will read, asked of the kernel ahead of the reads.
 
     NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is still busy
-    with earlier jobs or with decrypting the previous staging buffer, so the job finds them in
-    the page cache. Pages read ahead stay in the page cache until their job copies them out and
-    drops them, so the bytes asked for and not yet read are capped (``limit_bytes``). The
-    window slides: every staging buffer the I/O thread reads gives its bytes back and the
-    thread asks for the next ones, of the same restore or of the restores queued behind it, so
-    a restore larger than the cap and the restores after it are read ahead too. Only the I/O
-    thread asks (``posix_fadvise(WILLNEED)`` blocks while it queues the reads, ~0.6 ms per call
-    here), and it takes a range out of the queue before reading it, so no range is ever asked
-    for after its job has read and dropped it (which would leave its pages cached).
+    with earlier jobs, so the job finds them in the page cache. Pages read ahead stay cached
+    until their job reads and drops them, so the bytes asked for and not yet read are capped
+    (``limit_bytes``); each staging buffer read frees room for the next bytes, of this restore
+    or the ones queued behind it. Only the I/O thread asks (``posix_fadvise(WILLNEED)`` blocks
+    while it queues the reads), and it takes a range out of the queue before reading it, so no
+    range is asked for after its job dropped it (which would leave its pages cached).
     """
 
     def __init__(self, tier: StorageTier, limit_bytes: int = READ_AHEAD_BYTES) -> None:
@@ -129,12 +126,10 @@ class SwapFileIo:
 
         return ThreadTransfer(self._pool.submit(timed), nbytes)
 
-    # NOTE [page-cache bound]: sealed transfers move one staging buffer (at most 4 MiB) per
-    # vectored call and drop its pages from the page cache right after it (a write, once the
-    # next one's write-back has started: NOTE [write behind] in io/tiers.py), so the swap file
-    # holds at most about two staging buffers of page cache on the I/O thread's account, instead
-    # of a whole eviction run or restore (tens of MiB for a large activation).
-    # Between staging buffers the window of NOTE [read-ahead] slides on.
+    # NOTE [page-cache bound]: sealed transfers move one staging buffer per vectored call and
+    # drop its pages right after it (a write once the next one's write-back has started: NOTE
+    # [write behind] in io/tiers.py), so the swap file holds about two staging buffers of page
+    # cache, not a whole eviction run or restore.
     def write_dropped(self, offset: int, views: list[memoryview]) -> None:
         """Write ``views`` at ``offset``; their pages leave the cache once the next write began."""
         self.tier.writev(offset, views)

@@ -1,28 +1,18 @@
 """Releasing the physical pages of a byte range in place, and the whole pages a range holds.
 
 NOTE [release in place]
-On CPU a chunk leaves memory without a copy: once its bytes are written to the swap tier, the
-whole pages inside its byte range are handed back to the kernel with
-``madvise(MADV_DONTNEED)``. The virtual range stays mapped and owned by the storage; the
-process's RSS drops at once, and the next touch of a released page maps a fresh zero page, so a
-restore reads the bytes back into the same addresses (no ``resize_``, no copy either way) and a
-use before the restore reads zeros, never stale data.
+On CPU a chunk leaves memory without a copy: once its bytes are in the swap tier, the whole
+pages inside its byte range go back to the kernel (``madvise(MADV_DONTNEED)``). The range stays
+mapped and owned by the storage, RSS drops at once, and the next touch maps a zero page, so a
+restore reads the bytes back into the same addresses and a use before it reads zeros, never
+stale data.
 
-Why this is safe for the allocator: only whole pages strictly inside the storage's own byte range
-are released, never the partial pages at its ends, which may hold the allocator's chunk headers or a
-neighbour's bytes. So a storage released in place is cut into chunks on the page grid
-(``split_on_pages`` in ``io/chunk.py``): every chunk is whole pages, any of them can leave, the
-bytes written are the bytes released, and the two partial end pages stay. Inside a live allocation
-the allocator keeps nothing of its own, so it never notices. Under glibc, allocations below the mmap
-threshold live in a heap arena (private anonymous memory, like the rest of the heap); larger ones
-are served by their own ``mmap``; with ``MALLOC_MMAP_THRESHOLD_=65536`` (the project's test and
-benchmark setting) every chunk-sized storage is of the second kind. Either way the pages are private
-and anonymous, so ``MADV_DONTNEED`` drops them and zero-fills them on the next touch; when the
-storage is freed, glibc may write its free-list links into the first bytes (heap) or unmap the block
-(mmap), which works on released pages as on any other. The copy path (``resize_``) is
-kept where release in place is impossible: on CUDA (device memory has no pages to hand back;
-docs/vtensor.md says what the CUDA virtual memory API would need), and for shared-memory or
-file-backed storages, whose pages are not private.
+Only whole pages strictly inside the storage's range are released, never the partial end pages,
+which may hold the allocator's headers or a neighbour's bytes; so such a storage is cut into
+chunks on the page grid (``split_on_pages`` in ``io/chunk.py``). The allocator keeps nothing
+inside a live allocation, and glibc's heap and mmap blocks are both private anonymous memory, so
+releasing is invisible to it. The copy path (``resize_``) stays where pages cannot be released:
+on CUDA, and for shared-memory or file-backed storages, whose pages are not private.
 """
 
 import ctypes
@@ -30,8 +20,8 @@ import ctypes.util
 import mmap
 import os
 
-# The system's page size, the one value every page computation in vtensor/io reads (4 KiB on
-# x86-64, 16 KiB on Raspberry Pi 5 kernels): read where it is used, so a test can set it here.
+# The system's page size (4, 16 or 64 KiB), read by every page computation in vtensor/io where
+# it is used, so a test can set it here.
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 

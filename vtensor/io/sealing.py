@@ -59,8 +59,7 @@ class Cipher(StrEnum):
     CHACHA20_POLY1305 = "chacha20-poly1305"
 
 
-# 2 to 7 times ChaCha20-Poly1305's throughput on this project's machine (AES-NI, VAES), as
-# measured by benchmarks/encryption.py; docs/encryption.md has the figures.
+# Several times ChaCha20-Poly1305's throughput on CPUs with AES instructions (AES-NI, VAES).
 DEFAULT_CIPHER = Cipher.AES_256_GCM
 
 

@@ -101,21 +101,17 @@ class ExtentAllocator:
 # Dirty pages cannot be dropped from the page cache; they must be written back first. The swap
 # file needs no durability (it dies with the process), so only the written range is written
 # back and waited for (``sync_file_range``), without the journal commit and device cache flush
-# of ``fdatasync``: 939 against 372 MiB/s on this project's first VM, with the page cache as
-# empty afterwards (``python -m benchmarks.swap_paths``; benchmarks/README.md). Where the call
-# is missing (not Linux), ``fdatasync`` does it.
+# of ``fdatasync``, which makes it much faster. Where the call is missing (not Linux),
+# ``fdatasync`` does it.
 #
 # NOTE [write behind]
-# Waiting for each range's write-back before the next is sealed and written leaves the device
-# idle while the I/O thread seals, and the thread idle while the device writes. So a transfer
-# that writes several ranges (an eviction larger than one staging buffer) starts each range's
-# write-back without waiting (``SYNC_FILE_RANGE_WRITE``) and waits for, and drops, the range
-# before it; the last is waited for and dropped before the transfer ends (``WriteBehind``).
-# The page cache holds at most two ranges of the file at a time instead of one, and a
-# transfer still ends only once all its bytes are on the device and out of the cache, so a
-# failed write-back fails the transfer that wrote the range, before the store releases the
-# chunk's memory. It writes as fast as one wait at the end, and leaves nothing in the cache
-# (``python -m benchmarks.swap_paths``; benchmarks/README.md).
+# Waiting for each range's write-back before sealing the next leaves the device idle while the
+# I/O thread seals, and the thread idle while the device writes. So a transfer of several ranges
+# starts each range's write-back without waiting (``SYNC_FILE_RANGE_WRITE``) and waits for, and
+# drops, the range before it; the last is settled before the transfer ends (``WriteBehind``).
+# The page cache holds at most two ranges, and a transfer still ends only once all its bytes are
+# on the device and out of the cache, so a failed write-back fails that transfer before the
+# store releases the chunk's memory.
 _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -148,7 +144,7 @@ class StorageTier:
     open it by name. What it holds is sealed by default (``io/sealing.py``). After every write the
     pages are written back (NOTE [write-back]) and dropped from the page cache
     (``POSIX_FADV_DONTNEED``): without that, "swapped out" bytes would only move from the process
-    into the page cache and the machine's RAM would not shrink (measured in docs/vtensor.md).
+    into the page cache and the machine's RAM would not shrink.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None, drop_page_cache: bool = True):
@@ -168,11 +164,10 @@ class StorageTier:
         self.extents = ExtentAllocator()
         self.page_bytes = self.extents.page_bytes
         if drop_page_cache:
-            # NOTE [no kernel read-ahead]: the kernel's own read-ahead (8 MiB on this project's
-            # VM) would pull the neighbouring extents, other chunks still swapped out, into the
-            # page cache on every read, where they stay until read and dropped themselves: tens
-            # of MiB outside the budget. Restores ask for exactly their own ranges instead
-            # (``read_ahead``).
+            # NOTE [no kernel read-ahead]: the kernel's own read-ahead would pull neighbouring
+            # extents, other chunks still swapped out, into the page cache, where they stay
+            # until read and dropped themselves: bytes outside the budget. Restores ask for
+            # exactly their own ranges instead (``read_ahead``).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     @property

@@ -10,9 +10,9 @@ with ``preadv`` into one preallocated buffer, at places fixed by the plan so tha
 state allocates nothing and calls held together never overlap. A call whose forward encloses
 other calls (a parent that owns a parameter) gets a buffer of its own.
 
-The pieces: ``layer_records`` (slots, layers, calls, buffer views), ``layer_discovery`` (the
-first forward's check), ``layer_placement`` (where calls go in the ring), ``layer_reader`` (the
-reads and the read-ahead thread), ``layering_report``; this module ties them to the model's hooks.
+The pieces: ``records`` (slots, layers, calls, buffer views), ``discovery`` (the first forward's
+check), ``placement`` (where calls go in the ring), ``reader`` (the reads and the read-ahead
+thread), ``report``; this module ties them to the model's hooks.
 """
 
 import logging

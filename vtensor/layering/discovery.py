@@ -17,7 +17,7 @@ class Discovery(TorchFunctionMode):
     """First forward only: turns the use of an unloaded tensor into a LayeringError.
 
     A function mode, not a dispatch mode: it sees the parameters themselves and costs no imports
-    (a Python dispatch mode pulls in sympy, ~70 MB of RSS). Reading metadata such as ``.shape``
+    (a Python dispatch mode pulls in sympy). Reading metadata such as ``.shape``
     of an unloaded tensor is fine: only calls that return tensors (or fail) count as uses.
     """
 

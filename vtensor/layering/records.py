@@ -25,7 +25,7 @@ class Slot:
     offset: int = 0
 
     def bind(self, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` the module's attribute (a dict store: setattr costs ~7 us)."""
+        """Make ``tensor`` the module's attribute (a dict store, far cheaper than setattr)."""
         if isinstance(self.module, nn.RNNBase):  # its setattr refreshes its flat weight list
             setattr(self.module, self.attr, tensor)
         elif self.is_param:

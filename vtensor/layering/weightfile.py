@@ -179,7 +179,7 @@ class WeightFile:
     """An open, checked weight file (this project's format, or safetensors).
 
     Opening checks the magic, the version, the header's checksum and that the file is as long
-    as the header says; tensor checksums are checked when tensors are read (``verify=True``).
+    as the header says; tensor checksums are checked when tensors are read (``check_crc``).
 
     Attributes:
         path: the file. entries: tensor name -> where its bytes lie, in file order.

@@ -1,11 +1,10 @@
 """The call that makes the allocator serving torch hand back the freed memory it still keeps.
 
 Under the resident counter (NOTE [CPU counter] in ``measure/counter.py``) a step's growth is read
-against the resident pages at its entry. Pages the allocator freed earlier but keeps for reuse
-are in that entry reading, and the step can grow into them without the reading moving: an
-understatement by what the allocator kept. mimalloc keeps an emptied page of each size class
-for a while, whatever its purge delay; jemalloc keeps dirty pages until they decay. So before a
-step's entry reading the allocator is asked to hand back what it keeps:
+against the resident pages at its entry, and a step can grow into pages the allocator freed but
+keeps for reuse without the reading moving (mimalloc keeps an emptied page per size class,
+jemalloc dirty pages until they decay). So before a step's entry reading the allocator is asked
+to hand back what it keeps:
 
 - mimalloc: ``mi_collect(true)``. Preloaded, it is an exported symbol. PyTorch's aarch64 wheels
   link mimalloc into ``libc10`` with hidden symbols; their static symbol table still names it, so
@@ -42,7 +41,7 @@ _JEMALLOC_PURGE_ALL = b"arena.4096.purge"
 def allocator_collect() -> Callable[[], None] | None:
     """The call that hands back the freed memory the allocator keeps; None where none is known.
 
-    Found once per process (reading libc10's symbol table takes tens of milliseconds).
+    Found once per process: reading libc10's symbol table is slow.
     """
     process = ctypes.PyDLL(None)
     exported = getattr(process, "mi_collect", None)

@@ -1,32 +1,25 @@
 """Which counter measures a device's bytes: on CPU, glibc's heap or the resident pages.
 
 NOTE [CPU counter]
-The manager reads the bytes of a step many times per iteration, so its CPU counter must be cheap
-and must never read less than the tensors alive. Three kinds of reading were weighed:
+The manager reads a step's bytes many times per iteration, so its CPU counter must be cheap and
+never read less than the tensors alive.
 
-- glibc's heap counter (``mallinfo2``): exact live bytes of every malloc user, tens of
-  microseconds a reading. Blind when torch allocates through another allocator: jemalloc or
-  mimalloc preloaded, or the mimalloc that PyTorch's aarch64 wheels link into ``libc10`` (its
-  symbols are hidden, so its own statistics cannot be asked either).
-- counting live storages through torch (a dispatch mode, ``measure/dispatch.py``): exact under any
-  allocator, but tens of microseconds per op, in every op: a check for tests, not a counter.
-- the process's anonymous resident pages (``/proc/self/statm``: resident less file-backed and
-  shared pages): about two microseconds a reading, under any allocator, and what the kernel charges
-  the process. It sees pages released in place directly. It follows the live bytes only where
-  the allocator hands freed memory back to the kernel at once; an allocator that keeps it for
-  reuse would let a step grow into pages it freed earlier without the reading moving, an
-  understatement. jemalloc does so for seconds by default, mimalloc for milliseconds or more.
+- glibc's heap counter (``mallinfo2``): exact live bytes, but blind when torch allocates through
+  another allocator (jemalloc or mimalloc preloaded, or the mimalloc PyTorch's aarch64 wheels
+  link into ``libc10`` with hidden symbols).
+- the anonymous resident pages (``/proc/self/statm``): cheap, under any allocator, what the
+  kernel charges, and they see pages released in place; but they follow the live bytes only
+  where the allocator hands freed memory back at once, else a step grows into kept pages unseen.
+- live storages counted through torch (``measure/dispatch.py``): exact, but a cost on every op:
+  a check for tests, not a counter.
 
-So: where a torch allocation moves glibc's heap counter, that counter is used (exact);
-elsewhere the resident pages, after a probe shows that allocations raise them and frees lower
-them again at once; and before each step's entry reading the allocator is asked to hand back the
-freed pages it still keeps (``measure/allocator_calls.py``). Where neither holds, the manager
-refuses to start (``UnmeasurableMemoryError``) and names the allocator's option that returns
-freed memory at once: a budget it cannot measure is one it cannot keep.
-
-One understatement remains under the resident pages: the free space inside pages the allocator
-holds for objects still alive, which small tensors fill without a new page. No call hands it
-back; a long process that trained many models leaves a few MiB of it.
+So the heap counter is used where a torch allocation moves it; elsewhere the resident pages, once
+a probe shows that allocations raise them and frees lower them at once, and before each step's
+entry reading the allocator is asked to hand back the pages it keeps
+(``measure/allocator_calls.py``). Where neither holds the manager refuses to start
+(``UnmeasurableMemoryError``) and names the allocator's option that returns memory at once: a
+budget it cannot measure is one it cannot keep. The free space inside pages held for live small
+objects stays unseen; no call hands it back.
 """
 
 import ctypes
@@ -116,9 +109,7 @@ def _moves(tracker: DeviceTracker, *, freed_too: bool) -> bool:
 
 @functools.cache
 def cpu_counter() -> CpuCounter:
-    """The counter that sees torch's CPU tensors in this process (NOTE [CPU counter]).
-
-    Probed once per process: a few milliseconds.
+    """The counter that sees torch's CPU tensors in this process, probed once (NOTE [CPU counter]).
 
     Raises:
         UnmeasurableMemoryError: neither counter follows torch's allocations and frees.

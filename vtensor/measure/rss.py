@@ -1,9 +1,8 @@
 """Resident set size of this process, now and at its peak: the OS's view of its memory.
 
-NOTE [honest RSS]: glibc keeps freed memory in its arenas and adapts its mmap threshold upwards at
-run time, so by default RSS understated a step's peak by 12-40 % and overstated the steady state
-by ~200 MB (measured on this project's machine); RSS only
-follows the live bytes when the process was *started* with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
+NOTE [honest RSS]: glibc keeps freed memory in its arenas and raises its mmap threshold at run
+time, so by default RSS understates a step's peak and overstates the steady state. RSS follows
+the live bytes only when the process was *started* with ``MALLOC_MMAP_THRESHOLD_=65536`` (or
 ``MALLOC_TRIM_THRESHOLD_=0``); ``rss_is_honest()`` checks for that.
 """
 

@@ -1,22 +1,16 @@
 """The manager's own byte counters: on CPU glibc's heap or the resident pages, on GPU CUDA's.
 
 On CPU they count every allocation of the process, not only tensors, and are read at hook points
-and chunk moves. Which of the two CPU counters a manager reads is decided once per process
-(NOTE [CPU counter] in ``measure/counter.py``). A heap reading (``mallinfo2()``) walks every free
-chunk of the whole process's heap, so its cost grows with the process: tens of microseconds
-beside one model, milliseconds in a process of many; a resident reading costs about two
-microseconds. The independent checks are ``measure/dispatch.py`` (live storages, for tests and
-profiling) and ``measure/rss.py`` (what the operating system charges the process).
+and chunk moves. Which CPU counter a manager reads is decided once per process (NOTE [CPU
+counter] in ``measure/counter.py``); a heap reading (``mallinfo2()``) walks every free chunk of
+the process's heap, so its cost grows with the process, while a resident reading stays cheap.
+The independent checks are ``measure/dispatch.py`` and ``measure/rss.py``.
 
 NOTE [readings hold the GIL]
 The counters are read through ``ctypes.PyDLL``, which keeps the GIL during the call, not
-``ctypes.CDLL``, which gives it up. A call that gives up the GIL must take it back afterwards,
-and while another thread runs Python (a data-loading thread, a framework's own threads, the
-I/O thread between its system calls) that can take up to the interpreter's switch interval,
-5 ms by default: with a thread busy in Python throughout, each reading waited about that long
-(``tests/vtensor/measure/test_trackers.py`` shows it with a longer interval). The calls never
-block on anything but the allocator's own locks, so holding the GIL for them costs the other
-threads no more than the reading itself.
+``ctypes.CDLL``, which gives it up: taking it back while another thread runs Python can wait a
+whole switch interval (5 ms by default) per reading. The calls block on nothing but the
+allocator's own locks, so holding the GIL costs the other threads no more than the reading.
 """
 
 import ctypes
@@ -78,14 +72,11 @@ class _MallInfo2(ctypes.Structure):
 
 def _mkl_pool_reader() -> Callable[[], int] | None:
     """Bytes held by MKL's memory manager now (NOTE [MKL buffer pool]); None without MKL."""
-    # NOTE [MKL buffer pool]: MKL's GEMM (torch's CPU matmul) takes its packing buffers (a few
-    # MiB each, one per thread and blocking shape) from MKL's own memory manager, which mallocs
-    # them inside the first GEMM that needs them and keeps them for the life of the process. They
-    # are process memory, no tensor and no working set of a step: left in the count, the first
-    # iteration of a process (or the first to run a new GEMM shape) would see them as the step's
-    # growth and refuse budgets that every later iteration meets. The tracker leaves them out
-    # and reports them apart (``pool_bytes``, the report's ``one_time_bytes``); reading MKL's
-    # counter costs about ten microseconds. Measurements: benchmarks/README.md, "Fresh process".
+    # NOTE [MKL buffer pool]: MKL's GEMM (torch's CPU matmul) mallocs its packing buffers inside
+    # the first GEMM that needs them and keeps them for the life of the process. Left in the
+    # count, the first iteration of a process (or of a new GEMM shape) would see them as the
+    # step's growth and refuse budgets every later iteration meets. So the tracker leaves them
+    # out and reports them apart (``pool_bytes``, the report's ``one_time_bytes``).
     libraries: list[str | None] = [None]
     torch_cpu = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"  # MKL linked statically
     if torch_cpu.exists():
@@ -264,9 +255,8 @@ def _allocated(device: torch.device, which: str) -> int:
 def quiet_heap() -> Iterator[None]:
     """Hold the cycle collector for the block (NOTE [quiet heap])."""
     # NOTE [quiet heap]: on CPU the tracker reads the process-wide heap counter, so garbage of
-    # earlier code freed by the cycle collector mid-step would look like the step freeing
-    # memory. Hold the collector until the step ends (a full collection here would cost
-    # ~0.15 s per step in a process that has imported torch).
+    # other code freed by the cycle collector mid-step would look like the step freeing memory.
+    # Hold the collector until the step ends (a full collection per step would be costly).
     was_enabled = gc.isenabled()
     gc.disable()
     try:

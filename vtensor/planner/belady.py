@@ -159,7 +159,7 @@ def _cost_weight(lgm: LayeredGraph, t: TraceTensor, use: int | None) -> float:
     between its forward and its update) is a drop and costs only the read. Farthest next use
     weighs distance alone; here the distance of such a clean victim is multiplied by the ratio
     of the two costs, ``(1/write + 1/read) / (1/read)``, so at equal cost per step of distance
-    the cheaper bytes go first. Activation-only traces are planned exactly as before.
+    the cheaper bytes go first. Activations are never clean: they keep plain farthest next use.
     """
     clean = t.persistent and use is not None and (t.dirty_step < 0 or use <= t.dirty_step)
     return 1.0 + lgm.read_bytes_per_s / lgm.write_bytes_per_s if clean else 1.0

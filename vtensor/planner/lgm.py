@@ -18,7 +18,7 @@ from vtensor.planner.trace import Trace, TraceTensor
 
 logger = logging.getLogger(__name__)
 
-# Measured on the development machine: swap-file writes with fdatasync, cold reads.
+# Conservative defaults for the swap file: writes that wait for write-back, cold reads.
 DEFAULT_WRITE_BYTES_PER_S = 0.3e9
 DEFAULT_READ_BYTES_PER_S = 1.2e9
 PLANNER_VERSION = "lgm-belady/12"  # name/version; bump when plans change meaning

@@ -26,20 +26,17 @@ def last_live_step(tensor: TraceTensor, n_steps: int) -> int:
     return max(tensor.use_steps)
 
 
-# NOTE [backward parts]: a step runs from one module boundary to the next, and a module whose
-# forward calls tensor ops itself has no boundary inside its backward: an attention's whole
-# backward (its projection, attention times values, softmax, queries times keys) is one step.
-# Held to the step, every tensor its backward unpacks counts at the step's peak, though each
-# one is freed once the backward node that used it is done, often before that peak: on the char
-# GPT at 40 % of its peak that step's floor was 97.6 MiB, over the 90.3 MiB the manager trains
-# the model at (its stated minimum). So a profile cuts each backward step into parts, a part
+# NOTE [backward parts]: a step runs from one module boundary to the next, so a module whose
+# forward calls tensor ops itself (an attention) has its whole backward in one step. Held to the
+# step, every tensor its backward unpacks would count at the step's peak, though each is freed
+# once the backward node that used it is done, often before that peak, and the floor would
+# overstate what training needs. So a profile cuts each backward step into parts, a part
 # beginning at the first unpack after a backward node ended (``TraceStep.part_peak_bytes``), and
-# notes in which part each tensor was last unpacked (``TraceTensor.last_part``). A tensor used
-# at a step is counted from the step's start, as a plan restores it there, and, at its last use,
-# through the part that used it last; the step's unmanaged figure is then the largest part's,
-# less the tensors used at the step (which every plan holds at it and which the model adds
-# back): no plan can change which part frees what, so the figure holds for every plan. Replays
-# act at module boundaries as before; only the model is finer.
+# notes in which part each tensor was last unpacked (``TraceTensor.last_part``). A tensor used at
+# a step counts from the step's start (a plan restores it there) and, at its last use, through
+# the part that used it last; the step's unmanaged figure is the largest part's less the tensors
+# used at the step (every plan holds them there; the model adds them back). No plan changes which
+# part frees what, so the figure holds for every plan. Replays still act at module boundaries.
 
 
 def step_unmanaged(trace: Trace) -> npt.NDArray[np.int64]:

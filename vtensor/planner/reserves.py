@@ -1,50 +1,32 @@
 """The guard's headroom point by point: how far the bytes rose after it acted there (pure).
 
 NOTE [step reserve]
-Between two points where the guard can act (a step's start, a saved tensor's pack, an unpack)
-the tracked bytes can rise where no hook can make room (an op's output, a concatenation and
-what consumes it, a backward node's working set), so the guard keeps headroom under the budget
-while a plan is replayed. Kept as one figure, the largest rise anywhere in the iteration, at
-every point, it sat under the plan's own peak wherever one step rises far more than the rest:
-a DenseNet's last layer concatenates every earlier feature (56 MiB, 4-32 MiB elsewhere), so a
-plan that recomputed every layer, moved nothing and fitted the budget with 7 MiB to spare had
-its guard evict 22 MiB at every replay (benchmarks/README.md, ``held_out``), and on a small
-DenseNet at half its peak the guard moved as much again as the plan
-(``tests/vtensor/activations/test_step_reserve.py``). Per step it would still sit under the
-peak: the reading after a backward node's working set, the step's peak, would be given that
-working set again. So the profile books, to each point where the guard acted (the step, and
-the point's place among the step's hook events: its start, then each pack, unpack and
-backward node, in order, the same in every iteration of one plan), how far the readings rose
-above it before the guard could act again, less what the manager announced or did itself in
-between (parameters read, restores started, recomputations: a replayed plan places those);
-``TraceStep.growth_bytes`` holds them, ``Plan.step_reserve_bytes`` carries them. While a replay
-follows the plan, the guard keeps at each point what followed it in the profile (at least its
-one chunk); a lean replay reads and guards at boundaries only, so with the headroom of the
-step's start, which its full replay kept without needing the guard (NOTE [lean replay]). A
-joint plan with parameter offloading and a replay that has left its plan keep the largest rise
-everywhere. Every plan keeps the headroom per point: MobileNetV2's swap plan at 40 % of its
-peak then replays lean (44 heap readings a step instead of 1055; benchmarks/HISTORY.md,
-``activation_swap``, 2026-12-03). What once broke the budget with it, beside a busy loop, was no
-rise but a plan's restores landing on a step the heap's noise had filled (NOTE [room for
-restores] in ``activations/executor.py``).
+Between two points where the guard can act (a step's start, a pack, an unpack) the tracked bytes
+can rise where no hook can make room (an op's output, a concatenation and what consumes it, a
+backward node's working set), so the guard keeps headroom under the budget while a plan is
+replayed. One figure for the whole iteration would sit under the plan's own peak wherever one
+step rises far more than the rest, and one per step would count a backward node's working set
+again after the step's peak: either way the guard would evict at every replay. So the profile
+books to each point where the guard acted (the step, and the point's place among its hook
+events, the same in every iteration of one plan) how far the readings rose before the guard
+could act again, less what the manager announced or did itself in between (parameter reads,
+restores, recomputations: a replayed plan places those). ``TraceStep.growth_bytes`` holds them,
+``Plan.step_reserve_bytes`` carries them. While a replay follows its plan the guard keeps at each
+point what followed it in the profile (at least its one chunk); a lean replay guards at
+boundaries only, with the headroom of the step's start (NOTE [lean replay]). A joint plan with
+parameter offloading, and a replay that has left its plan, keep the largest rise everywhere.
 
 NOTE [planned headroom]
-A plan need not leave the rises free as well: the bytes a point's rise brings are in the
-readings the trace's step model already holds (what is still allocated at the next reading is
-in that step's unmanaged peak; a tensor saved in between counts as the plan's from the start of
-its step), so where a replay follows its plan, each point's reading and the rise after it stay
-within what the plan predicts. The plan leaves the guard its one chunk instead (the least it
-keeps at a point), where the guard keeps each point's own rise, or the largest rise where that is
-less (what plans left before); under a joint plan with parameter offloading, or without rises
-booked, where the guard keeps the largest rise everywhere, it leaves that. What the model misses
-(writes still in flight, which the replay waits for, NOTE [lean waits]; a step whose end rises
-before the next one's evictions) shows as bytes the guard moves beyond the plan, and the plan is
-made again that much lower (NOTE [guard margin]). Made under the largest rise at every step, a
-plan moved for one step's rise at all of them: the char GPT at 60 % of its peak moved 261 MiB a
-step planned 32 MiB under its budget, 197 MiB within a chunk of it (tracked peak 98.6 % of the
-budget), MobileNetV2 at 50 % 185 against 150 MiB (``activation_swap`` in benchmarks/README.md);
-the small DenseNet at 60 %, 11.9 against 8.2 MB, neither needing the guard
-(``test_step_reserve.py``).
+A plan need not leave the rises free as well: the bytes a rise brings are already in the trace's
+step model (what is still allocated at the next reading is in that step's unmanaged peak; a
+tensor saved in between counts as the plan's from its step's start), so while a replay follows
+its plan each point's reading and the rise after it stay within the prediction. Planning under
+the largest rise at every step would move bytes for one step's rise at all of them. So the plan
+leaves the guard its one chunk (the least it keeps at a point), or the largest rise where that is
+less; where the guard keeps the largest rise everywhere (a joint plan, or no rises booked) it
+leaves that. What the model misses (writes still in flight, NOTE [lean waits]; a step whose end
+rises before the next one's evictions) shows as bytes the guard moves beyond the plan, and the
+plan is made again that much lower (NOTE [guard margin]).
 
 NOTE [gross rise]
 The rise booked to a point counts everything the model allocated until the guard could act

@@ -226,14 +226,11 @@ class Trace:
 
         NOTE [state to come]
         A model's first iteration runs before its first update makes the optimizer's state
-        (momentum, Adam's moments), which every later iteration holds from start to end. Its
-        trace is planned as those iterations will run: with that state added to every step, as
-        the stated minimum adds it. Planned as it ran, the plan was short of that state: where
-        it fills the budget the guard evicted beside it at every replay, and the step waited for
-        those writes (the char GPT at half its peak: 0.26 s a step, 1.28x the unmanaged step
-        against 1.07x planned with the state); and a budget between the floor and the floor
-        with the state looked feasible, so with recomputation each trial broke the budget
-        before the manager refused (ResNet-18 at 60 % of its peak: four trials, up to 22 % over).
+        (momentum, Adam's moments), which every later iteration holds throughout. Its trace is
+        planned as those iterations will run, with that state added to every step, as the
+        stated minimum adds it. A plan short of that state would leave the guard evicting beside
+        it at every replay, and a budget between the floor and the floor with the state would
+        look feasible only to break when the state appears.
         """
         if state_bytes == 0:
             return self
@@ -259,10 +256,9 @@ class Trace:
     def to_json(self) -> str:
         """Serialize to JSON text: that of ``dataclasses.asdict``, field by field.
 
-        ``asdict`` copies every leaf on the way: 5-8 ms against 1-2 ms a trace of the main job's
-        CNN (66-99 kB), of which a decision parked at the end of its class's first round writes
-        five (28 ms against 12 ms). Steps, tensors and units hold only numbers, strings, string
-        enums and tuples of them, which JSON writes the same way either way.
+        ``asdict`` deep-copies every leaf, which is slow for a large trace. Steps, tensors and
+        units hold only numbers, strings, string enums and tuples of them, which JSON writes the
+        same way either way.
         """
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("steps", "tensors", "units"):
