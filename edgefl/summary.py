@@ -152,21 +152,13 @@ def class_table(
     return "\n".join(lines)
 
 
-# NOTE [deciding rounds]: a class's first rounds under vtensor profile the model, try the
-# candidate recomputations and race them against swapping alone (NOTE [plan race] in
-# vtensor/activations/race.py), once per model, input shape and budget; the class's later
-# rounds load the decided plan from its plan cache. The table keeps the two apart, since a
-# run of a few rounds would otherwise state the one-time decision as the cost of every round.
-# A round counts as deciding when its client's plan source is profiled, raced or planned (a
-# plan made in that round's process), or shared (it followed another client's decision: NOTE
-# [provisional plan] in vtensor); every other round, and every round with vtensor off, ran a
-# plan decided before it.
-_DECIDING = {
-    vtensor.PlanSource.PROFILED,
-    vtensor.PlanSource.RACED,
-    vtensor.PlanSource.PLANNED,
-    vtensor.PlanSource.SHARED,
-}
+# NOTE [deciding rounds]: a class's first round under vtensor decides its plan (NOTE [one
+# decision] in vtensor/activations/planning.py: a profile, at most one more, one validating
+# replay), once per model, input shape and budget; its later rounds load the plan from the
+# class's plan cache. The table keeps the two apart, since a run of a few rounds would otherwise
+# state the one-time decision as the cost of every round. A round counts as deciding when its
+# client's plan source is profiled or planned (a plan made in that round's process).
+_DECIDING = {vtensor.PlanSource.PROFILED, vtensor.PlanSource.PLANNED}
 
 
 def _deciding(reply: ClientRound) -> bool:

@@ -1,6 +1,7 @@
 """Error types of the vtensor memory manager: one root, one class per failure a user can act on."""
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -16,28 +17,108 @@ class UnmeasurableMemoryError(VTensorError):
     """This process's CPU memory cannot be measured honestly, so no budget could be enforced."""
 
 
+@dataclass(frozen=True)
+class FloorBreakdown:
+    """What holds an iteration's smallest budget, in bytes.
+
+    Attributes:
+        parameters: parameters and buffers in memory.
+        gradients: gradients of the trainable parameters.
+        optimizer_state: the optimizer's state, with what its first step creates.
+        inputs: the batch given as ``inputs``.
+        working_set: what the step that holds the floor allocates beyond the saved tensors
+            (its outputs, gradients in flight, temporaries).
+        kept_activations: saved tensors that cannot leave memory at that step (in use, or
+            too small to move).
+        offloaded_floor_bytes: about the floor with the parameters, gradients and optimizer
+            state offloaded (0: not estimated).
+        offload_needed: the minimum is the one with the parameter side offloaded.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    inputs: int
+    working_set: int
+    kept_activations: int
+    offloaded_floor_bytes: int = 0
+    offload_needed: bool = False
+
+    @property
+    def state(self) -> int:
+        """Parameters, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def describe(self) -> str:
+        """One line of the parts, largest first."""
+        parts = {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer state": self.optimizer_state,
+            "inputs": self.inputs,
+            "the step's working set": self.working_set,
+            "activations that cannot leave": self.kept_activations,
+        }
+        ranked = sorted(parts.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{name} {_mib(n)}" for name, n in ranked if n)
+
+    def advice(self, min_budget_bytes: int) -> str:
+        """What lowers the floor: offloading where the state holds it, else a smaller batch."""
+        raise_to = (
+            f"Raise the budget to at least {min_budget_bytes} bytes ({_mib(min_budget_bytes)})"
+        )
+        if self.offload_needed:
+            return (
+                f"{raise_to}, with the parameters, gradients and optimizer state offloaded "
+                "(offload_params='auto' or True)."
+            )
+        held = self.state > self.working_set + self.kept_activations
+        if held and 0 < self.offloaded_floor_bytes < min_budget_bytes:
+            return (
+                f"{raise_to}, or offload the parameters (MemoryManager(offload_params=True)): "
+                f"parameters, gradients and optimizer state hold the floor, which then falls "
+                f"to about {_mib(self.offloaded_floor_bytes)}."
+            )
+        if held:
+            return f"{raise_to}: parameters, gradients and optimizer state hold the floor."
+        return f"{raise_to}, or lower the batch size: the activations hold the floor."
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 class InfeasibleBudgetError(VTensorError):
-    """The budget is below what one step needs even with every evictable byte swapped out.
+    """The budget is below what one iteration needs even with every evictable byte swapped out.
 
     Attributes:
         budget_bytes: the budget that was asked for.
-        min_budget_bytes: the smallest budget that would have worked for the observed iteration.
+        min_budget_bytes: the smallest budget that would have worked for the whole iteration.
         step: name of the step that dominates the minimum.
+        breakdown: what holds that minimum (None where not measured).
     """
 
     def __init__(
-        self, budget_bytes: int, min_budget_bytes: int, step: str, detail: str = ""
+        self,
+        budget_bytes: int,
+        min_budget_bytes: int,
+        step: str,
+        detail: str = "",
+        breakdown: FloorBreakdown | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.step = step
+        self.breakdown = breakdown
         msg = (
-            f"memory budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MiB) "
-            "cannot be met: "
-            f"step {step!r} needs at least {min_budget_bytes} bytes "
-            f"({min_budget_bytes / 2**20:.1f} MiB) with everything evictable swapped out. "
-            f"Raise the budget to at least {min_budget_bytes} bytes, or lower the batch size."
+            f"memory budget of {budget_bytes} bytes ({_mib(budget_bytes)}) cannot be met: "
+            f"the iteration needs at least {min_budget_bytes} bytes ({_mib(min_budget_bytes)}) "
+            f"at step {step!r} with everything evictable swapped out"
         )
+        if breakdown is not None:
+            msg += f" ({breakdown.describe()}). {breakdown.advice(min_budget_bytes)}"
+        else:
+            msg += f". Raise the budget to at least {min_budget_bytes} bytes."
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)

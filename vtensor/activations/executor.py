@@ -41,9 +41,6 @@ class PlanExecutor:
         # By plan position; None: passed to autograd (NOTE [passed]).
         self.records: dict[int, VTensor | None] = {}
         self.placed = 0  # saved storages placed so far
-        # NOTE [windowed saves] in activations/windows.py: the positions of the saves a
-        # windowed replay sees, in order; None: every save, in plan order.
-        self._order: tuple[int, ...] | None = None
         self._position_of: dict[int, int] = {}  # plan position by vTensor vid
         self.diverged: str | None = None
         self.missed = 0  # planned evictions that could not be issued (vTensor still in use)
@@ -72,21 +69,9 @@ class PlanExecutor:
             self.diverged = why
             logger.info("run diverged from its plan (%s); reactive policy for this iteration", why)
 
-    def follow(self, order: tuple[int, ...]) -> None:
-        """The saves this replay sees are the plan positions ``order`` (NOTE [windowed saves])."""
-        self._order = order
-
-    @property
-    def expected(self) -> int:
-        """How many saved storages this replay places when it follows the plan to the end."""
-        return self._count if self._order is None else len(self._order)
-
     def next_position(self) -> int:
         """The plan position of the next storage saved for the first time."""
-        order = self._order
-        if order is None:
-            return self.placed
-        return order[self.placed] if self.placed < len(order) else self._count + self.placed
+        return self.placed
 
     def position_of(self, record: VTensor) -> int | None:
         """The plan position of ``record``, if this replay placed it."""

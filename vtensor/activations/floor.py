@@ -1,7 +1,15 @@
 """The smallest budget an iteration could have run at, judged at each hook point."""
 
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
 from vtensor.activations.recorder import IterationBooks
 from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.errors import FloorBreakdown, VTensorError
+from vtensor.offload.joint import offloaded_min_bytes, state_bytes
 
 MIN_BUDGET_MARGIN_BYTES = 64 * 1024
 
@@ -62,5 +70,49 @@ class BudgetFloor:
         if floor > self.books.min_budget_bytes:
             self.books.min_budget_bytes = floor
             self.books.min_budget_step = step_name
+            self.books.min_budget_kept_bytes = max(0, self.store.device_bytes() - evictable)
         if strict and need > self.budget_bytes:
             self.books.violated = True
+
+
+def floor_breakdown(
+    books: IterationBooks,
+    min_budget_bytes: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    inputs: Sequence[torch.Tensor],
+    pending_state_bytes: int,
+    *,
+    offloaded: bool,
+) -> FloorBreakdown:
+    """What holds ``min_budget_bytes``, the iteration's stated minimum (NOTE [minimum budget]).
+
+    The parameter side counts where it stays in memory (not ``offloaded``): parameters and
+    buffers, every trainable parameter's gradient where the floor lies in or after backward
+    (those that exist where it lies before), the optimizer's state with what its first step
+    creates. The working set is what the minimum holds beyond those, the inputs and the saved
+    bytes that could not leave. The floor with the parameter side offloaded is estimated too:
+    this one less the state, plus twice the least the offloading holds at once.
+    """
+    params = grads = state = 0
+    if not offloaded:
+        params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+        late = not books.min_budget_step.startswith(("forward:", "other:start"))
+        grads = sum(
+            p.nbytes for p in model.parameters() if p.requires_grad and (late or p.grad is not None)
+        )
+        state = state_bytes(model, optimizer, pending_state_bytes) - params
+        state -= sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    given = sum(t.nbytes for t in inputs)
+    kept = books.min_budget_kept_bytes
+    working = max(0, min_budget_bytes - params - grads - state - given - kept)
+    breakdown = FloorBreakdown(params, grads, state, given, working, kept)
+    if optimizer is None or offloaded:
+        return breakdown
+    try:
+        side = offloaded_min_bytes(model, optimizer)
+    except VTensorError:
+        return breakdown  # not offloadable (parameters off the CPU, a foreign optimizer)
+    # The unit its backward updates, and the next one's parameters read ahead for its own.
+    estimate = min_budget_bytes - breakdown.state + 2 * side
+    return dataclasses.replace(breakdown, offloaded_floor_bytes=estimate)

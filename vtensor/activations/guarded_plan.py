@@ -6,6 +6,7 @@ import logging
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.belady import plan_lgm
+from vtensor.planner.costs import DEFAULT_COSTS, Costs
 from vtensor.planner.memory_model import step_headroom, watched_events, watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.reserves import planned_headroom, step_reserves
@@ -21,6 +22,8 @@ def plan_within_guard(
     reserve_bytes: int,
     min_budget_bytes: int,
     margin_bytes: int = 0,
+    *,
+    costs: Costs = DEFAULT_COSTS,
 ) -> Plan | None:
     """The plan of ``trace`` under ``budget_bytes`` that leaves the guard its headroom.
 
@@ -33,7 +36,7 @@ def plan_within_guard(
     ``planner/reserves.py``), so that the guard moves no bytes of its own and the bytes an
     iteration moves are the plan's. Where that is infeasible the plan fills the whole budget and
     the guard keeps its headroom as it can. ``margin_bytes`` more are left free first where a
-    replay showed the guard still had to act (NOTE [guard margin]).
+    replay showed the guard still had to act (NOTE [one decision] in ``planning.py``).
 
     NOTE [floor over the budget]
     The trace's floor of a step (its largest unmanaged bytes, plus every tensor the step uses)
@@ -53,7 +56,13 @@ def plan_within_guard(
     margined = max(0, under_guard - margin_bytes)
     for planned_bytes in dict.fromkeys((margined, under_guard, budget_bytes)):
         try:
-            plan = plan_lgm(trace, planned_bytes, chunk_bytes=chunk_bytes)
+            plan = plan_lgm(
+                trace,
+                planned_bytes,
+                chunk_bytes=chunk_bytes,
+                write_bytes_per_s=costs.write_bytes_per_s,
+                read_bytes_per_s=costs.read_bytes_per_s,
+            )
             break
         except InfeasibleBudgetError as err:
             if planned_bytes == budget_bytes and min_budget_bytes > budget_bytes:
@@ -61,7 +70,14 @@ def plan_within_guard(
     if plan is None and min_budget_bytes <= budget_bytes:
         # NOTE [floor over the budget]: the iteration ran within the budget, the trace's model
         # of its floor does not; the guard keeps the budget where the plan does not.
-        plan = plan_lgm(trace, budget_bytes, chunk_bytes=chunk_bytes, floors_over=True)
+        plan = plan_lgm(
+            trace,
+            budget_bytes,
+            chunk_bytes=chunk_bytes,
+            floors_over=True,
+            write_bytes_per_s=costs.write_bytes_per_s,
+            read_bytes_per_s=costs.read_bytes_per_s,
+        )
     if plan is None:
         return None
     # NOTE [lean replay]: a replay reads the tracked bytes where the plan comes within the

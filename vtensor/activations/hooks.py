@@ -12,7 +12,6 @@ from vtensor.activations.admission import Admission
 from vtensor.activations.lean import Passing
 from vtensor.activations.rebuild import REBUILT_KEY
 from vtensor.activations.store import ChunkStore, VTensor
-from vtensor.activations.windows import SaveLog
 from vtensor.errors import InPlaceModificationError
 from vtensor.outputs import tensors_in
 
@@ -24,7 +23,6 @@ class HookTarget(Protocol):
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
     admission: Admission  # which saved tensors are activations, and which of them it manages
-    save_log: SaveLog | None  # a check's saves (NOTE [windowed saves])
 
     def accepts(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``tensor``, plain for ``admission`` with ``storage``, may be virtualized."""
@@ -95,18 +93,13 @@ def make_saved_tensor_hooks(
             return (tensor, tensor._version, None)
         passing = target.passing
         position = passing.passes(storage) if passing is not None else None
-        log = target.save_log
         if position is not None:
-            if log is not None:
-                log.passed(position)
             return (tensor, tensor._version, position)  # NOTE [passed] in activations/lean.py
         record = target.store.adopt(storage, step=target.step_index)
         if not record.fully_resident():
             target.store.ensure_resident(record)
         handle = SavedHandle(target.store, record, tensor)
         target.on_pack(record, tensor)
-        if log is not None:
-            log.adopted(record)
         return handle
 
     def unpack(packed: Any) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import logging
 import time
 
 import torch
@@ -10,23 +11,21 @@ from vtensor.activations.admission import Admission
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
 from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wait_for_room
-from vtensor.activations.lean_steps import LeanSteps
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.quiet import QuietTurns, Turn
 from vtensor.activations.rebuild import Boundaries, at_backward_end
 from vtensor.activations.recorder import IterationBooks, OpenStep
-from vtensor.activations.sparse import SparseBoundaries
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
-from vtensor.activations.windows import SaveLog
 from vtensor.measure.clock import device_now
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
 
+logger = logging.getLogger(__name__)
 
-class Iteration(LeanSteps):
+
+class Iteration:
     """The hook target of one ``MemoryManager.step`` (``vtensor.activations.hooks.HookTarget``)."""
 
     def __init__(
@@ -44,7 +43,6 @@ class Iteration(LeanSteps):
         count_workspaces: bool = False,
         params: ParamSide | None = None,
         lean: bool = False,
-        quiet: QuietTurns | None = None,
     ) -> None:
         self.store = store
         self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
@@ -91,18 +89,11 @@ class Iteration(LeanSteps):
         )
         self.was_lean, self.passing = self.lean, None  # passing: while lean (NOTE [passed])
         self.hookless = False  # NOTE [hookless replay]
-        self.turn, self._turns = Turn.CHECK, quiet  # NOTE [quiet replay], NOTE [sparse replay]
-        if executor is not None and quiet is not None:  # a full replay counts as a check too
-            self.turn = quiet.take(executor, self.lean)
-        self.quiet = self.turn is Turn.QUIET
-        self.sparse: SparseBoundaries | None = None  # a sparse replay's hooks
-        self.save_log: SaveLog | None = None  # a check's saves (NOTE [windowed saves])
         if self.lean:
             assert executor is not None
             self.hookless = replays_hookless(executor)
             read = functools.partial(self.check_boundary, "at a watched step's saved tensor")
-            if not self.quiet:  # a quiet replay's saved tensors never reach the manager
-                self.passing = Passing(store, executor, read if self.hookless else None)
+            self.passing = Passing(store, executor, read if self.hookless else None)
             policy.follow_plan(True)
         self._lean_step = ""
         self.begin_step("other:start")
@@ -227,12 +218,11 @@ class Iteration(LeanSteps):
             self._sample(live)
         self.meter.note(live)
 
-    def begin_step(self, name: str, index: int | None = None) -> None:
-        """Close the open step and open the next one: step ``index`` (a sparse replay's)."""
-        if index is None:
-            if self._step_name() == name and (self._open is not None or self.lean):
-                return
-            index = self.step_index + 1
+    def begin_step(self, name: str) -> None:
+        """Close the open step and open the next one."""
+        if self._step_name() == name and (self._open is not None or self.lean):
+            return
+        index = self.step_index + 1
         if name.startswith("backward:") and not self._backward_done_queued:
             # Mark the end of backward (optimizer work that follows is its own step), the
             # outermost backward's (NOTE [end of backward] in activations/rebuild.py).
@@ -292,10 +282,7 @@ class Iteration(LeanSteps):
 
     def _backward_done(self) -> None:
         self._backward_done_queued = False
-        if self.sparse is not None:
-            self.sparse_ended(self.sparse)
-        else:
-            self.begin_step("other:after-backward")
+        self.begin_step("other:after-backward")
 
     # -- the budget ---------------------------------------------------------------------------
     def make_room(self, nbytes: int) -> None:
@@ -348,6 +335,48 @@ class Iteration(LeanSteps):
         self.meter.note(live)
         self.meter.mark(live)
         self._guarded_at = (self.step_index, self._event)
+
+    # -- lean replay (NOTE [lean replay] in activations/lean.py) -------------------------------
+    def _lean_begin(self, index: int, name: str) -> bool:
+        """Step ``index`` named ``name`` of a lean replay begins; False: it left the plan."""
+        executor = self.executor
+        assert executor is not None
+        self._lean_step = name
+        self.step_index = index
+        wait_for_room(self.store, executor.plan, index)  # NOTE [lean waits]
+        executor.on_step(index, name)
+        # At a boundary, the headroom its full replays kept there (NOTE [step reserve]).
+        self.policy.at_step(index, following=executor.active)
+        if not executor.active:
+            self._leave_lean()
+            return False
+        if index in executor.watched:
+            self.check_boundary()
+        return True
+
+    def check_boundary(self, where: str = "") -> None:
+        """A lean replay's reading at a module boundary, or ``where``."""
+        live = self.live_bytes()
+        self._sample(live)
+        # Growth over many steps: no headroom to keep between hook points (the plan's stands).
+        self.meter.note(live)
+        if self.books.violated:
+            logger.warning(
+                "a replayed plan went over the budget at step %r (%d bytes of %d): checking "
+                "every hook point from here on, and profiling again next iteration",
+                where or self._lean_step,
+                live,
+                self.policy.budget_bytes,
+            )
+            self._leave_lean()
+            self.enforce(live_hint=live)
+        elif live > self.policy.high_watermark():
+            self.enforce(live_hint=live)
+
+    def _leave_lean(self) -> None:
+        self.lean = False
+        self.passing = None
+        self.policy.follow_plan(self.executor is not None and self.executor.active)
 
     # -- closing ------------------------------------------------------------------------------
     def _close_step(self) -> None:

@@ -16,9 +16,7 @@ import torch
 from torch import nn
 
 from vtensor.activations.encodings import MASKABLE
-from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.keys import architecture_fingerprint, dtype_of
-from vtensor.sizes import format_bytes
 
 
 def device_of(model: "nn.Module | ModelScan") -> torch.device:
@@ -349,27 +347,3 @@ class StateStorages:
             self._last = (key, *_state_seen([*scan.state, *made], device))
         _, protected, seen = self._last
         return protected, _with_inputs(seen, inputs, device)
-
-
-def check_start(
-    state_bytes: int, budget_bytes: int, pending_state_bytes: int, held_bytes: int = 0
-) -> int:
-    """Device bytes before any activation is saved; raises if they alone break the budget.
-
-    ``state_bytes`` are the state's and the inputs' (``state_storages``), ``held_bytes`` those
-    held elsewhere (a parameter offloading's optimizer state); the stated minimum counts
-    ``pending_state_bytes``, the optimizer's state to come.
-
-    Raises:
-        InfeasibleBudgetError: the state and the inputs alone exceed ``budget_bytes``.
-    """
-    baseline = state_bytes + held_bytes
-    if baseline > budget_bytes:
-        raise InfeasibleBudgetError(
-            budget_bytes,
-            baseline + pending_state_bytes,
-            "start",
-            f"parameters, gradients, optimizer state and inputs alone take "
-            f"{format_bytes(baseline)} before any activation is saved",
-        )
-    return baseline

@@ -1,37 +1,100 @@
-"""Where an iteration's swap plan comes from: this process's plans, the plan cache, or profiling."""
+"""Where an iteration's plan comes from: one decision per input signature, or the plan cache.
+
+NOTE [one decision]
+A signature's plan is decided once, in at most three iterations, from one calibrated model
+(NOTE [calibrated model] in ``planner/costs.py``):
+
+1. PROFILE: the iteration runs the reactive policy and is recorded (with ``recompute``, the
+   modules safe to recompute and their measured reruns too). Its transfers calibrate the
+   bandwidths. The solver (``solve``) predicts the step of every option (swap only, and each
+   recomputation worth pricing) and takes the least. With ``encode_masks="auto"`` the clamps
+   are encoded where the plan moves bytes.
+2. REPROFILE, only where the choice recomputes or newly encodes: the iteration is profiled
+   with them, so the plan is made from what that iteration really holds.
+3. VALIDATE: the plan is replayed in full (every hook point guarded). If the guard had to move
+   bytes beyond the plan, or the step missed its prediction by more than ``TIME_TOLERANCE``,
+   the per-byte cost is corrected from this replay and the plan is made once more from the
+   profiles (``margin`` the guard's bytes), the least predicted kept. Else it stands.
+
+Each plan to replay is stored in the plan cache, the only state processes share, from its
+first replay on (a process that loads it replays it as decided); a plan a full replay proved
+needs no guard is marked there to replay lean. Any process that
+profiles the same key decides by the same rule. A replay that leaves its plan (a divergence,
+or a lean replay over the budget) has its signature profiled again.
+"""
 
 import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from os import PathLike
 
 import torch
 from torch import nn
 
-from vtensor.activations.encoding_choice import EncodingChoice
 from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.guarded_plan import plan_within_guard
-from vtensor.activations.iteration_plan import IterationPlan, Trials, trials_of
-from vtensor.activations.margin import Profile, plan_again, remake
+from vtensor.activations.iteration_plan import NO_RECOMPUTATION, IterationPlan, Recomputation
 from vtensor.activations.model_state import ModelScan
 from vtensor.activations.plan_keys import PlanKeys, planner_version
-from vtensor.activations.race import PlanRace
 from vtensor.activations.report import PlanSource
 from vtensor.activations.selective import load_sac
-from vtensor.activations.shared_plans import SharedPlans
 from vtensor.activations.store import ChunkStore
-from vtensor.activations.undecided import Undecided
+from vtensor.errors import VTensorError
+from vtensor.planner.cache import PlanCache
+from vtensor.planner.costs import Costs, Transfers, misses, recompute_s
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.plan import Plan
-from vtensor.planner.recompute import predicted_step_s, recompute_candidates
+from vtensor.planner.recompute import recompute_candidates
+from vtensor.planner.recomputed import with_recompute
 from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
 
+Profile = tuple[Trace, int, int]  # a profiled trace, its guard's reserve, its stated minimum
+
+
+class Stage(StrEnum):
+    """Where a signature's decision stands (NOTE [one decision])."""
+
+    PROFILE = "profile"
+    REPROFILE = "reprofile"
+    VALIDATE = "validate"
+    DECIDED = "decided"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One signature's decision so far; each stage makes a new one.
+
+    Attributes:
+        stage: what its next iteration does.
+        plan: the plan to replay (None: none fits; the reactive policy runs).
+        profiles: the profiles the plan may be made again from: the first, then the
+            reprofile's, if any.
+        choice: what the reprofile recomputes, and whether it encodes.
+        encode: what the reprofile's clamps do.
+        predicted_s: the step the model predicts for ``plan``.
+        lean: a full replay of ``plan`` needed no guard (NOTE [lean replay]).
+        cached: ``plan`` came from the plan cache.
+        maskable: the model has clamps to encode (NOTE [mask encoding]).
+    """
+
+    stage: Stage
+    plan: Plan | None = None
+    profiles: tuple[Profile, ...] = ()
+    choice: Recomputation = NO_RECOMPUTATION
+    encode: bool = False
+    predicted_s: float = 0.0
+    lean: bool = False
+    cached: bool = False
+    maskable: bool = False
+
 
 class PlanBook:
-    """Keeps a plan per input signature; profiles, plans and caches as needed.
+    """Decides a plan per input signature (NOTE [one decision]) and keeps it in the cache.
 
     Args:
         budget_bytes: the budget plans are made for.
@@ -41,7 +104,7 @@ class PlanBook:
         count_workspaces: plans budget op workspaces.
         recompute: plans may recompute modules as well as swap (NOTE [hybrid plan]).
         encode_masks: iterations save clamps' inputs as bits (NOTE [mask encoding]); ``"auto"``:
-            as the plans decide (NOTE [encoding decided] in ``activations/encoding_choice.py``).
+            where the plan would move bytes.
     """
 
     def __init__(
@@ -56,32 +119,21 @@ class PlanBook:
     ) -> None:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
-        # The plan cache, where one of the managers sharing it decides (NOTE [one decider]).
-        self.shared = SharedPlans(cache_dir) if cache_dir is not None else None
+        self.cache = PlanCache(cache_dir) if cache_dir is not None else None
         self.planned = planned
-        self.planner_version = planner_version(count_workspaces, recompute, encode_masks)
-        self._keys_of = PlanKeys(budget_bytes, chunk_bytes, self.planner_version)
-        self.encoding = EncodingChoice(encode_masks)
+        self._keys_of = PlanKeys(
+            budget_bytes, chunk_bytes, planner_version(count_workspaces, recompute, encode_masks)
+        )
+        self.encode_masks = encode_masks
         self.count_workspaces = count_workspaces
-        self._plans: dict[str, Plan | None] = {}  # None: the planner found no plan
         self.recompute = recompute
         if recompute:
             load_sac()  # NOTE [SAC's imports]: before any step of this manager
-        # Signatures whose next iterations are trials, one candidate each (NOTE [hybrid plan]).
-        self._trial: dict[str, Trials] = {}
-        # Signatures whose cached plan broke the budget in a lean replay: profile them again.
-        self._reprofile: set[str] = set()
-        # Signatures whose plan a full replay has shown to need no guard: they replay lean.
-        self._lean: set[str] = set()
-        # Signatures whose hybrid and swap-only plans are replayed in turn (NOTE [plan race]).
-        self._race: dict[str, PlanRace] = {}
-        # The profile (trace, reserve, minimum budget) of each signature's kept plan until it is
-        # planned again with a margin (NOTE [guard margin]), and of each candidate's in a race.
-        self._profiles: dict[str, Profile] = {}
-        self._candidates: dict[str, list[tuple[Plan, Profile]]] = {}
-        # Each profiled signature's key, to leave its decision under way (NOTE [undecided plans]).
-        self._keys: dict[str, PlanKey] = {}
+        self.costs = Costs()
+        self._decisions: dict[str, Decision] = {}
+        self.planning_s = 0.0  # the last decision step's time
 
+    # -- the coming iteration -----------------------------------------------------------------
     def for_iteration(
         self,
         model: nn.Module,
@@ -91,61 +143,52 @@ class PlanBook:
         store: ChunkStore,
         params: str = "",
     ) -> IterationPlan:
-        """Choose the plan (or profiling) for the coming iteration; then ``encoding.apply`` it.
-
-        ``params`` is the parameter offloading's ``plan_signature()`` for a joint plan.
-        """
+        """What the coming iteration runs with (``params``: a joint plan's signature)."""
         if not self.planned:
-            return IterationPlan("", PlanSource.REACTIVE, None, False, None)
+            return IterationPlan("", PlanSource.REACTIVE, encode=bool(self.encode_masks))
         key = self._keys_of.of(model, scan, inputs, device, params)
         signature = key.digest()
-        race = self._race.get(signature)
-        if self.shared is not None and (race is not None or signature in self._trial):
-            self.shared.refresh(key)
-        if race is not None:
-            executor = self._executor(race.current(), store)
-            return IterationPlan(
-                signature, PlanSource.PLANNED, executor, False, key, racing=True, lean=race.lean()
-            )
-        if signature in self._plans:
-            plan = self._plans[signature]
-            if plan is None:
-                return IterationPlan(signature, PlanSource.REACTIVE, None, False, key)
+        decision = self._decisions.get(signature)
+        load_s = 0.0
+        if decision is None and self.cache is not None:
+            plan = self.cache.get(key)
+            load_s = self.cache.last_load_s
+            if plan is not None:
+                lean = self.cache.replays_lean(key, plan)
+                decision = Decision(Stage.DECIDED, plan, lean=lean, cached=True)
+                self._decisions[signature] = decision
+        if decision is None:
+            decision = Decision(Stage.PROFILE, maskable=bool(scan.maskable))
+            self._decisions[signature] = decision
+        if decision.stage is Stage.PROFILE:
             return IterationPlan(
                 signature,
-                PlanSource.PLANNED,
-                self._executor(plan, store),
-                False,
-                key,
-                lean=signature in self._lean,
+                PlanSource.PROFILED,
+                record_trace=True,
+                key=key,
+                find_units=self.recompute and not params,
+                encode=self.encode_masks is True,
             )
-        if signature in self._trial:
-            return self._trial[signature].next_trial(signature, key)
-        if self.shared is not None and signature not in self._reprofile:
-            loaded = self.shared.load(key)
-            if loaded is not None:
-                self._plans[signature], lean = loaded
-                if lean:  # proven in an earlier manager
-                    self._lean.add(signature)
-                executor = self._executor(loaded[0], store)
-                chosen = IterationPlan(signature, PlanSource.CACHED, executor, False, key)
-                chosen.cache_load_s, chosen.lean = self.shared.load_s, signature in self._lean
-                return chosen
-            if not self.shared.decides(key):  # NOTE [one decider]
-                return self.shared.follow(signature, key, lambda plan: self._executor(plan, store))
-            undecided = self.shared.take_up(key)  # NOTE [undecided plans]
-            if undecided is not None:
-                self._take(signature, key, undecided)
-                return self.for_iteration(model, scan, inputs, device, store, params)
-        units = self.recompute and not params  # activations alone, not with parameter offloading
-        return IterationPlan(signature, PlanSource.PROFILED, None, True, key, find_units=units)
-
-    def _plan(
-        self, trace: Trace, reserve_bytes: int, min_bytes: int, margin_bytes: int = 0
-    ) -> Plan | None:
-        """The plan of ``trace`` that leaves the guard its headroom; None if there is none."""
-        return plan_within_guard(
-            trace, self.budget_bytes, self.chunk_bytes, reserve_bytes, min_bytes, margin_bytes
+        if decision.stage is Stage.REPROFILE:
+            return IterationPlan(
+                signature,
+                PlanSource.PROFILED,
+                record_trace=True,
+                key=key,
+                recomputation=decision.choice,
+                encode=decision.encode,
+            )
+        plan = decision.plan
+        if plan is None:
+            return IterationPlan(signature, PlanSource.REACTIVE, key=key)
+        return IterationPlan(
+            signature,
+            PlanSource.CACHED if decision.cached else PlanSource.PLANNED,
+            PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces),
+            key=key,
+            encode=plan.encoded,
+            lean=decision.lean,
+            cache_load_s=load_s,
         )
 
     def plan_for(
@@ -157,236 +200,204 @@ class PlanBook:
     ) -> Plan | None:
         """The plan held in this process for these settings (None: none yet, or no plan)."""
         key = self._keys_of.of(model, ModelScan.of(model), inputs, device, params)
-        return self._plans.get(key.digest())
+        decision = self._decisions.get(key.digest())
+        return decision.plan if decision is not None else None
 
-    def _take(self, signature: str, key: PlanKey, undecided: Undecided) -> None:
-        if undecided.trials is not None:
-            self._trial[signature] = undecided.trials
-        if undecided.race is not None:
-            self._race[signature] = undecided.race
-        self._candidates[signature], self._keys[signature] = undecided.candidates, key
+    # -- after it -----------------------------------------------------------------------------
+    def excuse(self, chosen: IterationPlan, was_lean: bool) -> bool:
+        """An iteration broke the budget: whether it is excused (else the budget is infeasible).
 
-    def close(self) -> None:
-        """Leave each decision under way beside the plan cache (NOTE [undecided plans])."""
-        if self.shared is None:
-            return
-        for signature in {*self._trial, *self._race} & self._keys.keys():
-            trials, race = self._trial.get(signature), self._race.get(signature)
-            undecided = Undecided(trials, race, self._candidates.get(signature, []))
-            self.shared.park(self._keys[signature], undecided)
-        self._trial.clear()  # left on disk: a manager used again takes them up from there
-        self._race.clear()
-        self.shared.close()
-
-    def _executor(self, plan: Plan, store: ChunkStore) -> PlanExecutor:
-        return PlanExecutor(plan, store, wait_early_evictions=self.count_workspaces)
-
-    def abandon_trial(self, chosen: IterationPlan) -> bool:
-        """Drop the candidate whose trial broke the budget (False: ``chosen`` was no trial).
-
-        The next is tried; with none left, those that fitted race, or the only plan is kept.
+        A lean replay's plan is profiled again (its minimum would not hold: NOTE [lean
+        replay]); a recomputation that broke it is dropped for the plan without it. Their
+        gradients are right, their peak was not.
         """
-        trials = self._trial.get(chosen.signature)
-        if trials is None or chosen.executor is not None:
+        decision = self._decisions.get(chosen.signature)
+        if decision is None:
             return False
-        chosen.abandoned = True
-        trials.pending.pop(0)
-        if not trials.pending:
-            del self._trial[chosen.signature]
-            plan = self._race_or_only(chosen.signature, trials)
-            if chosen.signature not in self._race:
-                self._store(chosen, plan)
-        return True
-
-    def excuse(self, chosen: IterationPlan, was_lean: bool, over_bytes: int = 0) -> bool:
-        """An iteration broke the budget by ``over_bytes``: whether it is excused (else it raises).
-
-        A lean replay's plan is profiled again (NOTE [lean replay]: its minimum would not work);
-        a trial drops its candidate, a racing one is made again lower or leaves the race (NOTE
-        [disqualified] in ``activations/race.py``): their gradients are right, their peak was not.
-        One not excused proves the budget infeasible: this manager lets go of its claim.
-        """
-        excused = self._excused(chosen, was_lean, over_bytes)
-        if not excused and self.shared is not None and chosen.key is not None:
-            self.shared.settle(chosen.key)  # NOTE [one decider]
-        return excused
-
-    def _excused(self, chosen: IterationPlan, was_lean: bool, over_bytes: int) -> bool:
-        if chosen.following:
-            return self.shared is not None and self.shared.excuse(chosen)
         if was_lean:
-            self.forget(chosen)
+            self._decisions[chosen.signature] = Decision(Stage.PROFILE, maskable=decision.maskable)
             return True
-        if chosen.racing and (race := self._race.get(chosen.signature)) is not None:
-            chosen.abandoned = True  # ``over_bytes`` over: made again that much lower, once
-            candidates = self._candidates.get(chosen.signature, [])
-            remade = remake(candidates, race.current(), self._plan, over_bytes)
-            if (winner := race.broke_budget(remade)) is not None:
-                del self._race[chosen.signature]
-                self._store(chosen, winner)
-            elif not race.plans:
-                self.forget(chosen)  # none left: profile again
+        if chosen.recompute.names and decision.profiles:
+            logger.warning("recomputing %s broke the budget: dropped", chosen.recompute.names)
+            first = decision.profiles[0]
+            plan = self._plan(first)
+            self._decisions[chosen.signature] = Decision(
+                Stage.VALIDATE, plan, profiles=(first,), predicted_s=self._predict(first, plan)
+            )
             return True
-        if abandoned := self.abandon_trial(chosen):
-            logger.warning("recomputing %s broke the budget: dropped", chosen.recompute)
-        return abandoned
-
-    def _plan_with_margin(self, chosen: IterationPlan, plan: Plan, guard_bytes: int) -> None:
-        """Plan ``chosen``'s signature again under the guard's margin, once per decision."""
-        profile = self._profiles.pop(chosen.signature, None)  # once: the profile is used up
-        if profile is None:
-            return
-        replanned = plan_again(self._plan, profile, plan, guard_bytes)  # NOTE [guard margin]
-        if replanned is not None:
-            self._store(chosen, replanned)
-
-    def _note_lean(self, chosen: IterationPlan, plan: Plan) -> None:
-        """Note beside the cached plan that a full replay of ``plan`` needed no guard."""
-        if self.shared and chosen.key and self._plans.get(chosen.signature) is plan:
-            self.shared.note_lean(chosen.key, plan)  # the next managers start lean
-
-    def _store(self, chosen: IterationPlan, plan: Plan | None) -> None:
-        candidates = self._candidates.pop(chosen.signature, None)
-        if candidates is not None:  # a new decision: its profile allows one margin again
-            self._profiles.pop(chosen.signature, None)
-            for profile in (pr for p, pr in candidates if p is plan):
-                self._profiles[chosen.signature] = profile
-        self._plans[chosen.signature] = plan
-        self._reprofile.discard(chosen.signature)
-        if self.shared is not None and chosen.key is not None:
-            self.shared.store(chosen.key, plan)
-
-    def forget(self, chosen: IterationPlan) -> None:
-        """Drop the plan ``chosen`` replayed: the next iteration is profiled (not cached)."""
-        self._plans.pop(chosen.signature, None)
-        self._race.pop(chosen.signature, None)
-        self._lean.discard(chosen.signature)
-        self._reprofile.add(chosen.signature)
-        chosen.abandoned = True
+        return False
 
     def after_iteration(
         self,
         chosen: IterationPlan,
         trace: Trace | None,
+        *,
         reserve_bytes: int,
-        min_budget_bytes: int = 0,
-        wall_s: float = 0.0,
-        guard_bytes: int = 0,
-        state_to_come_bytes: int = 0,
+        min_budget_bytes: int,
+        wall_s: float,
+        guard_bytes: int,
+        state_to_come_bytes: int,
+        moved: Transfers,
+        excused: bool = False,
     ) -> PlanSource:
-        """Learn from a finished iteration; returns the source to report for it.
+        """Take the decision's next stage from a finished iteration; its source to report.
 
-        ``reserve_bytes`` (the largest growth between two hook points) travels with the plan,
-        so that a process replaying a cached plan guards the budget from its first step;
-        ``min_budget_bytes``, the profiled iteration's stated minimum, too, for lean replays.
-        ``wall_s`` is the iteration's wall time, which races candidate plans (NOTE [plan race]);
-        ``guard_bytes`` what the guard evicted beyond the plan: a full replay that needed none
-        lets the next replays go lean (NOTE [lean replay]); ``state_to_come_bytes`` the state
-        its update makes, held by later iterations (NOTE [state to come]).
+        ``reserve_bytes`` (the largest growth between two hook points) and ``min_budget_bytes``
+        (its stated minimum) travel with the plan; ``guard_bytes`` is what the guard evicted
+        beyond the plan; ``state_to_come_bytes`` the state its update makes, held by later
+        iterations (NOTE [state to come]); ``moved`` its transfers; ``excused``: it broke the
+        budget and ``excuse`` took its decision back.
         """
-        if chosen.key is not None:
-            self._keys[chosen.signature] = chosen.key
-        if chosen.following and self.shared is not None:
-            self.shared.replayed(chosen, guard_bytes)  # NOTE [provisional plan]
-            return PlanSource.FALLBACK if chosen.abandoned else chosen.source
-        if chosen.abandoned:
+        decision = self._decisions.get(chosen.signature)
+        if excused:
             return PlanSource.FALLBACK
-        if chosen.racing:
-            return self._race_step(chosen, wall_s, guard_bytes)
-        if chosen.executor is not None and not chosen.executor.active:
-            self._plans.pop(chosen.signature, None)  # replan from the next iteration's trace
-            self._lean.discard(chosen.signature)
-            return PlanSource.FALLBACK
-        if chosen.executor is not None and not chosen.lean:
-            if guard_bytes == 0:
-                if chosen.signature not in self._lean:  # noted once, not at every full replay
-                    self._note_lean(chosen, chosen.executor.plan)
-                self._lean.add(chosen.signature)
-            else:
-                self._lean.discard(chosen.signature)
-                self._plan_with_margin(chosen, chosen.executor.plan, guard_bytes)
-        if trace is not None and trace.incomplete:
-            # Not a steady-state iteration (it created optimizer state): profile the next one.
+        if decision is None:  # reactive
             return chosen.source
-        if chosen.source is PlanSource.PROFILED and trace is not None:
-            trace = trace.holding(state_to_come_bytes)  # NOTE [state to come]
-            begin = time.perf_counter()
-            plan = self._choose(chosen, trace, reserve_bytes, min_budget_bytes)
-            chosen.planning_s = time.perf_counter() - begin
-            if chosen.signature in {*self._trial, *self._race, *self.encoding.unencoded}:
-                self._publish(chosen)
-                return chosen.source  # the next iterations try the recomputation, or encoding
-            self._store(chosen, plan)
+        if chosen.executor is not None and not chosen.executor.active:
+            again = Decision(Stage.PROFILE, maskable=decision.maskable)  # diverged: again
+            self._decisions[chosen.signature] = again
+            return PlanSource.FALLBACK
+        if trace is not None and trace.incomplete:
+            return chosen.source  # it created optimizer state: profile the next one
+        begin = time.perf_counter()
+        profile = None
+        if trace is not None:
+            profile = (trace.holding(state_to_come_bytes), reserve_bytes, min_budget_bytes)
+        stage, before = decision.stage, decision.plan
+        if stage is Stage.PROFILE and profile is not None:
+            self.costs = self.costs.calibrated(moved)
+            decision = self._solved(profile, decision.maskable)
+        elif stage is Stage.REPROFILE and profile is not None:
+            decision = self._reprofiled(decision, profile, chosen.recompute)
+        elif stage is Stage.VALIDATE and chosen.executor is not None:
+            decision = self._validated(decision, chosen.executor.plan, wall_s, guard_bytes)
+        elif stage is Stage.DECIDED and chosen.executor is not None and not chosen.lean:
+            decision = self._proven(chosen, decision, guard_bytes)
+        if decision.stage is not Stage.REPROFILE and decision.plan is not before:
+            self._store(chosen.key, decision)  # what a fresh process replays from here on
+        elif decision.lean and stage is Stage.VALIDATE:
+            self._mark_lean(chosen.key, decision)
+        self._decisions[chosen.signature] = decision
+        self.planning_s = time.perf_counter() - begin
         return chosen.source
 
-    def _race_step(self, chosen: IterationPlan, wall_s: float, guard_bytes: int) -> PlanSource:
-        """Time one candidate's replay; store the winner when every candidate has run."""
-        race = self._race.get(chosen.signature)
-        if race is None:
-            return PlanSource.RACED
-        if chosen.executor is not None and not chosen.executor.active:
-            del self._race[chosen.signature]  # the run diverged: profile it again
-            return PlanSource.FALLBACK
-        remade = None
-        if guard_bytes > 0 and not chosen.lean:  # race it as it would be kept (NOTE [plan race])
-            candidates = self._candidates.get(chosen.signature, [])
-            remade = remake(candidates, race.current(), self._plan, guard_bytes)
-        winner = race.record(wall_s, guard_bytes, chosen.lean, remade)
-        if winner is None:
-            self._publish(chosen)
-        else:
-            del self._race[chosen.signature]
-            logger.info("%s", race.summary(winner))
-            self._store(chosen, winner)
-            if race.winner_clean():  # its replays go on lean (NOTE [plan race])
-                self._lean.add(chosen.signature)
-        return PlanSource.RACED
+    # -- the stages ---------------------------------------------------------------------------
+    def _solved(self, profile: Profile, maskable: bool) -> Decision:
+        """The profiled iteration's decision: the option predicted fastest (``solve``)."""
+        trace = profile[0]
+        plan = self._plan(profile)
+        choice = self._solve(profile, plan)
+        encode = trace.encoded or (
+            self.encode_masks == "auto" and maskable and (plan is None or bool(plan.moves))
+        )
+        if choice.names or encode != trace.encoded:
+            names = ", ".join(choice.names) or "nothing"
+            logger.info("profiling again: recomputing %s, clamps encoded: %s", names, encode)
+            return Decision(Stage.REPROFILE, plan, (profile,), choice, encode)
+        return Decision(Stage.VALIDATE, plan, (profile,), predicted_s=self._predict(profile, plan))
 
-    def _choose(
-        self, chosen: IterationPlan, trace: Trace, reserve_bytes: int, min_budget_bytes: int
+    def _solve(self, profile: Profile, plan: Plan | None) -> Recomputation:
+        """The recomputation of least predicted step (NOTE [calibrated model]); none is one."""
+        trace = profile[0]
+        if not trace.units:
+            return NO_RECOMPUTATION
+        best, best_s = NO_RECOMPUTATION, self._predict(profile, plan)
+        for names, selective in recompute_candidates(trace, self.budget_bytes):
+            modelled = with_recompute(trace, names, selective)
+            option = self._plan((modelled, profile[1], profile[2]))
+            if option is None:
+                continue
+            seconds = self.costs.step_s(modelled, option) + recompute_s(trace, names, selective)
+            logger.info("recomputing %s: predicted %.4f s a step", ", ".join(names), seconds)
+            if seconds < best_s:
+                best, best_s = Recomputation.of(trace, names, selective), seconds
+        return best
+
+    def _reprofiled(self, decision: Decision, profile: Profile, done: Recomputation) -> Decision:
+        """The plan of the reprofile, with what it recomputed."""
+        plan = self._plan(profile, done)
+        profiles = (*decision.profiles, profile)
+        return Decision(Stage.VALIDATE, plan, profiles, predicted_s=self._predict(profile, plan))
+
+    def _validated(
+        self, decision: Decision, plan: Plan, wall_s: float, guard_bytes: int
+    ) -> Decision:
+        """The decision after its validating replay took ``wall_s`` (NOTE [one decision])."""
+        if guard_bytes == 0 and not misses(decision.predicted_s, wall_s):
+            return dataclasses.replace(decision, stage=Stage.DECIDED, lean=True)
+        profile = decision.profiles[-1]
+        self.costs = self.costs.corrected(plan, profile[0], wall_s)
+        logger.info(
+            "validating replay: %.4f s against %.4f s predicted, %d bytes moved by the guard: "
+            "planned once more",
+            wall_s,
+            decision.predicted_s,
+            guard_bytes,
+        )
+        options = [(p, self._plan(p, _done(plan, p), guard_bytes)) for p in decision.profiles]
+        if guard_bytes == 0:
+            options.append((profile, plan))  # what ran clean stands unless a plan is faster
+        timed = [(self._predict(p, o), i, o) for i, (p, o) in enumerate(options) if o is not None]
+        if not timed:
+            return Decision(Stage.DECIDED, None)
+        seconds, _, best = min(timed, key=lambda t: (t[0], -t[1]))
+        lean = best is plan  # it ran clean: its replays go lean
+        return Decision(Stage.DECIDED, best, decision.profiles, predicted_s=seconds, lean=lean)
+
+    def _proven(self, chosen: IterationPlan, decision: Decision, guard_bytes: int) -> Decision:
+        """A full replay of a decided plan that needed no guard: the plan replays lean."""
+        if guard_bytes or decision.lean:
+            return decision
+        decision = dataclasses.replace(decision, lean=True)
+        self._mark_lean(chosen.key, decision)
+        return decision
+
+    # -- plans --------------------------------------------------------------------------------
+    def _plan(
+        self, profile: Profile, done: Recomputation = NO_RECOMPUTATION, margin_bytes: int = 0
     ) -> Plan | None:
-        """The plan of a profiled trace; with recomputation, first a trial (NOTE [hybrid plan])."""
-        signature = chosen.signature
-        plan = self._plan(trace, reserve_bytes, min_budget_bytes)
-        if plan is not None:
-            plan = dataclasses.replace(plan, predicted_step_s=predicted_step_s(trace, plan))
-        profile = (trace, reserve_bytes, min_budget_bytes)
-        if self.encoding.defer(chosen, plan, profile):  # NOTE [encoding decided]
+        """The plan of ``profile`` that leaves the guard its headroom; None if there is none."""
+        trace, reserve_bytes, min_bytes = profile
+        plan = plan_within_guard(
+            trace,
+            self.budget_bytes,
+            self.chunk_bytes,
+            reserve_bytes,
+            min_bytes,
+            margin_bytes,
+            costs=self.costs,
+        )
+        if plan is None:
             return None
-        unencoded = self.encoding.take(signature)
-        others = [p for p, _ in unencoded]
-        trials = self._trial.get(signature)
-        if trials is not None:
-            hybrid = trials.profiled(plan, predicted_step_s(trace, plan))
-            if hybrid is not None:
-                self._candidates.setdefault(signature, []).append((hybrid, profile))
-            if trials.pending:
-                return None  # the next iteration profiles the next candidate
-            del self._trial[signature]
-            return self._race_or_only(signature, trials)
-        self._candidates[signature] = [] if plan is None else [(plan, profile)]
-        self._candidates[signature] += unencoded
-        if trace.units:
-            # Judged at the budget: the model holds what a trial's recomputations hold (NOTE
-            # [recomputation's working set] in activations/recorder.py).
-            candidates = recompute_candidates(trace, self.budget_bytes)
-            if candidates:
-                self._trial[signature] = trials_of(trace, candidates, others, plan)
-                return plan
-        return self._race_or_only(signature, Trials([], others, plan)) if others else plan
+        return dataclasses.replace(
+            plan,
+            recompute=done.names,
+            selective=done.selective,
+            one_node=done.one_node,
+            predicted_step_s=self.costs.step_s(trace, plan),
+        )
 
-    def _publish(self, chosen: IterationPlan) -> None:
-        """Publish the best plan known for ``chosen``'s signature (NOTE [provisional plan])."""
-        if self.shared is not None and chosen.key is not None:
-            candidates = self._candidates.get(chosen.signature, [])
-            trials = self._trial.get(chosen.signature)
-            unit_s = trials.unit_s if trials is not None else {}
-            race = self._race.get(chosen.signature)
-            self.shared.publish(chosen.key, race, candidates, unit_s)
+    def _predict(self, profile: Profile, plan: Plan | None) -> float:
+        return float("inf") if plan is None else self.costs.step_s(profile[0], plan)
 
-    def _race_or_only(self, signature: str, trials: Trials) -> Plan | None:
-        """Race the candidates of ``trials`` (NOTE [plan race]); the only one if one, or None."""
-        if len(candidates := trials.candidates()) < 2:
-            return candidates[0] if candidates else None
-        self._race[signature] = PlanRace(candidates, unit_s=trials.unit_s)
-        return None
+    def _store(self, key: PlanKey | None, decision: Decision) -> None:
+        if self.cache is None or key is None or decision.plan is None:
+            return
+        try:
+            self.cache.put(key, decision.plan)
+        except VTensorError as err:
+            logger.warning("plan not cached: %s", err)
+            return
+        if decision.lean:
+            self._mark_lean(key, decision)
+
+    def _mark_lean(self, key: PlanKey | None, decision: Decision) -> None:
+        if self.cache is not None and key is not None and decision.plan is not None:
+            self.cache.mark_lean(key, decision.plan)  # the next managers start lean
+
+
+def _done(plan: Plan, profile: Profile) -> Recomputation:
+    """What ``profile`` recomputed: ``plan``'s recomputation if it was profiled with it."""
+    if tuple(profile[0].recomputed) == plan.recompute:
+        return Recomputation(plan.recompute, plan.selective, plan.one_node)
+    return NO_RECOMPUTATION

@@ -117,6 +117,7 @@ class IterationBooks:
     peak_bytes: int = 0
     min_budget_bytes: int = 0
     min_budget_step: str = ""
+    min_budget_kept_bytes: int = 0  # saved bytes that could not leave where the floor is
     violated: bool = False
     # per (step, hook event) where the guard acted: the largest rise after it (NOTE [step reserve])
     growth: dict[tuple[int, int], int] = field(default_factory=dict)

@@ -29,10 +29,6 @@ class PlanSource(StrEnum):
     CACHED = "cached"  # a plan loaded from the plan cache: no profiling in this process
     FALLBACK = "fallback"  # the run diverged from its plan: reactive for the rest
     REACTIVE = "reactive"  # reactive only (policy="reactive", or the planner found no plan)
-    RACED = "raced"  # one of two candidate plans, replayed to be timed (NOTE [plan race])
-    # Another manager sharing the plan cache decides: its provisional plan, or reactive until
-    # it publishes one (NOTE [provisional plan] in ``activations/shared_plans.py``).
-    SHARED = "shared"
 
 
 @dataclass(frozen=True)

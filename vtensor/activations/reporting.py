@@ -12,6 +12,7 @@ from vtensor.activations.report import Granularity, IterationReport, PlanSource,
 from vtensor.activations.rerun_cost import mechanism_costs
 from vtensor.activations.store import ChunkStore
 from vtensor.measure.independent import IndependentPeak
+from vtensor.planner.costs import Transfers
 from vtensor.planner.trace import Trace, TraceUnit
 
 
@@ -24,12 +25,21 @@ class StoreCounters:
     transfer_s: float
     stall_s: float
     copied_bytes: int
+    write_s: float
 
     @classmethod
     def of(cls, store: ChunkStore) -> "StoreCounters":
         """The counters of ``store`` now."""
         s = store.stats
-        return cls(s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s, s.copied_bytes)
+        return cls(s.bytes_out, s.bytes_in, s.transfer_s, s.stall_s, s.copied_bytes, s.write_s)
+
+    def since(self, before: "StoreCounters") -> Transfers:
+        """The transfers between ``before`` and these counters."""
+        write_s = self.write_s - before.write_s
+        read_s = self.transfer_s - before.transfer_s - write_s
+        return Transfers(
+            self.bytes_out - before.bytes_out, write_s, self.bytes_in - before.bytes_in, read_s
+        )
 
 
 def iteration_report(
@@ -43,6 +53,7 @@ def iteration_report(
     before: StoreCounters,
     started: float,
     pending_state_bytes: int,
+    planning_s: float = 0.0,
 ) -> IterationReport:
     """The report of ``iteration``, the ``index``-th of its manager."""
     now = StoreCounters.of(iteration.store)
@@ -75,7 +86,7 @@ def iteration_report(
         steps=tuple(books.steps),
         predicted_peak_bytes=plan.predicted_peak_bytes if plan is not None else None,
         predicted_stall_s=plan.predicted_stall_s if plan is not None else None,
-        planning_s=chosen.planning_s,
+        planning_s=planning_s,
         cache_load_s=chosen.cache_load_s,
         one_time_bytes=iteration.one_time_bytes,
         recomputed=iteration.recomputed,

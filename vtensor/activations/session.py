@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from vtensor.activations.budgeting import ManagerBudget
+from vtensor.activations.floor import floor_breakdown
 from vtensor.activations.iteration import Iteration
 from vtensor.activations.iteration_plan import IterationPlan
-from vtensor.activations.model_state import ScanCache, StateStorages, check_start, device_of
+from vtensor.activations.model_state import ScanCache, StateStorages, device_of
 from vtensor.activations.planning import PlanBook
 from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.quiet import QuietTurns
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.store import ChunkStore
@@ -31,7 +31,14 @@ from vtensor.measure.counter import cpu_counter, make_device_tracker
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, quiet_heap
-from vtensor.offload.joint import JointStep, check_joint, held_outside
+from vtensor.offload.joint import (
+    AUTO_OFFLOAD_SHARE,
+    JointStep,
+    check_joint,
+    held_outside,
+    offload_for,
+    state_bytes,
+)
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -134,9 +141,15 @@ class MemoryManager:
         recompute: bool = False,
         check_every_hook: bool = False,
         encode_masks: bool | str = False,
+        offload_params: bool | str = "auto",
     ) -> None:
         if encode_masks not in (True, False, "auto"):
             raise VTensorError(f"encode_masks={encode_masks!r}: use True, False or 'auto'")
+        if offload_params not in (True, False, "auto"):
+            raise VTensorError(f"offload_params={offload_params!r}: use True, False or 'auto'")
+        self.offload_params = offload_params
+        # The parameter offloadings this manager made, by (model, optimizer) (NOTE [offload auto]).
+        self._offloads: dict[tuple[int, int], ParamOffload] = {}
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
         try:
             self.granularity = Granularity(granularity)
@@ -172,7 +185,6 @@ class MemoryManager:
         self.recompute, self.encode_masks = recompute, encode_masks
         self._plans = self._plan_book()
         self.check_every_hook = check_every_hook
-        self._quiet = QuietTurns.shared(plan_cache_dir)  # NOTE [quiet replay], quiet.py
         self._store: ChunkStore | None = None
         self._policy: ReactivePolicy | None = None
         self._peaks: IndependentPeak | None = None
@@ -196,8 +208,10 @@ class MemoryManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for transfers, free every chunk and delete the swap file."""
-        self._plans.close()  # NOTE [undecided plans] in vtensor/activations/undecided.py
+        """Wait for transfers, free every chunk, delete the swap file; parameters come back."""
+        for offload in self._offloads.values():
+            offload.close()
+        self._offloads.clear()
         if self._store is not None:
             self._store.close()
             self._store.engine.close()
@@ -227,6 +241,11 @@ class MemoryManager:
         )
 
     @property
+    def params_offloaded(self) -> bool:
+        """Whether a model's parameters, gradients and optimizer state are offloaded here."""
+        return bool(self._offloads)
+
+    @property
     def budget_bytes(self) -> int:
         """The budget in bytes (0 until a budget of ``"N%"`` or ``"auto"`` resolves)."""
         return self._budget.nbytes
@@ -246,9 +265,49 @@ class MemoryManager:
         """
         return self._budget.unmanaged_peak_bytes
 
+    def _offload_for(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+    ) -> "ParamOffload | None":
+        """The offloading of ``model``'s parameter side this manager runs, if any.
+
+        Made at the first step that needs one (NOTE [offload auto] in ``offload/joint.py``),
+        under the manager's budget and settings, and kept for the steps that follow.
+        """
+        if optimizer is None or self.offload_params is False or not self.budget_bytes:
+            return None
+        key = (id(model), id(optimizer))
+        if key in self._offloads:
+            return self._offloads[key]
+        if device.type != "cpu" or self.granularity is not Granularity.CHUNK:
+            if self.offload_params is True:
+                raise VTensorError(
+                    "offload_params=True offloads parameters on the CPU at chunk granularity "
+                    f"(device {device.type}, granularity {self.granularity.value})"
+                )
+            return None
+        pending = pending_state_bytes(optimizer, self._state_shapes)
+        side = state_bytes(model, optimizer, pending)
+        if self.offload_params == "auto" and side <= AUTO_OFFLOAD_SHARE * self.budget_bytes:
+            return None
+        offload = offload_for(
+            model,
+            optimizer,
+            self.budget_bytes,
+            chunk_bytes=self.chunk_bytes,
+            storage_dir=self.storage_dir,
+            encrypt_storage=self.encrypt_storage,
+            drop_page_cache=self.drop_page_cache,
+            min_tensor_bytes=self.min_tensor_bytes,
+        )
+        logger.info(
+            "parameters, gradients and optimizer state (%s) offloaded under the budget",
+            format_bytes(side),
+        )
+        self._offloads[key] = offload
+        return offload
+
     def _budget_resolved(self) -> None:
         """The budget changed: plans and the reactive policy follow it."""
-        self._plans.close()
         self._plans = self._plan_book()
         if self._store is not None:
             self._policy = ReactivePolicy(self._store, self.budget_bytes, self.prefetch_depth)
@@ -304,6 +363,15 @@ class MemoryManager:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
         scan = self._scans.of(model)
         device = self.device or device_of(scan)
+        owned, side_floor = None, 0
+        try:
+            owned = self._offload_for(model, optimizer, device) if params is None else None
+        except InfeasibleBudgetError as refused:
+            # Below what offloading needs: this iteration runs without it, to state the whole
+            # iteration's minimum with it (NOTE [minimum budget]).
+            side_floor = refused.min_budget_bytes
+        if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
+            params, optimizer = owned, None
         if params is not None:
             check_joint(
                 params,
@@ -319,14 +387,16 @@ class MemoryManager:
         # minimum stated now must count it (it is part of their baseline).
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
-        protected, state_bytes = self._states.of(
+        protected, held_state = self._states.of(
             scan, optimizer, inputs, device, self._scans.pointers
         )
         if not self.budget_bytes:
-            self._budget.resolve_device(device, state_bytes)
+            self._budget.resolve_device(device, held_state)
             self._budget_resolved()
             store, policy, tracker = self._ensure_started(device)
-        baseline = check_start(state_bytes, self.budget_bytes, pending, held)
+        # Above the budget, the iteration still runs (the guard keeps what it can) so that the
+        # minimum it states is the whole iteration's, not the state's alone.
+        baseline = held_state + held
         peaks = self._peaks = self._peaks or IndependentPeak(
             device, enabled=self.measure_peaks, rss=self.count_workspaces
         )
@@ -336,7 +406,6 @@ class MemoryManager:
             peaks.start()
             signature = params.plan_signature() if params is not None else ""
             chosen = self._plans.for_iteration(model, scan, inputs, device, store, signature)
-            self._plans.encoding.apply(chosen, bool(scan.maskable))  # NOTE [encoding decided]
             executor = chosen.executor
             policy.use_plan(executor.plan if executor is not None else None)
             joint = None
@@ -361,7 +430,6 @@ class MemoryManager:
                 count_workspaces=self.count_workspaces,
                 params=joint.side if joint is not None else None,
                 lean=chosen.lean and not self.check_every_hook,
-                quiet=self._quiet,
             )
             # Exits run in reverse: hooks off, pool disconnected, last step closed, store reaped.
             stack.callback(store.reap)
@@ -376,10 +444,22 @@ class MemoryManager:
             yield
         books = iteration.books
         need = books.min_budget_bytes + pending
-        over = need - self.budget_bytes  # what a racing candidate is made again under
-        if books.violated and not self._plans.excuse(chosen, iteration.was_lean, over):
-            raise InfeasibleBudgetError(self.budget_bytes, need, books.min_budget_step)
-        self._record(iteration, chosen, device, started, stats_before, joint, pending)
+        excused = books.violated and self._plans.excuse(chosen, iteration.was_lean)
+        if books.violated and not excused:
+            offloaded = params is not None
+            breakdown = floor_breakdown(
+                books, need, model, optimizer, inputs, pending, offloaded=offloaded
+            )
+            with_offload = max(side_floor, breakdown.offloaded_floor_bytes)
+            if side_floor and with_offload < need:  # offloading lowers it, needing this much
+                need = with_offload
+                breakdown = dataclasses.replace(breakdown, offload_needed=True)
+            raise InfeasibleBudgetError(
+                self.budget_bytes, need, books.min_budget_step, breakdown=breakdown
+            )
+        self._record(iteration, chosen, device, started, stats_before, joint, pending, excused)
+        if owned is not None:
+            owned.step()  # every parameter was updated in backward: the step ends
 
     def _record(
         self,
@@ -390,6 +470,7 @@ class MemoryManager:
         before: StoreCounters,
         joint: JointStep | None = None,
         pending_state_bytes: int = 0,
+        excused: bool = False,
     ) -> None:
         assert self._store is not None and self._policy is not None and self._peaks is not None
         trace = None
@@ -402,11 +483,13 @@ class MemoryManager:
         source = self._plans.after_iteration(
             chosen,
             trace,
-            self._policy.plan_reserve_bytes,
-            iteration.books.min_budget_bytes + pending_state_bytes,
-            device_now(device) - started,
-            self._guard_bytes(chosen, before),
-            pending_state_bytes,
+            reserve_bytes=self._policy.plan_reserve_bytes,
+            min_budget_bytes=iteration.books.min_budget_bytes + pending_state_bytes,
+            wall_s=device_now(device) - started,
+            guard_bytes=self._guard_bytes(chosen, before),
+            state_to_come_bytes=pending_state_bytes,
+            moved=StoreCounters.of(self._store).since(before),
+            excused=excused,
         )
         report = iteration_report(
             len(self._reports),
@@ -419,6 +502,7 @@ class MemoryManager:
             before,
             started,
             pending_state_bytes,
+            self._plans.planning_s if chosen.record_trace else 0.0,
         )
         self._reports.append(dataclasses.replace(report, budget_source=budget_source))
         if trace is not None and self._budget.note_profile(trace, pending_state_bytes):

@@ -311,7 +311,10 @@ class ChunkStore:
             if not already_done:  # compute waited on this transfer
                 self.stats.stall_s += time.perf_counter() - begin
         self._settle(record)
-        self.stats.transfer_s += pending.transfer.busy_s()
+        busy_s = pending.transfer.busy_s()
+        self.stats.transfer_s += busy_s
+        if pending.outgoing:
+            self.stats.write_s += busy_s
         if not pending.outgoing:
             for chunk in pending.chunks:
                 chunk.move(ChunkState.DEVICE)

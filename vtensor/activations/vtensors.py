@@ -71,5 +71,6 @@ class StoreStats:
     bytes_out: int = 0
     bytes_in: int = 0
     transfer_s: float = 0.0
+    write_s: float = 0.0  # of ``transfer_s``, the evictions'
     stall_s: float = 0.0
     copied_bytes: int = 0  # resident prefixes copied by resize_ (the copy path only)

@@ -25,7 +25,7 @@ never holds more than the budget, whatever the plan says.
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,11 +33,11 @@ from torch import nn
 from vtensor.errors import VTensorError
 from vtensor.offload.joint_record import ParamRecorder
 from vtensor.offload.joint_replay import ParamPlanExecutor
+from vtensor.offload.param_offload import ParamOffload
 from vtensor.offload.pool import OffloadPool
+from vtensor.offload.records import describe_params
+from vtensor.offload.units import find_units, footprint
 from vtensor.planner.plan import Plan
-
-if TYPE_CHECKING:
-    from vtensor.offload.param_offload import ParamOffload
 
 
 class RoomMaker(Protocol):
@@ -65,7 +65,7 @@ class JointStep:
 
     def __init__(
         self,
-        params: "ParamOffload",
+        params: ParamOffload,
         plan: Plan | None,
         replaying: Callable[[], bool],
         *,
@@ -104,7 +104,7 @@ class JointStep:
 
 
 def check_joint(
-    params: "ParamOffload",
+    params: ParamOffload,
     model: nn.Module,
     optimizer: object,
     budget_bytes: int,
@@ -142,3 +142,43 @@ def held_outside(pool: OffloadPool, model: nn.Module) -> int:
     return sum(
         e.nbytes for e in pool.tensors if e.in_memory and e.storage._cdata not in model_storages
     )
+
+
+# NOTE [offload auto]
+# ``MemoryManager(offload_params="auto")`` offloads a model's parameters, gradients and
+# optimizer state (a ``ParamOffload`` under the manager's budget, planned with the activations)
+# where they would take more than this share of the budget: what is left could not hold a step's
+# working set and the activations that must stay, so managing the activations alone would fail
+# or leave them no room to move. Below it they stay in memory, which costs no transfers.
+AUTO_OFFLOAD_SHARE = 0.5
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, pending: int) -> int:
+    """Parameters, buffers, the trainable parameters' gradients and the optimizer's state.
+
+    ``pending``: the state the optimizer's first step creates, not yet there.
+    """
+    params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    grads = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    state = 0
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
+    return params + grads + state + pending
+
+
+def offload_for(
+    model: nn.Module, optimizer: torch.optim.Optimizer, budget_bytes: int, **settings: object
+) -> ParamOffload:
+    """A ``ParamOffload`` of ``model`` under the manager's ``budget_bytes`` (its settings)."""
+    return ParamOffload(model, optimizer, budget_bytes, **settings)  # type: ignore[arg-type]
+
+
+def offloaded_min_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The least the parameter side holds at once when offloaded (NOTE [offload units])."""
+    units, kept = find_units(model, ())
+    records = describe_params(model, optimizer, units, kept, 4096)
+    managed = {r.name for r in records.values() if not r.fixed}
+    params: dict[str, torch.Tensor] = {r.name: r.param for r in records.values()}
+    state = {r.name: r.state_bytes for r in records.values()}
+    return footprint(units, params, state, managed, 1).min_budget_bytes

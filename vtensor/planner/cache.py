@@ -31,8 +31,7 @@ from vtensor.planner.plan import Plan
 logger = logging.getLogger(__name__)
 
 CACHE_SCHEMA_VERSION = 1
-# Plans, and the progress of decisions under way (NOTE [undecided plans]), which age out alike.
-_ENTRY_NAME = re.compile(r"^[0-9a-f]{64}(\.undecided)?\.json$")
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
 _TEMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".lock"
 # A temp file this old belongs to a writer that died between write and rename.
@@ -163,50 +162,6 @@ class PlanCache:
         except OSError:
             return False
 
-    def undecided_path(self, key: PlanKey) -> Path:
-        """The file of ``key``'s decision under way (NOTE [undecided plans])."""
-        return self.directory / f"{key.digest()}.undecided.json"
-
-    def put_undecided(self, key: PlanKey, progress: dict[str, Any]) -> None:
-        """Store the progress of ``key``'s decision atomically (JSON data, with ``key``).
-
-        Raises:
-            VTensorError: the directory cannot be created or written.
-        """
-        text = json.dumps(progress, sort_keys=True)
-        entry = {"key": dataclasses.asdict(key), "progress": text, "sha256": _sha256(text)}
-        self._store(self.undecided_path(key), json.dumps(entry).encode())
-
-    def provisional_path(self, key: PlanKey) -> Path:
-        """The file of the plan ``key``'s decider knows best so far (NOTE [provisional plan])."""
-        return self.directory / f"{key.digest()}.provisional.json"
-
-    def put_provisional(self, key: PlanKey, plan: Plan) -> None:
-        """Publish ``plan`` as ``key``'s provisional plan; a failed write only warns."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # Not synced to the disk: it serves the managers running now, not after a crash.
-            data = _encode_entry(key, plan)
-            self._write_atomic(self.provisional_path(key), data, durable=False)
-        except OSError as exc:
-            logger.warning("plan cache: cannot publish %s (%s)", self.provisional_path(key), exc)
-
-    def get_provisional(self, key: PlanKey) -> Plan | None:
-        """``key``'s provisional plan, or None (none, or unreadable: warned)."""
-        path = self.provisional_path(key)
-        try:
-            return _decode_entry(path.read_bytes(), key)
-        except FileNotFoundError:
-            return None
-        except (OSError, _BadEntryError) as exc:
-            logger.warning("plan cache: ignoring %s: %s", path, exc)
-            return None
-
-    def drop_provisional(self, key: PlanKey) -> None:
-        """Remove ``key``'s provisional plan, if any."""
-        with contextlib.suppress(FileNotFoundError):
-            self.provisional_path(key).unlink()
-
     def _store(self, path: Path, data: bytes) -> None:
         """Write ``data`` to ``path`` atomically, then evict beyond ``max_entries``."""
         try:
@@ -218,36 +173,6 @@ class PlanCache:
                 f"cannot write the plan cache at {self.directory} ({exc}); make the directory "
                 "writable, or point the plan cache at a writable directory"
             ) from exc
-
-    def take_undecided(self, key: PlanKey) -> dict[str, Any] | None:
-        """The progress of ``key``'s decision, removed from disk; None if there is none.
-
-        Unreadable progress warns and counts as none (and is removed too).
-        """
-        path = self.undecided_path(key)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            logger.warning("plan cache: cannot read %s (%s); profiling again", path, exc)
-            return None
-        self.drop_undecided(key)
-        try:
-            entry = json.loads(raw)
-            text = entry["progress"]
-            if entry["key"] != dataclasses.asdict(key) or entry["sha256"] != _sha256(text):
-                raise ValueError("key or checksum mismatch")
-            progress: dict[str, Any] = json.loads(text)
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            logger.warning("plan cache: ignoring %s: %s; profiling again", path, exc)
-            return None
-        return progress
-
-    def drop_undecided(self, key: PlanKey) -> None:
-        """Remove the progress of ``key``'s decision, if any."""
-        with contextlib.suppress(FileNotFoundError):
-            self.undecided_path(key).unlink()
 
     def _load(self, key: PlanKey) -> Plan | None:
         path = self.path_for(key)

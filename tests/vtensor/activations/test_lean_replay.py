@@ -16,7 +16,6 @@ import vtensor
 import vtensor.activations.planning
 import vtensor.activations.wiring
 from vtensor.activations.executor import PlanExecutor
-from vtensor.activations.quiet import QUIET_RUN
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
 from vtensor.io.file_io import SwapFileIo
@@ -92,9 +91,15 @@ def test_lean_and_full_replays_move_the_same_bytes_bit_identically(
     # One plan in both runs: the second manager replays the first's from the plan cache (two
     # profiles may differ by a chunk, which made two plans). Whether a full replay's guard
     # evicts a chunk of its own depends on how fast the writes before it complete, and where it
-    # does the plan is made again (NOTE [guard margin], tested apart); here it is kept, and
+    # does the plan is made again (NOTE [one decision], tested apart); here it is kept, and
     # what the guard moved beyond the plan in the last full replay is allowed for.
-    monkeypatch.setattr(vtensor.activations.planning, "plan_again", lambda *_: None)
+    monkeypatch.setattr(
+        vtensor.activations.planning.PlanBook,
+        "_validated",
+        lambda _self, decision, _plan, _wall_s, guard_bytes: dataclasses.replace(
+            decision, stage=vtensor.activations.planning.Stage.DECIDED, lean=guard_bytes == 0
+        ),
+    )
     guarded: list[int] = []
     beyond_plan = vtensor.MemoryManager._guard_bytes
 
@@ -221,16 +226,7 @@ def test_a_tensor_left_to_autograd_is_still_checked_for_changes_in_place(
             adopted.clear()
             _step(model, x, mm)
         assert mm.report().lean and adopted == []  # nothing moves: everything was passed
-        model.meddle = True
-        # A quiet replay (NOTE [quiet replay]) leaves saved tensors to autograd, whose own
-        # check stops the backward as it would without the manager.
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            _step(model, x, mm)
-        model.meddle = False
-        for _ in range(QUIET_RUN - 2):  # the full replay of step 2 began the quiet run
-            _step(model, x, mm)
-        # The replay that matches every saved tensor again: the manager's own check.
-        model.meddle = True
+        model.meddle = True  # the lean replay matches every saved tensor: the manager checks
         with pytest.raises(InPlaceModificationError, match="modified in place"):
             _step(model, x, mm)
 
@@ -279,18 +275,15 @@ def test_a_replay_that_moves_nothing_near_its_budget_reads_every_watched_step_wi
     assert len(reads) >= len(plan.watched_events)  # each watched step read, at its event
 
 
-# Three steps: the first lean replay, which matches every saved tensor; four: a quiet one
-# (NOTE [quiet replay]), which reads at its predicted peak only.
-@pytest.mark.parametrize("before", [3, 4], ids=["hookless", "quiet"])
 def test_a_hookless_replay_over_its_budget_checks_again_and_profiles_next_time(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, installs: list[int], before: int
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, installs: list[int]
 ):
     torch.manual_seed(0)
     model, x = Hoarder(), torch.randn(2048, 64)
     peak = _peak(model, x)
     ref = _step(model, x, None)
     with vtensor.MemoryManager(2 * peak, storage_dir=tmp_path) as mm:
-        for _ in range(before):
+        for _ in range(3):
             installs.clear()
             _step(model, x, mm)
         assert mm.report().lean and installs == []
@@ -359,7 +352,7 @@ def test_a_plan_that_fills_the_whole_budget_is_replayed_checking_every_hook(tmp_
         for _ in range(3):
             assert all(map(torch.equal, ref, _step(model, x, fresh)))
         reports = fresh.reports
-    assert [r.plan_source for r in reports] == ["cached", "planned", "planned"]
+    assert [r.plan_source for r in reports] == ["cached", "cached", "cached"]
     assert not any(r.lean for r in reports)
     assert all(r.steps for r in reports)  # every step was booked
 
@@ -495,7 +488,7 @@ def test_a_cached_plan_a_full_replay_proved_starts_lean_in_the_next_manager(tmp_
             return [(r.plan_source, r.lean) for r in mm.reports]
 
     assert first_two() == [("profiled", False), ("planned", False)]  # the full replay proves it
-    assert first_two() == [("cached", True), ("planned", True)]
+    assert first_two() == [("cached", True), ("cached", True)]
     (note,) = cache.glob("*.lean")
     note.write_text("another plan's digest")
     assert first_two()[0] == ("cached", False)  # a note for another plan proves nothing

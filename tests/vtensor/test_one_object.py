@@ -1,0 +1,182 @@
+"""One object, one budget for the whole training state; a stated minimum that works.
+
+``mm.step(model, optimizer, inputs=...)`` with the plain torch loop around it: parameters,
+gradients and optimizer state are offloaded under the manager's budget where they must be
+(NOTE [offload auto] in ``vtensor/offload/joint.py``), and the minimum an infeasible budget
+states is the whole iteration's, with its breakdown (NOTE [minimum budget]).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vtensor
+
+CHUNK = 64 * 1024
+STEPS = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(128, 384), nn.Tanh()]
+    for _ in range(6):
+        layers += [nn.Linear(384, 384), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(384, 10))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(256, 128, generator=g), torch.randint(0, 10, (256,), generator=g)
+
+
+def _train(
+    manager: vtensor.MemoryManager | None, steps: int = STEPS
+) -> tuple[nn.Module, list[vtensor.IterationReport]]:
+    """The README's loop: ``with mm.step(...)``: forward, backward; then step and zero_grad."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = _batch(step)
+        if manager is None:
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with manager.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, list(manager.reports) if manager is not None else []
+
+
+def _peak(tmp_path: Path) -> int:
+    with vtensor.MemoryManager("1TiB", storage_dir=tmp_path, offload_params=False) as mm:
+        _train(mm, steps=2)
+        peak = mm.unmanaged_peak_bytes
+    assert peak is not None
+    return peak
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_the_whole_training_state_trains_under_one_budget_bit_identically(tmp_path: Path) -> None:
+    peak = _peak(tmp_path)
+    budget = int(0.45 * peak)  # below the parameters, gradients and Adam state alone
+    state = sum(p.nbytes for p in _model().parameters()) * 4
+    assert state > budget
+    reference, _ = _train(None)
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        model, reports = _train(mm)
+        assert mm.params_offloaded
+    assert _same(reference, model)
+    assert all(r.peak_device_bytes <= budget + CHUNK for r in reports)
+
+
+def test_a_manager_whose_budget_holds_the_state_leaves_the_parameters_alone(
+    tmp_path: Path,
+) -> None:
+    reference, _ = _train(None)
+    with vtensor.MemoryManager(2 * _peak(tmp_path), storage_dir=tmp_path) as mm:
+        model, _ = _train(mm)
+        assert not mm.params_offloaded
+    assert _same(reference, model)
+
+
+def test_offload_params_is_checked_before_any_work() -> None:
+    with pytest.raises(vtensor.VTensorError, match="offload_params='sometimes'"):
+        vtensor.MemoryManager("1GiB", offload_params="sometimes")
+
+
+def test_recomputation_and_offloading_together_keep_the_smallest_budget(tmp_path: Path) -> None:
+    with pytest.raises(vtensor.InfeasibleBudgetError) as raised:
+        with vtensor.MemoryManager(
+            "1MiB", chunk_bytes=CHUNK, storage_dir=tmp_path, offload_params=False
+        ) as mm:
+            _train(mm, steps=1)
+    minimum = raised.value.min_budget_bytes
+    with vtensor.MemoryManager(
+        minimum, chunk_bytes=CHUNK, storage_dir=tmp_path, recompute=True, offload_params=True
+    ) as mm:
+        _, reports = _train(mm)
+        assert mm.params_offloaded
+    assert all(r.peak_device_bytes <= minimum + CHUNK for r in reports)
+
+
+FRESH = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+torch.set_num_threads(1)
+import vtensor
+from test_one_object import _train, CHUNK
+try:
+    with vtensor.MemoryManager(int(sys.argv[2]), chunk_bytes=CHUNK, storage_dir=sys.argv[3],
+                               offload_params=sys.argv[4] == "True") as mm:
+        _train(mm)
+    print("OK")
+except vtensor.InfeasibleBudgetError as err:
+    print("MIN", err.min_budget_bytes)
+"""
+
+
+def _fresh(tmp_path: Path, budget: int, offload: bool) -> str:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FRESH,
+            str(Path(__file__).parent),
+            str(budget),
+            str(tmp_path),
+            str(offload),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["state-kept", "state-offloaded"])
+def test_the_stated_minimum_works_in_a_fresh_process_from_far_and_just_below(
+    tmp_path: Path, offload: bool
+) -> None:
+    far = _fresh(tmp_path, 1 << 20, offload)
+    assert far.startswith("MIN"), far
+    minimum = int(far.split()[1])
+    assert _fresh(tmp_path, minimum, offload) == "OK"
+    # From just below the smallest that works, the minimum stated works too.
+    near = _fresh(tmp_path, int(0.97 * minimum), offload)
+    if near != "OK":
+        assert _fresh(tmp_path, int(near.split()[1]), offload) == "OK"
+
+
+def test_the_error_breaks_the_minimum_down_and_advises_by_what_holds_it(tmp_path: Path) -> None:
+    with pytest.raises(vtensor.InfeasibleBudgetError) as raised:
+        with vtensor.MemoryManager(
+            "1MiB", chunk_bytes=CHUNK, storage_dir=tmp_path, offload_params=False
+        ) as mm:
+            _train(mm, steps=1)
+    err = raised.value
+    parts = err.breakdown
+    assert parts is not None
+    params = sum(p.nbytes for p in _model().parameters())
+    assert parts.parameters == params and parts.gradients == params
+    # Adam's two moments and its step counts, created by its first step
+    assert 2 * params <= parts.optimizer_state <= 2 * params + 1024
+    assert parts.state > parts.working_set + parts.kept_activations
+    assert "offload_params=True" in str(err)
+    assert 0 < parts.offloaded_floor_bytes < err.min_budget_bytes
+    # The activations hold the floor of a wide batch: the advice is a smaller batch.
+    model = nn.Sequential(nn.Linear(128, 4096), nn.Tanh(), nn.Linear(4096, 10))
+    x, y = torch.randn(4096, 128), torch.randint(0, 10, (4096,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(vtensor.InfeasibleBudgetError, match="lower the batch size"):
+        with vtensor.MemoryManager("1MiB", chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+            with mm.step(model, opt, inputs=(x, y)):
+                nn.functional.cross_entropy(model(x), y).backward()
