@@ -60,7 +60,8 @@ def _peak(tmp_path: Path) -> int:
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    return all(torch.equal(x, y) for x, y in pairs)
 
 
 def test_the_whole_training_state_trains_under_one_budget_bit_identically(tmp_path: Path) -> None:
