@@ -11,12 +11,25 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from vtensor.activations.selective import save_products
+_aten = torch.ops.aten
+_PRODUCTS = frozenset(
+    {_aten.convolution.default, _aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+)
 
-# The same policy as the manager's selective units (NOTE [selective recompute]), so that the
-# baseline and the hybrid plan keep and recompute the same ops.
+
+def save_products(_ctx: object, op: object, *_args: object, **_kwargs: object) -> CheckpointPolicy:
+    """The selective checkpointing policy: keep products' outputs, recompute the rest."""
+    if op in _PRODUCTS or str(op).startswith("aten._scaled_dot_product_"):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 _selective = functools.partial(create_selective_checkpoint_contexts, save_products)
 
 

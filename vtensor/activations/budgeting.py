@@ -49,7 +49,7 @@ class ManagerBudget:
 
         Traces with modules recomputed hold fewer saved tensors: they give no unmanaged peak.
         """
-        if trace.recomputed or trace.selective:
+        if trace.recomputed:
             return False
         self.unmanaged_peak_bytes = unmanaged_peak(trace) + pending_state_bytes
         if not self.share_pending:

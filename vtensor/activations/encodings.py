@@ -20,19 +20,6 @@ the clamp holds it instead of its input: the same bytes as without the encoding.
 saved through the manager's hooks like any saved tensor (the same storage as the next layer's
 save): the plan keeps, swaps or recomputes it.
 
-NOTE [hooked clamps]
-Where no saved-tensor hooks are in force (a quiet replay, NOTE [quiet replay]), a clamp runs
-torch's own ``hardtanh``, and its node's saved input gets a pair of hooks of its own
-(``SavedTensor.register_hooks``): the input is given up as the hooks are set, and the node's
-backward is handed the output. The same bytes are saved and the same backward kernel runs, at
-half the ``autograd.Function``'s cost beyond torch's own clamp: 48 against 62 us a clamp's
-forward and backward on a tiny tensor, where ``F.relu6`` takes 36 (benchmarks/README.md,
-``mask_encoding``); the main job's CNN runs 19 clamps a step. The units a quiet replay rebuilds
-in backward take this form too (NOTE [own hooks] in ``activations/rebuild.py``). Under the
-manager's hooks or torch's checkpointing (default hooks), a saved tensor takes no hooks of its
-own, so the Function runs there. The hooks keep a detached alias of the output, which holds no
-node: no cycle keeps the graph alive.
-
 Encoded only where this is exact: a floating-point input that requires grad, given to a module
 of exactly those types, out of place, whose forward is not patched. Anything else runs the
 module's own forward. What is given up: an in-place change to the output after the forward and
@@ -44,7 +31,7 @@ autograd would report, goes unseen: the gradient is that of the forward that ran
 """
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,14 +40,6 @@ from torch import nn
 from vtensor.errors import VTensorError
 
 MASKABLE: tuple[type[nn.Module], ...] = (nn.Hardtanh, nn.ReLU6)
-
-# The saved-tensor hooks in force, None where none are (``saved_tensors_hooks`` pushes them).
-_default_hooks: Callable[[bool], object] = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def saved_hooks_in_force() -> bool:
-    """Whether saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) are in force."""
-    return _default_hooks(False) is not None
 
 
 class MaskedHardtanh(torch.autograd.Function):
@@ -102,36 +81,8 @@ def _changed_in_place(name: str) -> VTensorError:
     )
 
 
-def _drop(_: torch.Tensor) -> None:
-    return None  # the clamp's input: nothing of it is kept
-
-
-def hooked_hardtanh(x: torch.Tensor, low: float, high: float, name: str) -> torch.Tensor:
-    """``hardtanh`` whose node is handed its output in place of its input (NOTE [hooked clamps]).
-
-    Only where no default saved-tensor hooks are in force; where torch's node has no saved
-    input to hook, the input stays saved (exact, not encoded).
-    """
-    out = nn.functional.hardtanh(x, low, high)
-    saved = getattr(out.grad_fn, "_raw_saved_self", None)
-    if saved is None:
-        return out
-    kept = out.detach()  # shares the storage and the version counter, holds no node
-    version = kept._version
-
-    def unpack(_: None) -> torch.Tensor:
-        if kept._version != version:
-            raise _changed_in_place(name)
-        return kept
-
-    saved.register_hooks(_drop, unpack)
-    return out
-
-
 def masked_hardtanh(x: torch.Tensor, low: float, high: float, name: str) -> torch.Tensor:
     """``hardtanh`` of ``x`` that saves its output for backward (NOTE [mask encoding])."""
-    if not saved_hooks_in_force():
-        return hooked_hardtanh(x, low, high, name)
     out: torch.Tensor = MaskedHardtanh.apply(x, low, high, name)  # type: ignore[no-untyped-call]
     return out
 

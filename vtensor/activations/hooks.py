@@ -10,7 +10,6 @@ from torch.utils.hooks import RemovableHandle
 
 from vtensor.activations.admission import Admission
 from vtensor.activations.lean import Passing
-from vtensor.activations.rebuild import REBUILT_KEY
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
 from vtensor.outputs import tensors_in
@@ -209,11 +208,9 @@ class ModuleHooks:
         self._backward = {key: f"backward:{name}" for key, name in names.items()}
         self._target = target
         self._sampler = _NodeSampler(target) if sample_nodes else None
-        # A node with a boundary is marked in its metadata with this step's token, not kept by
-        # id: a graph rebuilt in backward (NOTE [one-node recomputation]) is made after earlier
-        # nodes were freed, and could reuse their ids.
+        # A node with a boundary is marked in its metadata with this step's token: its id could
+        # be reused by a node made after it was freed.
         self._token = object()
-        self.rebuilding = 0  # NOTE [one-node recomputation]: a rebuilt graph gets boundaries
         self._handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post),
@@ -225,14 +222,13 @@ class ModuleHooks:
             self._target.begin_step(name)
 
     def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
-        if not self._target.recomputing or self.rebuilding:
+        if not self._target.recomputing:
             self.mark(module, output)
 
     def mark(self, module: nn.Module, output: Any) -> None:
         """Give the nodes that made ``output`` the backward boundary of ``module``.
 
-        A node that already has one (an inner module's output returned as it is) keeps it; a
-        ``Rebuild`` node gets none: the graph it rebuilds in backward gets them then.
+        A node that already has one (an inner module's output returned as it is) keeps it.
         """
         name = self._backward.get(id(module))
         if name is None:
@@ -246,7 +242,7 @@ class ModuleHooks:
             if node is None:
                 continue
             metadata = node.metadata
-            if metadata.get(_BOUNDARY_KEY) is self._token or REBUILT_KEY in metadata:
+            if metadata.get(_BOUNDARY_KEY) is self._token:
                 continue
             metadata[_BOUNDARY_KEY] = self._token
 
@@ -278,7 +274,6 @@ def install_module_hooks(
     modules that modify their input in place, such as ``ReLU(inplace=True)``). With
     ``sample_nodes``, every backward node of the graph behind a module output also gets a
     post-hook that samples the tracked bytes (NOTE [node peaks]). A recomputation's forward
-    steps are not steps; the graph a ``Rebuild`` node rebuilds gets its backward boundaries as
-    it is made (``ModuleHooks.mark``, NOTE [one-node recomputation]).
+    steps are not steps.
     """
     return ModuleHooks(names, target, sample_nodes)

@@ -14,7 +14,6 @@ from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wa
 from vtensor.activations.live import LiveBytes
 from vtensor.activations.param_side import ParamSide
 from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.rebuild import Boundaries, at_backward_end
 from vtensor.activations.recorder import IterationBooks, OpenStep
 from vtensor.activations.store import ChunkStore, VTensor
 from vtensor.activations.units import UnitRecorder
@@ -49,11 +48,9 @@ class Iteration:
         # Above 0 while a forward runs again (NOTE [recompute] in activations/recompute.py):
         # module hooks then ignore it. ``units`` records the candidates while profiling.
         self.recomputing = 0
-        self.boundaries: Boundaries | None = None  # None: a replay without module hooks
         self._recompute_from: tuple[int, int] | None = None  # outermost: (reading, regrowth)
         self.units: UnitRecorder | None = None
         self.recomputed: tuple[str, ...] = ()
-        self.selective: tuple[str, ...] = ()  # of those, recomputed selectively
         self.encoded = False  # clamps saved bits (NOTE [mask encoding])
         self.policy = policy
         self.tracker = tracker
@@ -224,10 +221,10 @@ class Iteration:
             return
         index = self.step_index + 1
         if name.startswith("backward:") and not self._backward_done_queued:
-            # Mark the end of backward (optimizer work that follows is its own step), the
-            # outermost backward's (NOTE [end of backward] in activations/rebuild.py).
+            # Mark the end of backward: optimizer work that follows is its own step. autograd
+            # runs a callback queued during a backward when the graph task ends.
             self._backward_done_queued = True
-            at_backward_end(self._backward_done)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         self._event = 0
         if self.lean and self._lean_begin(index, name):
             return  # else it left the plan: the step is opened again below, with the books

@@ -6,7 +6,6 @@ from vtensor.activations.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.recompute import unit_regrowth
-from vtensor.planner.recomputed import cached_selective, through_one_node
 from vtensor.planner.trace import Trace
 
 
@@ -16,31 +15,18 @@ class Recomputation:
 
     Attributes:
         names: the modules recomputed, sorted.
-        selective: of those, the ones recomputed selectively.
-        one_node: of those, the ones rebuilt behind one autograd node.
         regrowth: per module, the bytes its recomputation brings back at once (NOTE
             [recomputed growth]); for a profile, which must make room for them unplanned.
     """
 
     names: tuple[str, ...] = ()
-    selective: tuple[str, ...] = ()
-    one_node: tuple[str, ...] = ()
     regrowth: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(
-        cls, trace: Trace, names: tuple[str, ...], selective: tuple[str, ...]
-    ) -> "Recomputation":
-        """The recomputation of ``names`` (``selective`` of them), as profiled in ``trace``."""
+    def of(cls, trace: Trace, names: tuple[str, ...]) -> "Recomputation":
+        """The recomputation of ``names``, as profiled in ``trace``."""
         growth = unit_regrowth(trace)
-        units = {u.name: u for u in trace.units}
-        one_node = tuple(
-            n
-            for n in names
-            if (cached_selective(units[n]) if n in selective else through_one_node(units[n]))
-        )
-        regrowth = {n: growth.get(n, (0, 0))[n in selective] for n in names}
-        return cls(names, selective, one_node, regrowth)
+        return cls(names, {n: growth.get(n, 0) for n in names})
 
 
 NO_RECOMPUTATION = Recomputation()
@@ -80,4 +66,4 @@ class IterationPlan:
         if self.executor is None:
             return self.recomputation
         plan = self.executor.plan
-        return Recomputation(plan.recompute, plan.selective, plan.one_node)
+        return Recomputation(plan.recompute)

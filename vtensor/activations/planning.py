@@ -40,7 +40,6 @@ from vtensor.activations.iteration_plan import NO_RECOMPUTATION, IterationPlan, 
 from vtensor.activations.model_state import ModelScan
 from vtensor.activations.plan_keys import PlanKeys, planner_version
 from vtensor.activations.report import PlanSource
-from vtensor.activations.selective import load_sac
 from vtensor.activations.store import ChunkStore
 from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache
@@ -127,8 +126,6 @@ class PlanBook:
         self.encode_masks = encode_masks
         self.count_workspaces = count_workspaces
         self.recompute = recompute
-        if recompute:
-            load_sac()  # NOTE [SAC's imports]: before any step of this manager
         self.costs = Costs()
         self._decisions: dict[str, Decision] = {}
         self.planning_s = 0.0  # the last decision step's time
@@ -302,15 +299,15 @@ class PlanBook:
         if not trace.units:
             return NO_RECOMPUTATION
         best, best_s = NO_RECOMPUTATION, self._predict(profile, plan)
-        for names, selective in recompute_candidates(trace, self.budget_bytes):
-            modelled = with_recompute(trace, names, selective)
+        for names in recompute_candidates(trace, self.budget_bytes):
+            modelled = with_recompute(trace, names)
             option = self._plan((modelled, profile[1], profile[2]))
             if option is None:
                 continue
-            seconds = self.costs.step_s(modelled, option) + recompute_s(trace, names, selective)
+            seconds = self.costs.step_s(modelled, option) + recompute_s(trace, names)
             logger.info("recomputing %s: predicted %.4f s a step", ", ".join(names), seconds)
             if seconds < best_s:
-                best, best_s = Recomputation.of(trace, names, selective), seconds
+                best, best_s = Recomputation.of(trace, names), seconds
         return best
 
     def _reprofiled(self, decision: Decision, profile: Profile, done: Recomputation) -> Decision:
@@ -372,8 +369,6 @@ class PlanBook:
         return dataclasses.replace(
             plan,
             recompute=done.names,
-            selective=done.selective,
-            one_node=done.one_node,
             predicted_step_s=self.costs.step_s(trace, plan),
         )
 
@@ -399,5 +394,5 @@ class PlanBook:
 def _done(plan: Plan, profile: Profile) -> Recomputation:
     """What ``profile`` recomputed: ``plan``'s recomputation if it was profiled with it."""
     if tuple(profile[0].recomputed) == plan.recompute:
-        return Recomputation(plan.recompute, plan.selective, plan.one_node)
+        return Recomputation(plan.recompute)
     return NO_RECOMPUTATION

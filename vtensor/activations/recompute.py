@@ -2,9 +2,8 @@
 
 NOTE [recompute]
 A recomputed module saves nothing for backward but its inputs; backward runs its forward again
-right before it needs what that forward saved. The mechanism is one autograd node for a unit
-recomputed whole where one can stand for it (NOTE [one-node recomputation] in
-``activations/rebuild.py``), else torch's non-reentrant ``torch.utils.checkpoint``
+right before it needs what that forward saved. The mechanism is torch's non-reentrant
+``torch.utils.checkpoint``
 (``use_reentrant=False``, ``preserve_rng_state=True``), wrapped around the module's
 ``forward`` for the managed step only: it restores the RNG state, so
 dropout masks come out the same, and its own saved-tensor hooks sit inside the manager's, so
@@ -16,10 +15,8 @@ its caller are done here, in the recomputation's context:
 - the module's buffers are put back after the recomputation: BatchNorm would otherwise update
   its running statistics twice, and training would not be bit-identical.
 
-Which modules are recomputed is the plan's choice (``Plan.recompute``), and which of them
-selectively, under torch's selective activation checkpointing (``Plan.selective``, NOTE
-[selective recompute] in ``activations/selective.py``); which may be is decided while
-profiling (NOTE [safe to recompute] in ``activations/units.py``).
+Which modules are recomputed is the plan's choice (``Plan.recompute``); which may be is decided
+while profiling (NOTE [safe to recompute] in ``activations/units.py``).
 """
 
 import contextlib
@@ -30,11 +27,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
-from vtensor.activations.product_cache import ProductCache
-from vtensor.activations.rebuild import REBUILT_KEY, Rebuild, RebuildHost, Rerun
-from vtensor.activations.selective import save_products
 from vtensor.errors import VTensorError
 
 
@@ -45,7 +39,7 @@ class RecomputeTarget(Protocol):
     device: torch.device  # whose work a profile's clock waits for (``device_now``)
 
 
-class RecomputeHost(RecomputeTarget, RebuildHost, Protocol):
+class RecomputeHost(RecomputeTarget, Protocol):
     """The iteration a plan's recomputations run in: it measures what each one grows."""
 
     def recompute_began(self, regrowth_bytes: int) -> None:
@@ -96,17 +90,10 @@ def recompute_modules(
     model: nn.Module,
     names: Sequence[str],
     target: RecomputeHost,
-    selective: Sequence[str] = (),
     regrowth: Mapping[str, int] | None = None,
-    *,
-    one_node: Sequence[str] = (),
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
-    Those in ``selective`` are checkpointed selectively (NOTE [selective recompute]); those in
-    ``one_node`` go behind one autograd node instead (NOTE [one-node recomputation]), whole or,
-    where also in ``selective``, with their product leaves' outputs kept (NOTE [cached
-    products]).
     ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
     host with no plan to place them (NOTE [recomputed growth] in ``activations/policy.py``).
 
@@ -138,14 +125,7 @@ def recompute_modules(
             expected = (regrowth or {}).get(name, 0)
             # Into the instance's dict: ``Module.__setattr__`` and ``__delattr__`` first look
             # through its parameters, buffers and submodules, ~2 us a module at every step.
-            module.__dict__["forward"] = _checkpointed(
-                module,
-                module.forward,
-                target,
-                name in selective,
-                expected,
-                one_node=name in one_node,
-            )
+            module.__dict__["forward"] = _checkpointed(module, module.forward, target, expected)
             wrapped.append(module)
         yield
     finally:
@@ -157,23 +137,12 @@ def _checkpointed(
     module: nn.Module,
     forward: Callable[..., Any],
     target: RecomputeHost,
-    selective: bool,
     regrowth_bytes: int,
-    *,
-    one_node: bool = False,
 ) -> Callable[..., Any]:
-    """``forward`` recomputed: through torch's checkpointing, or behind one node.
-
-    Behind one node and ``selective``: with the product leaves' outputs kept (NOTE [cached
-    products]).
-    """
+    """``forward`` recomputed through torch's checkpointing."""
 
     def contexts() -> tuple[contextlib.AbstractContextManager[Any], Any]:
-        if not selective:
-            return contextlib.nullcontext(), recomputing(target, module, regrowth_bytes)
-        pair = create_selective_checkpoint_contexts(save_products)  # type: ignore[no-untyped-call]
-        caching, cached = pair
-        return caching, _both(recomputing(target, module, regrowth_bytes), cached)
+        return contextlib.nullcontext(), recomputing(target, module, regrowth_bytes)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -183,11 +152,6 @@ def _checkpointed(
         # The closures hold no tensor once the forward has run: the inputs are kept under the
         # manager's saved-tensor hooks (which may swap them), not by a reference here.
         tensors = call.hand_over()
-        if one_node:
-            cache = ProductCache(module) if selective else None
-            return _rebuild(
-                module, forward, call, (args, kwargs), tensors, target, regrowth_bytes, cache
-            )
         pending = [(args, kwargs)]
 
         def again(*inputs: torch.Tensor) -> Any:
@@ -206,73 +170,6 @@ def _checkpointed(
         )
 
     return run
-
-
-def _rebuild(
-    module: nn.Module,
-    forward: Callable[..., Any],
-    call: "CallSnapshot",
-    own: tuple[tuple[Any, ...], dict[str, Any]],
-    tensors: list[torch.Tensor],
-    target: RecomputeHost,
-    regrowth_bytes: int,
-    cache: ProductCache | None = None,
-) -> Any:
-    """``module``'s forward behind one ``Rebuild`` node (NOTE [one-node recomputation]).
-
-    With a ``cache``, its convolutions answered from it in the second run (NOTE [cached
-    products]).
-    """
-    pending = [own]
-    keeping = cache.keeping if cache is not None else contextlib.nullcontext
-    answering = cache.answering if cache is not None else contextlib.nullcontext
-
-    def first() -> Any:
-        args, kwargs = pending.pop()
-        with keeping():
-            return forward(*args, **kwargs)
-
-    def rerun(inputs: Sequence[torch.Tensor]) -> Any:
-        args, kwargs = call.rebuild(inputs)
-        with answering():
-            output = forward(*args, **kwargs)
-        if target.boundaries is not None:  # the unit's own, as its first forward would have
-            target.boundaries.mark(module, output)
-        return output
-
-    params = [p for p in module.parameters() if p.requires_grad]
-    values: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    @contextlib.contextmanager
-    def context() -> Iterator[None]:
-        # The buffers go back once the rebuilt graph is done with them (``finish``): it saved
-        # them (batch norm's running statistics), and writing them earlier would change them
-        # under it.
-        values[:] = buffers_of(module)
-        boundaries = target.boundaries
-        with recomputing(target, module, regrowth_bytes, buffers=False):
-            if boundaries is None:
-                yield
-                return
-            boundaries.rebuilding += 1
-            try:
-                yield
-            finally:
-                boundaries.rebuilding -= 1
-
-    def finish() -> None:
-        put_back(values)
-        values.clear()
-        if cache is not None:
-            cache.clear()
-
-    run = Rerun(first, context, rerun, finish, len(tensors), params)
-    run.note_state(tensors)
-    output = Rebuild.apply(run, *tensors, *params)  # type: ignore[no-untyped-call]
-    node: Any = (output if isinstance(output, torch.Tensor) else output[0]).grad_fn
-    if node is not None:
-        node.metadata[REBUILT_KEY] = True
-    return output
 
 
 class CallSnapshot:
@@ -328,18 +225,3 @@ class CallSnapshot:
         """The call's distinct tensors, which the snapshot then no longer holds."""
         tensors, self.tensors = self.tensors, []
         return tensors
-
-
-@contextlib.contextmanager
-def _both(
-    first: contextlib.AbstractContextManager[Any], second: contextlib.AbstractContextManager[None]
-) -> Iterator[None]:
-    """``first``, then ``second`` inside it.
-
-    The manager's recomputation context goes outside SAC's, so that its own ops (copying and
-    putting back the buffers) do not reach SAC's cache, which would find them missing.
-    """
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(first)
-        stack.enter_context(second)
-        yield

@@ -67,18 +67,15 @@ class UnitHighs:
     NOTE [recomputation's working set]
     Recomputing a unit runs its forward again at the first unpack of anything it saved. The
     model holds the saved tensors it brings back from then on (NOTE [recomputed lifetimes] in
-    ``planner/recomputed.py``), but while the forward runs it holds more: outputs no op saves (an
-    attention's scores and masked scores, T x T each, beside the probabilities), its own output,
-    tensors too small to manage. Left out, the model put the first backward step of a small
-    ResNet's block, recomputed selectively, 1.0 MiB under the 4.4 MiB its trial held there, so
-    candidates were judged under the reactive guard's whole reserve, which on the char GPT at
-    the GPU benchmark's batch left none (benchmarks/README.md, "Backward steps in parts"). So
-    the profile notes, for each unit, how far the bytes its forward made rose above where they
-    stood as it began: each reading outside vTensors plus every byte saved into them so far, so
-    that a tensor being saved or swapped changes nothing (``TraceUnit.working_bytes``). What of
-    it the model does not hold already is held while the unit runs again. The unit's own checks
-    run its forward again without readings, so they count for no unit
-    (``tests/vtensor/activations/test_working_set.py``).
+    ``planner/recomputed.py``), but while the forward runs it holds more: outputs no op saves
+    (an attention's scores and masked scores, T x T each, beside the probabilities), its own
+    output, tensors too small to manage. Left out, the model would put a recomputing step under
+    what it holds. So the profile notes, for each unit, how far the bytes its forward made rose
+    above where they stood as it began: each reading outside vTensors plus every byte saved into
+    them so far, so that a tensor being saved or swapped changes nothing
+    (``TraceUnit.working_bytes``). What of it the model does not hold already is held while the
+    unit runs again. The unit's own checks run its forward again without readings, so they count
+    for no unit (``tests/vtensor/activations/test_working_set.py``).
     """
 
     now: int = 0  # the last reading outside vTensors plus the bytes saved into them so far

@@ -104,7 +104,6 @@ class IterationReport:
         lean: a replayed plan was checked at module boundaries only, to the end (NOTE [lean
             replay]): ``peak_device_bytes`` is the highest reading at a boundary, ``steps`` is
             empty and ``min_budget_bytes`` is the profiled iteration's.
-        selective: of those, the ones recomputed selectively (NOTE [selective recompute]).
     """
 
     iteration: int
@@ -132,7 +131,6 @@ class IterationReport:
     copied_bytes: int = 0
     recomputed: tuple[str, ...] = ()
     lean: bool = False
-    selective: tuple[str, ...] = ()
     budget_source: str = ""
 
     @property

@@ -91,7 +91,6 @@ def iteration_report(
         one_time_bytes=iteration.one_time_bytes,
         recomputed=iteration.recomputed,
         lean=iteration.lean,
-        selective=iteration.selective,
     )
 
 
@@ -114,7 +113,6 @@ def iteration_trace(iteration: Iteration, budget_bytes: int, chunk_bytes: int | 
     return dataclasses.replace(
         trace,
         recomputed=iteration.recomputed,
-        selective=iteration.selective,
         units=units,
         encoded=iteration.encoded,
     )

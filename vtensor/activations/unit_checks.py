@@ -3,21 +3,64 @@
 NOTE [safe to recompute] is in ``activations/units.py``, which records the units while profiling.
 """
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from vtensor.activations.encodings import side_effect_free
 from vtensor.activations.recompute import CallSnapshot, RecomputeTarget
-from vtensor.activations.selective_profile import StartState, replaying
 from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MAX_GRAPH_NODES = 100_000
+
+
+class ProfileTarget(RecomputeTarget, Protocol):
+    """What the profile asks of the iteration."""
+
+    def manages(self, tensor: torch.Tensor) -> bool:
+        """Whether a saved ``tensor`` becomes a vTensor."""
+        ...
+
+
+@dataclass(frozen=True)
+class StartState:
+    """What a unit's forward began with: the RNG states and its buffers' values."""
+
+    rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    buffers: list[torch.Tensor]
+
+
+@contextlib.contextmanager
+def replaying(module: nn.Module, start: StartState, target: RecomputeTarget) -> Iterator[None]:
+    """Run the forward of ``module`` again from ``start``; the state after it comes back."""
+    rng_after = torch.get_rng_state()
+    cuda_after = torch.cuda.get_rng_state() if start.cuda_rng is not None else None
+    buffers = list(module.buffers())
+    buffers_after = [b.detach().clone() for b in buffers]
+    target.recomputing += 1
+    try:
+        torch.set_rng_state(start.rng)
+        if start.cuda_rng is not None:
+            torch.cuda.set_rng_state(start.cuda_rng)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, start.buffers, strict=True):
+                buffer.copy_(value)
+        yield
+    finally:
+        target.recomputing -= 1
+        torch.set_rng_state(rng_after)
+        if cuda_after is not None:
+            torch.cuda.set_rng_state(cuda_after)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, buffers_after, strict=True):
+                buffer.copy_(value)
 
 
 @dataclass

@@ -35,19 +35,10 @@ def instrumented(
         if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
-            iteration.boundaries = hooks
         if recomputation.names:
             iteration.recomputed = recomputation.names
-            iteration.selective = recomputation.selective
             stack.enter_context(
-                recompute_modules(
-                    model,
-                    recomputation.names,
-                    iteration,
-                    recomputation.selective,
-                    recomputation.regrowth,
-                    one_node=recomputation.one_node,
-                )
+                recompute_modules(model, recomputation.names, iteration, recomputation.regrowth)
             )
         elif chosen.find_units:
             books = iteration.books

@@ -82,10 +82,10 @@ def moved_bytes(plan: Plan, trace: Trace) -> int:
     return written + read
 
 
-def recompute_s(trace: Trace, names: tuple[str, ...], selective: tuple[str, ...]) -> float:
-    """What recomputing the units ``names`` of ``trace`` costs a step (``selective`` of them)."""
+def recompute_s(trace: Trace, names: tuple[str, ...]) -> float:
+    """What recomputing the units ``names`` of ``trace`` costs a step."""
     units = {u.name: u for u in trace.units}
-    return sum(units[n].selective_s if n in selective else whole_s(units[n]) for n in names)
+    return sum(whole_s(units[n]) for n in names)
 
 
 def misses(predicted_s: float, measured_s: float) -> bool:

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-PLAN_SCHEMA_VERSION = 13
+PLAN_SCHEMA_VERSION = 14
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,6 @@ class Plan:
         recompute: modules (qualified names) whose forward runs again in backward instead of
             keeping or swapping what it saves (NOTE [recompute]); the moves are planned for the
             iteration with them recomputed.
-        selective: of ``recompute``, the modules recomputed selectively: torch's selective
-            activation checkpointing keeps their product outputs and recomputes the rest
-            (NOTE [selective recompute]).
         predicted_step_s: the step time the planner predicts: measured compute, recomputation
             included, plus the predicted stall.
         min_budget_bytes: the smallest budget the profiled iteration it was planned from could
@@ -80,10 +77,6 @@ class Plan:
             there while a replay follows the plan, where it fills the budget (the trace's
             ``growth_bytes``, NOTE [step reserve] in ``planner/reserves.py``); empty:
             ``reserve_bytes`` everywhere.
-        one_node: of ``recompute``, the modules recomputed through one autograd node (NOTE
-            [one-node recomputation] in ``activations/rebuild.py``): whole, or, those also in
-            ``selective``, with their product leaves' outputs kept (NOTE [cached products] in
-            ``activations/product_cache.py``); the others through torch's checkpointing.
     """
 
     budget_bytes: int
@@ -101,12 +94,10 @@ class Plan:
     predicted_step_s: float = 0.0
     min_budget_bytes: int = 0
     watched_steps: tuple[int, ...] = ()
-    selective: tuple[str, ...] = ()
     step_headroom_bytes: tuple[int, ...] = ()
     watched_events: tuple[tuple[int, int], ...] = ()
     encoded: bool = False
     step_reserve_bytes: tuple[tuple[int, ...], ...] = ()
-    one_node: tuple[str, ...] = ()
 
     @property
     def activation_count(self) -> int:
@@ -150,8 +141,6 @@ class Plan:
             tensor_names=tuple(raw.pop("tensor_names", ())),
             recompute=tuple(raw.pop("recompute", ())),
             watched_steps=tuple(raw.pop("watched_steps", ())),
-            selective=tuple(raw.pop("selective", ())),
-            one_node=tuple(raw.pop("one_node", ())),
             step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
             step_reserve_bytes=tuple(tuple(r) for r in raw.pop("step_reserve_bytes", ())),
             watched_events=tuple((v, k) for v, k in raw.pop("watched_events", ())),

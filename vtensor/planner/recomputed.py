@@ -5,92 +5,43 @@ from collections.abc import Sequence
 
 from vtensor.planner.trace import Trace, TraceStep, TraceUnit
 
-# NOTE [one node or checkpointing]: one node saves a unit's graph in forward and
-# checkpointing's hook per saved tensor (11-16 % of the blocks' recomputation on the main job's
-# CNN, benchmarks/README.md, ``recompute_cost``), but runs the whole forward again, where
-# checkpointing stops after the last tensor the unit saves. A unit whose ops after its last save
-# take more than this share of its forward (a DenseNet layer's last convolution: 32-45 %) is
-# cheaper through checkpointing.
-ONE_NODE_MAX_TAIL_SHARE = 0.1
-
-
-def through_one_node(unit: TraceUnit) -> bool:
-    """Whether ``unit``, recomputed whole, goes behind one autograd node.
-
-    Where one can stand for it and its forward's tail is short (NOTE [one node or
-    checkpointing]).
-    """
-    return unit.one_node and unit.tail_s <= ONE_NODE_MAX_TAIL_SHARE * unit.forward_s
-
 
 def whole_s(unit: TraceUnit) -> float:
-    """What recomputing ``unit`` whole costs: its forward and the mechanism's own work.
+    """What recomputing ``unit`` costs: its forward and the mechanism's own work.
 
     NOTE [mechanism cost] is in ``activations/rerun_cost.py``.
     """
     return unit.forward_s + unit.overhead_s
 
 
-def cached_selective(unit: TraceUnit) -> bool:
-    """Whether ``unit``, recomputed selectively, goes behind one node (NOTE [cached products]).
-
-    NOTE [cached products] is in ``activations/product_cache.py``.
-    """
-    return unit.cached_products and unit.one_node and unit.selective_safe
-
-
-def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] = ()) -> Trace:
+def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
     """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
 
-    ``selective``: those of ``names`` recomputed selectively. A whole unit's inner tensors are
-    gone; a selective unit's inner tensors leave the trace too, and its product outputs'
-    bytes are held, as unmanaged bytes, from their save (the others from its first step)
-    through its last backward step. Each tensor recomputation brings back is held, as
+    A unit's inner tensors are gone. Each tensor recomputation brings back is held, as
     unmanaged bytes, from the unit's first backward step through its own last use (NOTE
     [recomputed lifetimes]), and while it runs again, that step holds its working set too
-    (``_add_working``). The unit's inputs cannot move where checkpointing recomputes it
-    (its frame holds them); behind one node they move like any saved tensor until its backward
-    (NOTE [one node's inputs]). Vids are renumbered in order.
-
-    NOTE [one node's inputs]
-    A unit recomputed behind one node (``activations/rebuild.py``) saves its inputs through the
-    manager's hooks, so a plan may swap them between its forward and its backward; its backward
-    holds them from its first step to its last (the second forward runs on them, and the
-    rebuilt graph saves them again). Pinned for the whole iteration, as checkpointing's are, a
-    small ConvNeXt's four blocks recomputed were judged to need 13.7 MB, 1.5 MB more than with
-    their inputs free to move and more than the 12.6 MB its budget at half its peak leaves a
-    plan, so what checkpointing every block does never got a trial (benchmarks/README.md,
-    ``held_out``).
+    (``_add_working``). The unit's inputs cannot move: checkpointing's frame holds them. Vids
+    are renumbered in order.
 
     NOTE [recomputed lifetimes]
     Recomputation runs the unit's forward again at the first unpack of anything it saved, so
     every tensor it brings back appears at once, at the start of the unit's backward. It does
     not stay there: torch's checkpoint keeps a recomputed tensor only under a weak reference
     keyed by the handle its saved-tensor hook packed, and drops the handle when the tensor is
-    unpacked, so each one is freed once the backward node that used it is done with it. Held
-    through the whole of the unit's backward instead, the bytes used early in it counted at
-    every later step too, and the floor judged with them was higher than the one recomputing
-    the unit leaves. Within its last step, it is held through the part that used it last (NOTE
-    [backward parts] in ``memory_model.py``): every block of the char GPT recomputed was judged
-    to need 589 MiB at the GPU benchmark's batch, 557 MiB with parts.
+    unpacked, so each one is freed once the backward node that used it is done with it, within
+    its last step in the part that used it last (NOTE [backward parts] in
+    ``memory_model.py``).
     """
-    chosen, partial = set(names), set(selective)
+    chosen = set(names)
     units = [u for u in trace.units if u.name in chosen]
     gone = {v for u in units for v in u.inner_vids}
-    gone |= {v for u in units if u.name in partial for v in (*u.selective_vids, *u.product_vids)}
-    one_node = {u.name for u in units if u.name not in partial and through_one_node(u)}
-    kept = {v for u in units if u.name not in one_node for v in u.input_vids}
-    held_by_node: dict[int, set[int]] = {}  # NOTE [one node's inputs]
+    kept = {v for u in units for v in u.input_vids}
     extra = [0] * len(trace.steps)
     part_extra: dict[int, list[int]] = {}  # by step, per part: tensors freed in a part
     for unit in units:
         backward = [s.index for s in trace.steps if in_backward(s.name, unit.name)]
         first, last = min(backward, default=unit.last_step), max(backward, default=unit.last_step)
-        if unit.name in one_node:
-            for v in unit.input_vids:
-                held_by_node.setdefault(v, set()).update(range(first, last + 1))
-        recomputed = unit.selective_vids if unit.name in partial else unit.inner_vids
-        for v in recomputed:  # NOTE [recomputed lifetimes]
+        for v in unit.inner_vids:  # NOTE [recomputed lifetimes]
             tensor = trace.tensors[v]
             freed = max((s for s in tensor.use_steps if s >= first), default=last)
             for index in range(first, freed):
@@ -103,51 +54,33 @@ def with_recompute(trace: Trace, names: Sequence[str], selective: Sequence[str] 
                     by_part[j] += tensor.nbytes
             else:
                 extra[freed] += tensor.nbytes
-        _add_working(trace, unit, first, unit.name in partial, extra, part_extra)
-        if unit.name in partial and cached_selective(unit):
-            for index in range(first, last + 1):  # its output's gradient, as below
-                extra[index] += unit.output_bytes
-        if unit.name not in partial:
-            if through_one_node(unit):
-                # Its output's gradient stays until its backward ends (NOTE [one-node
-                # recomputation] in activations/rebuild.py).
-                for index in range(first, last + 1):
-                    extra[index] += unit.output_bytes
-            continue
-        held = [(trace.tensors[v].saved_step, trace.tensors[v].nbytes) for v in unit.product_vids]
-        for first, nbytes in [*held, (unit.first_step, unit.product_bytes)]:
-            for index in range(first, last + 1):
-                extra[index] += nbytes
+        _add_working(trace, unit, first, extra, part_extra)
     steps = tuple(_with_extra(s, extra[s.index], part_extra.get(s.index)) for s in trace.steps)
     tensors = tuple(
         dataclasses.replace(
             t,
             vid=i,
             evictable_step=-1 if t.vid in kept else t.evictable_step,
-            use_steps=tuple(sorted({*t.use_steps, *held_by_node.get(t.vid, ())})),
         )
         for i, t in enumerate(t for t in trace.tensors if t.vid not in gone)
     )
-    return dataclasses.replace(
-        trace, steps=steps, tensors=tensors, units=(), recomputed=(), selective=()
-    )
+    return dataclasses.replace(trace, steps=steps, tensors=tensors, units=(), recomputed=())
 
 
 def _add_working(
     trace: Trace,
     unit: TraceUnit,
     first: int,
-    selective: bool,
     extra: list[int],
     part_extra: dict[int, list[int]],
 ) -> None:
     """Hold what ``unit`` runs again with beyond what it brings back, where it runs again.
 
     NOTE [recomputation's working set] in ``activations/recorder.py``: the working set less the
-    tensors it brings back (and, selectively, the product outputs SAC holds), which the model
-    holds already. It runs at the first unpack of anything the unit saved from ``first``, its
-    first backward step, on: in the step of that use, through the earliest part in which one of
-    those tensors was last used there (every part where none was).
+    tensors it brings back, which the model holds already. It runs at the first unpack of
+    anything the unit saved from ``first``, its first backward step, on: in the step of that
+    use, through the earliest part in which one of those tensors was last used there (every
+    part where none was).
 
     NOTE [working set at an unpack]
     A recomputation runs inside the unpack that begins a part, before that part's backward node
@@ -160,9 +93,8 @@ def _add_working(
     sample, at that unpack), the highest base of the parts it may run in, where that is above
     the part's own peak. Without bases (a step in one part) it is held on top, as before.
     """
-    brought = unit.selective_vids if selective else unit.inner_vids
-    held = sum(trace.tensors[v].nbytes for v in brought)
-    more = unit.working_bytes - held - (product_bytes(trace, unit) if selective else 0)
+    held = sum(trace.tensors[v].nbytes for v in unit.inner_vids)
+    more = unit.working_bytes - held
     if more <= 0:
         return
     saved = [trace.tensors[v] for v in (*unit.inner_vids, *unit.input_vids)]
@@ -193,11 +125,6 @@ def _with_extra(step: TraceStep, extra: int, part_extra: list[int] | None) -> Tr
         )
     parts = tuple(p + extra + e for p, e in zip(step.part_peak_bytes, part_extra, strict=True))
     return dataclasses.replace(step, unmanaged_peak_bytes=max(parts), part_peak_bytes=parts)
-
-
-def product_bytes(trace: Trace, unit: TraceUnit) -> int:
-    """Bytes of ``unit``'s product outputs, which SAC's cache holds when it runs selectively."""
-    return unit.product_bytes + sum(trace.tensors[v].nbytes for v in unit.product_vids)
 
 
 def in_backward(step: str, unit: str) -> bool:

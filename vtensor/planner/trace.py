@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 17
+TRACE_SCHEMA_VERSION = 18
 
 
 class TensorKind(StrEnum):
@@ -121,7 +121,7 @@ class TraceUnit:
         first_step: index of the forward step its forward began with.
         last_step: index of the last forward step inside its forward.
         forward_s: measured wall time of its forward run again on its own (what recomputing it
-            whole costs, with ``overhead_s``: NOTE [unit time] in ``activations/units.py``).
+            costs, with ``overhead_s``: NOTE [unit time] in ``activations/units.py``).
         inner_vids: the vTensors (trace vids) saved inside its forward, made there and used
             only by its own backward steps: the bytes recomputing it would not keep.
         input_vids: vTensors saved inside its forward that are its inputs: a recomputed unit
@@ -130,37 +130,12 @@ class TraceUnit:
             input in place, called no custom autograd Function and changed no module attribute
             (NOTE [safe to recompute]); an unsafe unit is never recomputed.
         why_unsafe: the first reason it is not safe ("" when safe).
-        selective_safe: it may also be recomputed selectively, with torch's selective activation
-            checkpointing (NOTE [selective recompute] in ``activations/selective.py``): it is
-            safe, and no product output is modified in place or leaves it.
-        why_not_selective: the first reason it may not be recomputed selectively.
-        selective_s: what a selective recompute costs: its non-product ops' measured time, its
-            Python once more and a dispatch mode's overhead twice (NOTE [dispatch cost] in
-            ``activations/selective_profile.py``), or without the dispatch mode where
-            ``cached_products``; the mechanism's own cost included (NOTE [mechanism cost]).
-        selective_vids: the inner vTensors no product op made: what a selective recompute
-            frees from its forward to its backward.
-        product_vids: the inner vTensors product ops made: SAC's cache holds them instead of
-            the manager, from their save through its backward.
-        product_bytes: bytes of the other product outputs SAC's cache holds (autograd saved
-            no vTensor of them), from its forward through its backward.
-        output_bytes: bytes of the tensors its forward returned: recomputed whole through one
-            node, it holds their gradient through its backward (NOTE [one-node recomputation]
-            in ``activations/rebuild.py``).
-        one_node: one autograd node can stand for it when it is recomputed whole (NOTE
-            [one-node recomputation]).
-        tail_s: the time of its forward's ops after its last save: what checkpointing does not
-            recompute and one node does (NOTE [one-node recomputation]).
         working_bytes: how far its forward took the bytes it made, the tensors it saved
             included: what running it again holds at its peak (NOTE [recomputation's working
             set] in ``activations/recorder.py``).
-        cached_products: recomputed selectively, it goes behind one node with its
-            product leaves' outputs kept from its forward (NOTE [cached products] in
-            ``activations/product_cache.py``); it holds its output's gradient through its
-            backward then, as a unit recomputed whole through one node does.
-        overhead_s: what recomputing it whole costs beyond its forward: the work of the
-            mechanism it would go through, one node or torch's checkpointing, measured once per
-            process (NOTE [mechanism cost] in ``activations/rerun_cost.py``).
+        overhead_s: what recomputing it costs beyond its forward: torch's checkpointing's
+            own work, measured once per process (NOTE [mechanism cost] in
+            ``activations/rerun_cost.py``).
     """
 
     name: str
@@ -171,17 +146,7 @@ class TraceUnit:
     input_vids: tuple[int, ...]
     safe: bool
     why_unsafe: str = ""
-    selective_safe: bool = False
-    why_not_selective: str = "not profiled"
-    selective_s: float = 0.0
-    selective_vids: tuple[int, ...] = ()
-    product_vids: tuple[int, ...] = ()
-    product_bytes: int = 0
-    output_bytes: int = 0
-    one_node: bool = False
-    tail_s: float = 0.0
     working_bytes: int = 0
-    cached_products: bool = False
     overhead_s: float = 0.0
 
 
@@ -203,7 +168,6 @@ class Trace:
         units: the modules that could be recomputed, outermost first (profiled with
             ``recompute=True`` only; empty otherwise).
         recomputed: the modules recomputed while this iteration ran.
-        selective: of those, the ones recomputed selectively (NOTE [selective recompute]).
         encoded: its clamps saved bits, not their inputs (NOTE [mask encoding]).
     """
 
@@ -218,7 +182,6 @@ class Trace:
     incomplete: bool = False
     units: tuple[TraceUnit, ...] = ()
     recomputed: tuple[str, ...] = ()
-    selective: tuple[str, ...] = ()
     encoded: bool = False
 
     def holding(self, state_bytes: int) -> "Trace":
@@ -303,20 +266,16 @@ class Trace:
                     **u,
                     "inner_vids": tuple(u["inner_vids"]),
                     "input_vids": tuple(u["input_vids"]),
-                    "selective_vids": tuple(u["selective_vids"]),
-                    "product_vids": tuple(u["product_vids"]),
                 }
             )
             for u in raw.pop("units", ())
         )
         recomputed = tuple(raw.pop("recomputed", ()))
-        selective = tuple(raw.pop("selective", ()))
         return cls(
             steps=steps,
             tensors=tensors,
             units=units,
             recomputed=recomputed,
-            selective=selective,
             **raw,
         )
 

@@ -10,7 +10,6 @@ import pytest
 from recompute_models import (
     MIB,
     Block,
-    all_selective,
     assert_same,
     batch,
     model_with,
@@ -24,11 +23,17 @@ from vtensor.activations.planning import Decision, PlanBook, Profile, Stage
 from vtensor.activations.report import PlanSource
 from vtensor.planner.costs import Costs
 from vtensor.planner.plan import Plan
+from vtensor.planner.trace import Trace
+
+
+def every_block(trace: Trace) -> tuple[str, ...]:
+    """The top-level blocks that are safe to recompute."""
+    return tuple(sorted(u.name for u in trace.units if u.safe and "." not in u.name))
 
 
 def _recompute_every_block(book: PlanBook, profile: Profile, plan: Plan | None) -> Recomputation:
     trace = profile[0]
-    return Recomputation.of(trace, *all_selective(trace, book.budget_bytes))
+    return Recomputation.of(trace, every_block(trace))
 
 
 def _profiled(tmp_path: Path, fraction: float = 0.6) -> tuple[PlanBook, Profile]:
@@ -72,9 +77,7 @@ def test_the_solver_recomputes_only_where_the_model_predicts_it_faster(tmp_path:
     assert book._solve(profile, plan).names
     # Free swapping against recomputation that costs an hour a unit: nothing is recomputed.
     book.costs = Costs(write_bytes_per_s=1e18, read_bytes_per_s=1e18)
-    slow = tuple(
-        dataclasses.replace(u, forward_s=3600.0, selective_s=3600.0) for u in profile[0].units
-    )
+    slow = tuple(dataclasses.replace(u, forward_s=3600.0) for u in profile[0].units)
     slow_trace = dataclasses.replace(profile[0], units=slow)
     assert book._solve((slow_trace, *profile[1:]), plan).names == ()
 
@@ -108,7 +111,7 @@ def test_a_replay_that_misses_its_prediction_corrects_the_per_byte_cost(tmp_path
 
 def test_a_recomputation_that_breaks_the_budget_gives_way_to_swapping(tmp_path: Path) -> None:
     book, profile = _profiled(tmp_path)
-    choice = Recomputation(("3",), ("3",))
+    choice = Recomputation(("3",))
     book._decisions["sig"] = Decision(Stage.REPROFILE, None, (profile,), choice)
     reprofile = IterationPlan("sig", PlanSource.PROFILED, record_trace=True, recomputation=choice)
     assert book.excuse(reprofile, was_lean=False)
@@ -151,16 +154,15 @@ with vtensor.MemoryManager({budget}, storage_dir={str(tmp_path)!r}, recompute=Tr
                            plan_cache_dir={str(cache)!r}) as mm:
     grads = train(model, mm)
     first = mm.reports[0]
-    print(first.plan_source, len(first.recomputed), len(first.selective), flush=True)
+    print(first.plan_source, len(first.recomputed), flush=True)
 assert_same(Block, model, grads)
 """
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    source, count, selective = done.stdout.split()
+    source, count = done.stdout.split()
     assert source == "cached" and int(count) == len(plan.recompute) > 0
-    assert int(selective) == len(plan.selective)
 
 
 def test_every_replay_form_keeps_bit_identity_under_a_budget_that_never_binds(
