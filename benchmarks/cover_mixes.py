@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 import vtensor
-import vtensor.activations.iteration as iteration
-import vtensor.activations.planning as planning
+import vtensor.activations.runtime.iteration as iteration
+import vtensor.activations.plan.decision as planning
 import vtensor.activations.quiet as quiet
 from benchmarks.common import (
     add_out,

@@ -6,7 +6,7 @@ in parts (NOTE [backward parts] in ``vtensor/planner/memory_model.py``), and wit
 removed, as a step-level model sees it. Per budget and way: the smallest budget the model states
 for swapping alone and for every outermost unit recomputed whole (what checkpointing every block
 does), the latter also without the units' working sets (NOTE [recomputation's working set] in
-``vtensor/activations/recorder.py``), and how many recomputation candidates the planner finds at
+``vtensor/activations/runtime/recorder.py``), and how many recomputation candidates the planner finds at
 the budget, where it judges them. Bytes, not times: the figures are the same on any machine for the
 same batch, so the GPU benchmark's batch (``--batch-scale 4``) can be profiled here. Run from the
 repository root::

@@ -1,6 +1,6 @@
 """Clamps that save their output, not their input: what the encoding costs and what it frees.
 
-NOTE [mask encoding] in ``vtensor/activations/encodings.py``. Two parts, in this one process:
+NOTE [mask encoding] in ``vtensor/activations/encode.py``. Two parts, in this one process:
 
 - ``ops``: per tensor of a clamp's input size, a clamp's forward and backward through autograd
   as ``nn.ReLU6`` runs it (saving its input) against the encoding's two forms, which save its
@@ -44,7 +44,7 @@ from benchmarks.common import (
     write_json_lines,
 )
 from benchmarks.zoo import workloads
-from vtensor.activations.encodings import MaskedHardtanh, hooked_hardtanh
+from vtensor.activations.encode import MaskedHardtanh, hooked_hardtanh
 
 MIB = 1 << 20
 SHAPES = {

@@ -1,7 +1,7 @@
 """What recomputing a block costs: the profile's prediction against the measured cost.
 
 The planner ranks what to recompute by what the profiled iteration measured of each unit: its
-forward time (recomputing it whole, NOTE [unit time] in ``vtensor/activations/units.py``) and
+forward time (recomputing it whole, NOTE [unit time] in ``vtensor/activations/recompute/profile/units.py``) and
 the cost of recomputing it selectively (NOTE [dispatch cost] in
 ``vtensor/activations/selective_profile.py``). This script checks both against what recomputing
 each block really adds to a training step. Per model (the main job's CNN from
@@ -50,8 +50,8 @@ from benchmarks.common import (
     write_json_lines,
 )
 from benchmarks.zoo import workloads
-from vtensor.activations.recompute import recompute_modules
-from vtensor.activations.rerun_cost import PlainHost
+from vtensor.activations.recompute.checkpointed import recompute_modules
+from vtensor.activations.recompute.profile.cost import PlainHost
 from vtensor.planner.recompute import inner_bytes, selective_bytes
 from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Trace, TraceUnit

@@ -153,7 +153,7 @@ def class_table(
 
 
 # NOTE [deciding rounds]: a class's first round under vtensor decides its plan (NOTE [one
-# decision] in vtensor/activations/planning.py: a profile, at most one more, one validating
+# decision] in vtensor/activations/plan/decision.py: a profile, at most one more, one validating
 # replay), once per model, input shape and budget; its later rounds load the plan from the
 # class's plan cache. The table keeps the two apart, since a run of a few rounds would otherwise
 # state the one-time decision as the cost of every round. A round counts as deciding when its

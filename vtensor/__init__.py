@@ -1,5 +1,6 @@
 """vtensor: train PyTorch models under a hard memory budget by swapping chunks of activations."""
 
+from vtensor.activations.manager import MemoryManager
 from vtensor.activations.report import (
     Granularity,
     IterationReport,
@@ -7,7 +8,6 @@ from vtensor.activations.report import (
     Policy,
     StepStats,
 )
-from vtensor.activations.session import MemoryManager
 from vtensor.budget import BudgetKind, BudgetSpec, device_budget, parse_budget, share_of_peak
 from vtensor.errors import (
     BudgetFormatError,

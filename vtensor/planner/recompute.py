@@ -2,15 +2,15 @@
 
 NOTE [hybrid plan]
 Every saved byte is kept, swapped or recomputed. A unit (a module, NOTE [recompute] in
-``activations/recompute.py``) recomputed frees its inner tensors from its forward to its
-backward, at the price of its measured forward time and the mechanism's own cost
-(``whole_s``), and brings them back all at once at the start of its backward (NOTE [recomputed
-lifetimes] in ``recomputed.py``). Two recomputations are worth pricing: the cheapest cover of
-the deficit (the peak over the budget), cheapest per freed byte first (NOTE [cheapest finish]),
-never two nested units, each only where the iteration with it still has a feasible floor; and
-every outermost safe unit, what checkpointing every block does. The solver
-(``PlanBook._solve``) prices each, with the swapping left to do, on the calibrated model (NOTE
-[calibrated model] in ``costs.py``) against swapping alone, and takes the least.
+``activations/recompute/checkpointed.py``) recomputed frees its inner tensors from its forward to
+its backward, at the price of its measured forward time and the mechanism's own cost (``whole_s``),
+and brings them back all at once at the start of its backward (NOTE [recomputed lifetimes] in
+``recomputed.py``). Two recomputations are worth pricing: the cheapest cover of the deficit (the
+peak over the budget), cheapest per freed byte first (NOTE [cheapest finish]), never two nested
+units, each only where the iteration with it still has a feasible floor; and every outermost safe
+unit, what checkpointing every block does. The solver (``PlanBook._solve``) prices each, with the
+swapping left to do, on the calibrated model (NOTE [calibrated model] in ``costs.py``) against
+swapping alone, and takes the least.
 """
 
 from collections.abc import Sequence
@@ -33,11 +33,11 @@ def unit_regrowth(trace: Trace) -> dict[str, int]:
 
     NOTE [regrowth bound]
     A profile that recomputes makes room for each unit before it runs again (NOTE [recomputed
-    growth] in ``activations/policy.py``), from a profile that never ran it twice. The unit's
-    working set measured there (NOTE [recomputation's working set] in
-    ``activations/recorder.py``) is that bound; where none was measured (no reading inside its
-    forward), twice every tensor saved inside it but its inputs: running again makes afresh
-    what it saved and holds outputs no op saved until it ends.
+    growth] in ``activations/runtime/policy.py``), from a profile that never ran it twice. The
+    unit's working set measured there (NOTE [recomputation's working set] in
+    ``activations/runtime/recorder.py``) is that bound; where none was measured (no reading inside
+    its forward), twice every tensor saved inside it but its inputs: running again makes afresh what
+    it saved and holds outputs no op saved until it ends.
     """
     bounds = {}
     for unit in trace.units:

@@ -9,7 +9,7 @@ from vtensor.planner.trace import Trace, TraceStep, TraceUnit
 def whole_s(unit: TraceUnit) -> float:
     """What recomputing ``unit`` costs: its forward and the mechanism's own work.
 
-    NOTE [mechanism cost] is in ``activations/rerun_cost.py``.
+    NOTE [mechanism cost] is in ``activations/recompute/profile/cost.py``.
     """
     return unit.forward_s + unit.overhead_s
 
@@ -76,11 +76,11 @@ def _add_working(
 ) -> None:
     """Hold what ``unit`` runs again with beyond what it brings back, where it runs again.
 
-    NOTE [recomputation's working set] in ``activations/recorder.py``: the working set less the
-    tensors it brings back, which the model holds already. It runs at the first unpack of
-    anything the unit saved from ``first``, its first backward step, on: in the step of that
-    use, through the earliest part in which one of those tensors was last used there (every
-    part where none was).
+    NOTE [recomputation's working set] in ``activations/runtime/recorder.py``: the working set less
+    the tensors it brings back, which the model holds already. It runs at the first unpack of
+    anything the unit saved from ``first``, its first backward step, on: in the step of that use,
+    through the earliest part in which one of those tensors was last used there (every part where
+    none was).
 
     NOTE [working set at an unpack]
     A recomputation runs inside the unpack that begins a part, before that part's backward node

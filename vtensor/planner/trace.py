@@ -121,7 +121,8 @@ class TraceUnit:
         first_step: index of the forward step its forward began with.
         last_step: index of the last forward step inside its forward.
         forward_s: measured wall time of its forward run again on its own (what recomputing it
-            costs, with ``overhead_s``: NOTE [unit time] in ``activations/units.py``).
+            costs, with ``overhead_s``: NOTE [unit time] in
+            ``activations/recompute/profile/units.py``).
         inner_vids: the vTensors (trace vids) saved inside its forward, made there and used
             only by its own backward steps: the bytes recomputing it would not keep.
         input_vids: vTensors saved inside its forward that are its inputs: a recomputed unit
@@ -132,10 +133,10 @@ class TraceUnit:
         why_unsafe: the first reason it is not safe ("" when safe).
         working_bytes: how far its forward took the bytes it made, the tensors it saved
             included: what running it again holds at its peak (NOTE [recomputation's working
-            set] in ``activations/recorder.py``).
+            set] in ``activations/runtime/recorder.py``).
         overhead_s: what recomputing it costs beyond its forward: torch's checkpointing's
             own work, measured once per process (NOTE [mechanism cost] in
-            ``activations/rerun_cost.py``).
+            ``activations/recompute/profile/cost.py``).
     """
 
     name: str

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vtensor.activations.session import MemoryManager
+from vtensor.activations.manager import MemoryManager
 from vtensor.errors import BudgetFormatError, InfeasibleBudgetError
 from vtensor.measure.rss import rss_is_honest
 from vtensor.sizes import format_bytes, parse_bytes

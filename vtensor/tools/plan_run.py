@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vtensor.activations.manager import MemoryManager
 from vtensor.activations.report import Granularity, IterationReport
-from vtensor.activations.session import MemoryManager
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.offload.param_offload import ParamOffload

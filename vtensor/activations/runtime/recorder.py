@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from vtensor.activations.report import StepStats
-from vtensor.activations.store import StoreStats, VTensor
+from vtensor.activations.store.chunk_store import StoreStats, VTensor
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 

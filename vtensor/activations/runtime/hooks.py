@@ -8,9 +8,9 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from vtensor.activations.admission import Admission
-from vtensor.activations.lean import Passing
-from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.activations.replay.lean import Passing
+from vtensor.activations.runtime.admission import Admission
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
 from vtensor.outputs import tensors_in
 
@@ -93,7 +93,11 @@ def make_saved_tensor_hooks(
         passing = target.passing
         position = passing.passes(storage) if passing is not None else None
         if position is not None:
-            return (tensor, tensor._version, position)  # NOTE [passed] in activations/lean.py
+            return (
+                tensor,
+                tensor._version,
+                position,
+            )  # NOTE [passed] in activations/replay/lean.py
         record = target.store.adopt(storage, step=target.step_index)
         if not record.fully_resident():
             target.store.ensure_resident(record)

@@ -1,13 +1,13 @@
 """What a recomputation costs beyond the unit's own ops, measured once per process and device.
 
 NOTE [mechanism cost]
-The profile times a unit's forward (NOTE [unit time] in ``activations/units.py``). Torch's
-checkpointing, which runs it again, costs something of its own whatever the unit: its frame,
-its saved-tensor hooks and their handles. Left out, the cheapest cover of a deficit takes many
-small units, each paying it. So it is measured here on a unit too small for its ops to count
-(a 1x1 convolution on a 2x2 input), trained a step at a time with and without it in turn, the
-medians kept; the profile adds it to each unit's predicted cost (``TraceUnit.overhead_s``). It
-runs once per process and device, outside any step, in about 0.1 s on a CPU.
+The profile times a unit's forward (NOTE [unit time] in ``activations/recompute/profile/units.py``).
+Torch's checkpointing, which runs it again, costs something of its own whatever the unit: its frame,
+its saved-tensor hooks and their handles. Left out, the cheapest cover of a deficit takes many small
+units, each paying it. So it is measured here on a unit too small for its ops to count (a 1x1
+convolution on a 2x2 input), trained a step at a time with and without it in turn, the medians kept;
+the profile adds it to each unit's predicted cost (``TraceUnit.overhead_s``). It runs once per
+process and device, outside any step, in about 0.1 s on a CPU.
 """
 
 import functools
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vtensor.activations.recompute import recompute_modules
+from vtensor.activations.recompute.checkpointed import recompute_modules
 from vtensor.measure.clock import device_now
 
 _ROUNDS = 40  # timed steps per variant, after ``_WARM`` untimed ones

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vtensor.activations.budgeting import ManagerBudget
-from vtensor.activations.floor import floor_breakdown
-from vtensor.activations.iteration import Iteration
-from vtensor.activations.iteration_plan import IterationPlan
-from vtensor.activations.model_state import ScanCache, StateStorages, device_of
-from vtensor.activations.planning import PlanBook
-from vtensor.activations.policy import ReactivePolicy
+from vtensor.activations.plan.decision import PlanBook
+from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, Policy
-from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
-from vtensor.activations.store import ChunkStore
-from vtensor.activations.wiring import instrumented
+from vtensor.activations.runtime.budgeting import ManagerBudget
+from vtensor.activations.runtime.floor import floor_breakdown
+from vtensor.activations.runtime.iteration import Iteration
+from vtensor.activations.runtime.model_state import ScanCache, StateStorages, device_of
+from vtensor.activations.runtime.policy import ReactivePolicy
+from vtensor.activations.runtime.reporting import StoreCounters, iteration_report, iteration_trace
+from vtensor.activations.runtime.wiring import instrumented
+from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import Tier, engine_for, resolve_tier
@@ -113,7 +113,7 @@ class MemoryManager:
             at every hook point (each saved tensor, each unpack, each backward node), as
             while profiling. Off, a replay of a plan profiled in this process or loaded from
             the cache reads them at module boundaries only, and does per-tensor work only where
-            the plan acts (NOTE [lean replay] in ``vtensor/activations/lean.py``); its
+            the plan acts (NOTE [lean replay] in ``vtensor/activations/replay/lean.py``); its
             report then has no per-step statistics and states the profiled iteration's minimum.
         encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save their output, which the next layer
             saves too, instead of their input, bit-identically (NOTE [mask encoding]);

@@ -3,7 +3,7 @@
 import dataclasses
 import logging
 
-from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES
+from vtensor.activations.runtime.floor import MIN_BUDGET_MARGIN_BYTES
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.costs import DEFAULT_COSTS, Costs

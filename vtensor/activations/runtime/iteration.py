@@ -7,16 +7,16 @@ import time
 
 import torch
 
-from vtensor.activations.admission import Admission
-from vtensor.activations.executor import PlanExecutor
-from vtensor.activations.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
-from vtensor.activations.lean import Passing, replays_hookless, replays_lean, wait_for_room
-from vtensor.activations.live import LiveBytes
-from vtensor.activations.param_side import ParamSide
-from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.recorder import IterationBooks, OpenStep
-from vtensor.activations.store import ChunkStore, VTensor
-from vtensor.activations.units import UnitRecorder
+from vtensor.activations.recompute.profile.units import UnitRecorder
+from vtensor.activations.replay.executor import PlanExecutor
+from vtensor.activations.replay.lean import Passing, replays_hookless, replays_lean, wait_for_room
+from vtensor.activations.runtime.admission import Admission
+from vtensor.activations.runtime.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
+from vtensor.activations.runtime.live import LiveBytes
+from vtensor.activations.runtime.param_side import ParamSide
+from vtensor.activations.runtime.policy import ReactivePolicy
+from vtensor.activations.runtime.recorder import IterationBooks, OpenStep
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.measure.clock import device_now
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class Iteration:
-    """The hook target of one ``MemoryManager.step`` (``vtensor.activations.hooks.HookTarget``)."""
+    """The hook target of one ``MemoryManager.step`` (``runtime.hooks.HookTarget``)."""
 
     def __init__(
         self,
@@ -45,8 +45,9 @@ class Iteration:
     ) -> None:
         self.store = store
         self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
-        # Above 0 while a forward runs again (NOTE [recompute] in activations/recompute.py):
-        # module hooks then ignore it. ``units`` records the candidates while profiling.
+        # Above 0 while a forward runs again (NOTE [recompute] in
+        # activations/recompute/checkpointed.py): module hooks then ignore it. ``units`` records the
+        # candidates while profiling.
         self.recomputing = 0
         self._recompute_from: tuple[int, int] | None = None  # outermost: (reading, regrowth)
         self.units: UnitRecorder | None = None
@@ -59,7 +60,7 @@ class Iteration:
         self.baseline_bytes = baseline_bytes
         self.record_trace = record_trace
         self.executor = executor
-        # NOTE [transient bytes] in activations/recorder.py; it also keeps the RSS peak.
+        # NOTE [transient bytes] in activations/runtime/recorder.py; it also keeps the RSS peak.
         self.rss = rss if record_trace or count_workspaces else None
         self.count_workspaces = count_workspaces
         self.rss_peak_bytes = 0
@@ -76,7 +77,7 @@ class Iteration:
         self._open: OpenStep | None = None
         self.meter.note(baseline_bytes)  # what a reading now gives: the entry reading is new
         self._backward_done_queued = False
-        self.lean = replays_lean(  # NOTE [lean replay] in activations/lean.py
+        self.lean = replays_lean(  # NOTE [lean replay] in activations/replay/lean.py
             lean,
             executor,
             policy.budget_bytes,
@@ -144,7 +145,7 @@ class Iteration:
             live = self.live_bytes()
             self.meter.announce_recomputed(live - began)
             # No hook reads inside it: a profile reads its peak as where it began plus its
-            # working set (NOTE [recomputation's working set] in activations/recorder.py).
+            # working set (NOTE [recomputation's working set] in activations/runtime/recorder.py).
             self._sample(max(live, began + regrowth) if self.record_trace else live)
             self._recompute_from = None
 
@@ -258,7 +259,7 @@ class Iteration:
         self.enforce(live_hint=live if same else None)
 
     def after_node(self) -> None:
-        """Sample a backward node's working set (NOTE [node peaks] in ``activations/hooks.py``).
+        """Sample a backward node's working set (NOTE [node peaks] in ``runtime/hooks.py``).
 
         No eviction here: the node's bytes are already allocated. What grew since the last
         hook point is headroom the policy must keep (``reserve``), and a working set above the
@@ -305,7 +306,7 @@ class Iteration:
         ``live_hint`` is a reading of the tracked bytes taken since the store last moved
         memory; it is used instead of a new reading while nothing moves (NOTE [reused readings]).
         """
-        # NOTE [deterministic reaping] in activations/policy.py: wait here unless replaying.
+        # NOTE [deterministic reaping] in activations/runtime/policy.py: wait here unless replaying.
         replaying = self.executor is not None and self.executor.active
         epoch = self.store.memory_epoch
         self.store.reap(block=not replaying, block_restores=False)
@@ -333,7 +334,8 @@ class Iteration:
         self.meter.mark(live)
         self._guarded_at = (self.step_index, self._event)
 
-    # -- lean replay (NOTE [lean replay] in activations/lean.py) -------------------------------
+    # -- lean replay (NOTE [lean replay] in activations/replay/lean.py)
+    # -------------------------------
     def _lean_begin(self, index: int, name: str) -> bool:
         """Step ``index`` named ``name`` of a lean replay begins; False: it left the plan."""
         executor = self.executor

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vtensor.activations.encodings import MASKABLE
+from vtensor.activations.encode import MASKABLE
 from vtensor.planner.keys import architecture_fingerprint, dtype_of
 
 
@@ -58,7 +58,7 @@ class ModelScan:
         structure: what the model's architecture fingerprint depends on that can be checked
             without computing it (NOTE [fingerprint once]).
         maskable: the modules that may save their output instead of their input (NOTE
-            [mask encoding] in ``activations/encodings.py``).
+            [mask encoding] in ``activations/encode.py``).
         tensors: the part of ``structure`` that can change without a registration (NOTE
             [scan once]).
         holders: the modules' ``_parameters`` and ``_buffers`` that hold any.

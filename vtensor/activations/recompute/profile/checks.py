@@ -1,6 +1,7 @@
 """Whether running a unit's forward again reproduces it: the checks of NOTE [safe to recompute].
 
-NOTE [safe to recompute] is in ``activations/units.py``, which records the units while profiling.
+NOTE [safe to recompute] is in ``activations/recompute/profile/units.py``, which records the units
+while profiling.
 """
 
 import contextlib
@@ -11,8 +12,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from vtensor.activations.encodings import side_effect_free
-from vtensor.activations.recompute import CallSnapshot, RecomputeTarget
+from vtensor.activations.encode import side_effect_free
+from vtensor.activations.recompute.checkpointed import CallSnapshot, RecomputeTarget
 from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
 
@@ -78,7 +79,7 @@ class OpenUnit:
     buffers: list[torch.Tensor]
     attributes: dict[tuple[int, str], object]
     call: CallSnapshot  # what a recomputation would run from (NOTE [call snapshot])
-    watch: list[int]  # NOTE [recomputation's working set] in activations/recorder.py
+    watch: list[int]  # NOTE [recomputation's working set] in activations/runtime/recorder.py
 
 
 def cuda_rng() -> torch.Tensor | None:

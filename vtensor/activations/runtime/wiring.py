@@ -6,13 +6,13 @@ from collections.abc import Iterator
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from vtensor.activations.encodings import masks_encoded
-from vtensor.activations.hooks import install_module_hooks, make_saved_tensor_hooks
-from vtensor.activations.iteration import Iteration
-from vtensor.activations.iteration_plan import IterationPlan
-from vtensor.activations.model_state import ModelScan
-from vtensor.activations.recompute import recompute_modules
-from vtensor.activations.units import UnitRecorder
+from vtensor.activations.encode import masks_encoded
+from vtensor.activations.plan.iteration_plan import IterationPlan
+from vtensor.activations.recompute.checkpointed import recompute_modules
+from vtensor.activations.recompute.profile.units import UnitRecorder
+from vtensor.activations.runtime.hooks import install_module_hooks, make_saved_tensor_hooks
+from vtensor.activations.runtime.iteration import Iteration
+from vtensor.activations.runtime.model_state import ModelScan
 
 
 @contextlib.contextmanager
@@ -24,15 +24,15 @@ def instrumented(
 ) -> Iterator[None]:
     """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
 
-    The modules ``chosen`` recomputes, or the plan it replays, are recomputed (NOTE [recompute]
-    in ``activations/recompute.py``); otherwise, if ``chosen`` finds units, the profile records
-    which modules could be. If ``chosen`` encodes, clamps save bits (NOTE [mask encoding] in
-    ``activations/encodings.py``). Saved tensors go through the manager's hooks.
+    The modules ``chosen`` recomputes, or the plan it replays, are recomputed (NOTE [recompute] in
+    ``activations/recompute/checkpointed.py``); otherwise, if ``chosen`` finds units, the profile
+    records which modules could be. If ``chosen`` encodes, clamps save bits (NOTE [mask encoding] in
+    ``activations/encode.py``). Saved tensors go through the manager's hooks.
     """
     recomputation = chosen.recompute
     hooks_pair = make_saved_tensor_hooks(iteration)
     with contextlib.ExitStack() as stack:
-        if not iteration.hookless:  # NOTE [hookless replay] in activations/lean.py
+        if not iteration.hookless:  # NOTE [hookless replay] in activations/replay/lean.py
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
         if recomputation.names:

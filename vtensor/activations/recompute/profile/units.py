@@ -10,7 +10,7 @@ recomputed, when it:
   start from other values;
 - calls a custom autograd ``Function`` (a ``BackwardCFunction`` node in the graph it built):
   its ``forward`` may have side effects that a second run repeats (the manager's own mask
-  encoding has none: NOTE [mask encoding] in ``activations/encodings.py``);
+  encoding has none: NOTE [mask encoding] in ``activations/encode.py``);
 - changes a plain attribute of itself or a submodule (a call counter, a cached flag): a second
   run would see or change other state;
 - does not reproduce its outputs bit for bit when run again at once from the same inputs, the
@@ -43,7 +43,7 @@ A unit's forward time, what recomputing it costs, is that of the check's second 
 its forward alone, measured twice, the lesser counting. The first run's window holds the
 profiled iteration's own work at every hook point and each inner unit's checks, which would
 rank recomputation dearer than it is. What the mechanism that runs it again costs of its own
-is added to it (NOTE [mechanism cost] in ``activations/rerun_cost.py``).
+is added to it (NOTE [mechanism cost] in ``activations/recompute/profile/cost.py``).
 """
 
 import dataclasses
@@ -55,18 +55,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from vtensor.activations.hooks import Removable
-from vtensor.activations.recompute import CallSnapshot
-from vtensor.activations.recorder import UnitHighs
-from vtensor.activations.rerun_cost import MechanismCosts
-from vtensor.activations.store import ChunkStore, VTensor
-from vtensor.activations.unit_checks import (
+from vtensor.activations.recompute.checkpointed import CallSnapshot
+from vtensor.activations.recompute.profile.checks import (
     OpenUnit,
     ProfileTarget,
     cuda_rng,
     plain_attributes,
     why_unsafe,
 )
+from vtensor.activations.recompute.profile.cost import MechanismCosts
+from vtensor.activations.runtime.hooks import Removable
+from vtensor.activations.runtime.recorder import UnitHighs
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
 from vtensor.planner.recomputed import in_backward
@@ -226,7 +226,7 @@ class UnitRecorder:
         A unit's inner tensors are those saved inside its forward, not its inputs, and used
         only by backward steps of itself or its submodules; units without any are left out.
         ``costs``: what each way of recomputing costs beyond the unit's ops (NOTE [mechanism
-        cost] in ``activations/rerun_cost.py``).
+        cost] in ``activations/recompute/profile/cost.py``).
         """
         units = []
         for seen in self.seen.values():

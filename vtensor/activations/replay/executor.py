@@ -4,7 +4,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 
-from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.planner.plan import Plan, TensorMove
 
 logger = logging.getLogger(__name__)

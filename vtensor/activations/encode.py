@@ -77,7 +77,7 @@ def _changed_in_place(name: str) -> VTensorError:
     return VTensorError(
         f"the output of {name!r} was modified in place after its forward; with encode_masks a "
         "clamp saves its output for backward instead of its input (NOTE [mask encoding] in "
-        "vtensor/activations/encodings.py): train this model with encode_masks=False"
+        "vtensor/activations/encode.py): train this model with encode_masks=False"
     )
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from vtensor.activations.param_side import ResidentParams
-from vtensor.activations.store import ChunkStore
+from vtensor.activations.runtime.param_side import ResidentParams
+from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.measure.trackers import DeviceTracker
 
 

@@ -16,7 +16,7 @@ its caller are done here, in the recomputation's context:
   its running statistics twice, and training would not be bit-identical.
 
 Which modules are recomputed is the plan's choice (``Plan.recompute``); which may be is decided
-while profiling (NOTE [safe to recompute] in ``activations/units.py``).
+while profiling (NOTE [safe to recompute] in ``activations/recompute/profile/units.py``).
 """
 
 import contextlib
@@ -95,7 +95,7 @@ def recompute_modules(
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
     ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
-    host with no plan to place them (NOTE [recomputed growth] in ``activations/policy.py``).
+    host with no plan to place them (NOTE [recomputed growth] in ``activations/runtime/policy.py``).
 
     Raises:
         VTensorError: a name is not a module of ``model``.

@@ -63,8 +63,8 @@ from collections.abc import Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from vtensor.activations.executor import PlanExecutor
-from vtensor.activations.store import ChunkStore
+from vtensor.activations.replay.executor import PlanExecutor
+from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.planner.plan import Plan
 from vtensor.planner.reserves import planned_headroom
 
@@ -170,7 +170,7 @@ def replays_lean(
 def leaves_headroom(plan: Plan, budget_bytes: int) -> bool:
     """Whether ``plan`` leaves the guard its headroom under ``budget_bytes``.
 
-    NOTE [plan within the guard] in ``activations/guarded_plan.py``, NOTE [planned headroom] in
+    NOTE [plan within the guard] in ``activations/plan/guarded.py``, NOTE [planned headroom] in
     ``planner/reserves.py``.
     """
     reserves = () if plan.tensor_names else plan.step_reserve_bytes  # joint: the one reserve

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from vtensor.activations.executor import PlanExecutor
+from vtensor.activations.replay.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
 from vtensor.planner.keys import PlanKey
 from vtensor.planner.recompute import unit_regrowth
@@ -11,7 +11,7 @@ from vtensor.planner.trace import Trace
 
 @dataclass(frozen=True)
 class Recomputation:
-    """The modules an iteration recomputes (NOTE [recompute] in ``activations/recompute.py``).
+    """The modules an iteration recomputes (NOTE [recompute] in ``recompute/checkpointed.py``).
 
     Attributes:
         names: the modules recomputed, sorted.

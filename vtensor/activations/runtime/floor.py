@@ -6,8 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vtensor.activations.recorder import IterationBooks
-from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.activations.runtime.recorder import IterationBooks
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import FloorBreakdown, VTensorError
 from vtensor.offload.joint import offloaded_min_bytes, state_bytes
 

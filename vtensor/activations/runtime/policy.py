@@ -2,7 +2,7 @@
 
 import logging
 
-from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.planner.plan import Plan
 from vtensor.planner.reserves import GUARD_MIN_BYTES
 

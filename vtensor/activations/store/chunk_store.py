@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from vtensor.activations.vtensors import Pending, StoreStats, VTensor
+from vtensor.activations.store.vtensors import Pending, StoreStats, VTensor
 from vtensor.errors import SwapAuthenticationError, VTensorError
 from vtensor.io.chunk import Chunk, ChunkState, split_into_chunks, split_on_pages
 from vtensor.io.pages import PAGE_BYTES, populate, release

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vtensor.activations.iteration import Iteration
-from vtensor.activations.iteration_plan import IterationPlan
+from vtensor.activations.plan.iteration_plan import IterationPlan
+from vtensor.activations.recompute.profile.cost import mechanism_costs
 from vtensor.activations.report import Granularity, IterationReport, PlanSource, Policy
-from vtensor.activations.rerun_cost import mechanism_costs
-from vtensor.activations.store import ChunkStore
+from vtensor.activations.runtime.iteration import Iteration
+from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.measure.independent import IndependentPeak
 from vtensor.planner.costs import Transfers
 from vtensor.planner.trace import Trace, TraceUnit

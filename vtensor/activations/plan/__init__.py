@@ -1,0 +1,1 @@
+"""One decision per input signature: profile, calibrate, solve, validate (NOTE [one decision])."""

@@ -1,0 +1,1 @@
+"""Recomputation: modules run again in backward under torch's checkpointing; profile/ apart."""
