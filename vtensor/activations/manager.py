@@ -5,13 +5,15 @@ import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from enum import Enum
 from os import PathLike
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
+from vtensor.activations.offloads import Offloads
 from vtensor.activations.plan.decision import PlanBook
 from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, Policy
@@ -31,14 +33,7 @@ from vtensor.measure.counter import cpu_counter, make_device_tracker
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, quiet_heap
-from vtensor.offload.joint import (
-    AUTO_OFFLOAD_SHARE,
-    JointStep,
-    check_joint,
-    held_outside,
-    offload_for,
-    state_bytes,
-)
+from vtensor.offload.joint import JointStep, check_joint, held_outside
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -48,6 +43,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+E = TypeVar("E", bound=Enum)
+
+
+def _one_of(kind: type[E], value: object, name: str) -> E:
+    """``value`` as a member of ``kind``, or an error naming the members."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise VTensorError(f"{name}={value!r} is not one of {[k.value for k in kind]}") from None
+
 
 def _runs_on_cpu(device: torch.device | None) -> bool:
     """Whether a manager for ``device`` (None: the model's) will measure CPU memory."""
@@ -55,16 +60,19 @@ def _runs_on_cpu(device: torch.device | None) -> bool:
 
 
 class MemoryManager:
-    """Trains any ``nn.Module`` under a hard memory budget by swapping chunks of saved activations.
+    """Trains any ``nn.Module`` under a hard memory budget: the whole training state, one budget.
 
-    Usage::
+    Saved activations are swapped in chunks, recomputed or kept; parameters, gradients and
+    optimizer state are offloaded under the same budget where they must be (``offload_params``).
+    The loop stays plain torch; weights come out bit-identical to the same loop unmanaged::
 
-        mm = vtensor.MemoryManager(budget="256MiB")
-        with mm.step(model):
-            loss = loss_fn(model(x), y)
-            loss.backward()
-        optimizer.step()
-        print(mm.report())
+        with vtensor.MemoryManager("256MiB") as mm:
+            for x, y in loader:
+                with mm.step(model, optimizer, inputs=(x, y)):
+                    loss_fn(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            print(mm.report())
 
     Args:
         budget: device-tier bytes, as an int or a string such as ``"256MiB"`` or ``"1.5GB"``;
@@ -104,11 +112,10 @@ class MemoryManager:
             then leaves every process-wide counter alone.
         policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
             ``"reactive"`` (no planning).
-        recompute: plans may also recompute modules in backward instead of keeping or swapping
-            what they save (NOTE [hybrid plan] in ``vtensor/planner/recompute.py``): the
-            profiled iteration finds the modules that are safe to recompute, the next one is
-            profiled with the chosen ones recomputed, and the faster plan is kept. Training
-            stays bit-identical. Planned policy only, and not with parameter offloading.
+        recompute: plans may also recompute modules in backward (torch's checkpointing)
+            instead of keeping or swapping what they save, where the calibrated model predicts
+            it faster (NOTE [one decision] in ``activations/plan/decision.py``). Training stays
+            bit-identical. Planned policy only, and not with parameter offloading.
         check_every_hook: while a plan is replayed, read the tracked bytes and judge the budget
             at every hook point (each saved tensor, each unpack, each backward node), as
             while profiling. Off, a replay of a plan profiled in this process or loaded from
@@ -117,7 +124,15 @@ class MemoryManager:
             report then has no per-step statistics and states the profiled iteration's minimum.
         encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save their output, which the next layer
             saves too, instead of their input, bit-identically (NOTE [mask encoding]);
-            ``"auto"``: as the plans decide (NOTE [encoding decided] in ``encoding_choice.py``).
+            ``"auto"``: where the plan would move bytes.
+        offload_params: manage the parameters, gradients and optimizer state given to
+            :meth:`step` under the same budget, in one plan with the activations: ``"auto"``
+            where they would take more than half the budget (NOTE [offload auto] in
+            ``offload/joint.py``), ``True`` always, ``False`` never. Offloaded, each parameter is
+            updated as its gradient completes in backward, so the ``optimizer.step()`` after
+            the block finds no gradient left and changes nothing; code that reads or clips the
+            gradients between backward and the update needs :class:`ParamOffload` with
+            ``max_grad_norm`` instead. CPU only.
     """
 
     def __init__(
@@ -145,18 +160,16 @@ class MemoryManager:
     ) -> None:
         if encode_masks not in (True, False, "auto"):
             raise VTensorError(f"encode_masks={encode_masks!r}: use True, False or 'auto'")
-        if offload_params not in (True, False, "auto"):
-            raise VTensorError(f"offload_params={offload_params!r}: use True, False or 'auto'")
-        self.offload_params = offload_params
-        # The parameter offloadings this manager made, by (model, optimizer) (NOTE [offload auto]).
-        self._offloads: dict[tuple[int, int], ParamOffload] = {}
         self.chunk_bytes = parse_bytes(chunk_bytes, what="chunk_bytes")
-        try:
-            self.granularity = Granularity(granularity)
-        except ValueError:
-            raise VTensorError(
-                f"granularity={granularity!r} is not one of {[g.value for g in Granularity]}"
-            ) from None
+        self.granularity = _one_of(Granularity, granularity, "granularity")
+        self._offloads = Offloads(
+            offload_params,
+            chunk_bytes=self.chunk_bytes,
+            storage_dir=storage_dir,
+            encrypt_storage=encrypt_storage,
+            drop_page_cache=drop_page_cache,
+            min_tensor_bytes=min_tensor_bytes,
+        )
         self.storage_dir = storage_dir
         self.device = torch.device(device) if device is not None else None
         if _runs_on_cpu(self.device):
@@ -166,20 +179,12 @@ class MemoryManager:
         self.drop_page_cache = drop_page_cache
         self.encrypt_storage = encrypt_storage
         self.host_capacity_bytes = host_capacity_bytes
-        try:
-            self.tier = Tier(tier)
-        except ValueError:
-            raise VTensorError(f"tier={tier!r} is not one of {[t.value for t in Tier]}") from None
+        self.tier = _one_of(Tier, tier, "tier")
         if self.device is not None:
             resolve_tier(self.device, self.tier)  # a tier the device cannot have fails now
         self.count_workspaces = count_workspaces
         self.measure_peaks = measure_peaks or count_workspaces
-        try:
-            self.policy = Policy(policy)
-        except ValueError:
-            raise VTensorError(
-                f"policy={policy!r} is not one of {[p.value for p in Policy]}"
-            ) from None
+        self.policy = _one_of(Policy, policy, "policy")
         self._budget = ManagerBudget(budget, planned=self.policy is Policy.PLANNED)
         self.plan_cache_dir = plan_cache_dir
         self.recompute, self.encode_masks = recompute, encode_masks
@@ -209,9 +214,7 @@ class MemoryManager:
 
     def close(self) -> None:
         """Wait for transfers, free every chunk, delete the swap file; parameters come back."""
-        for offload in self._offloads.values():
-            offload.close()
-        self._offloads.clear()
+        self._offloads.close()
         if self._store is not None:
             self._store.close()
             self._store.engine.close()
@@ -265,47 +268,6 @@ class MemoryManager:
         """
         return self._budget.unmanaged_peak_bytes
 
-    def _offload_for(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
-    ) -> "ParamOffload | None":
-        """The offloading of ``model``'s parameter side this manager runs, if any.
-
-        Made at the first step that needs one (NOTE [offload auto] in ``offload/joint.py``),
-        under the manager's budget and settings, and kept for the steps that follow.
-        """
-        if optimizer is None or self.offload_params is False or not self.budget_bytes:
-            return None
-        key = (id(model), id(optimizer))
-        if key in self._offloads:
-            return self._offloads[key]
-        if device.type != "cpu" or self.granularity is not Granularity.CHUNK:
-            if self.offload_params is True:
-                raise VTensorError(
-                    "offload_params=True offloads parameters on the CPU at chunk granularity "
-                    f"(device {device.type}, granularity {self.granularity.value})"
-                )
-            return None
-        pending = pending_state_bytes(optimizer, self._state_shapes)
-        side = state_bytes(model, optimizer, pending)
-        if self.offload_params == "auto" and side <= AUTO_OFFLOAD_SHARE * self.budget_bytes:
-            return None
-        offload = offload_for(
-            model,
-            optimizer,
-            self.budget_bytes,
-            chunk_bytes=self.chunk_bytes,
-            storage_dir=self.storage_dir,
-            encrypt_storage=self.encrypt_storage,
-            drop_page_cache=self.drop_page_cache,
-            min_tensor_bytes=self.min_tensor_bytes,
-        )
-        logger.info(
-            "parameters, gradients and optimizer state (%s) offloaded under the budget",
-            format_bytes(side),
-        )
-        self._offloads[key] = offload
-        return offload
-
     def _budget_resolved(self) -> None:
         """The budget changed: plans and the reactive policy follow it."""
         self._plans = self._plan_book()
@@ -345,27 +307,33 @@ class MemoryManager:
         """Manage one training iteration (forward and backward) of ``model`` under the budget.
 
         Args:
-            model: the module being trained; its parameters and buffers are never swapped here.
-            optimizer: its state counts toward the budget when given.
+            model: the module being trained.
+            optimizer: its state counts toward the budget; with ``offload_params``, the
+                parameter side goes under the budget with it.
             inputs: tensors made before the step (the batch) that count toward the budget on CPU.
-            params: a ``ParamOffload`` of ``model`` with the same budget: its parameters,
-                gradients and optimizer state are planned together with the activations, in
-                one plan under one budget (NOTE [one plan] in ``vtensor/offload/joint.py``). Call
-                its ``step()`` after the block: with clipping, the clip-and-update pass would
-                fall in one step of the trace that uses every parameter, and nothing could be
-                planned (the iteration stays reactive).
+            params: a ``ParamOffload`` of ``model`` with the same budget, made by the caller
+                (for clipping or gradient accumulation): planned together with the activations
+                (NOTE [one plan] in ``vtensor/offload/joint.py``); call its ``step()`` after the
+                block, and leave ``optimizer`` out.
 
         Raises:
             InfeasibleBudgetError: the budget cannot be met; the error states the smallest
-                budget that would have worked (raised when the block exits, after backward).
+                budget of the whole iteration and what holds it (raised when the block exits,
+                after backward, before any update).
         """
         if self._active:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
         scan = self._scans.of(model)
         device = self.device or device_of(scan)
         owned, side_floor = None, 0
+        cpu_chunks = device.type == "cpu" and self.granularity is Granularity.CHUNK
+        plannable = "" if cpu_chunks else "parameters are offloaded on the CPU at chunk granularity"
         try:
-            owned = self._offload_for(model, optimizer, device) if params is None else None
+            if params is None:
+                pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
+                owned = self._offloads.for_step(
+                    model, optimizer, self.budget_bytes, pending_bytes=pending, plannable=plannable
+                )
         except InfeasibleBudgetError as refused:
             # Below what offloading needs: this iteration runs without it, to state the whole
             # iteration's minimum with it (NOTE [minimum budget]).

@@ -1,0 +1,91 @@
+"""The parameter offloadings a manager makes and owns, one per model and optimizer."""
+
+import logging
+from os import PathLike
+
+import torch
+from torch import nn
+
+from vtensor.errors import VTensorError
+from vtensor.offload.joint import AUTO_OFFLOAD_SHARE, offload_for, state_bytes
+from vtensor.offload.param_offload import ParamOffload
+from vtensor.sizes import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class Offloads:
+    """Offloads a model's parameter side under the manager's budget where it must.
+
+    NOTE [offload auto] in ``offload/joint.py`` says where: ``setting`` ``"auto"`` (there),
+    ``True`` (always) or ``False`` (never). Each offloading is made at the first step that needs
+    it, with the manager's storage settings, and kept for the steps that follow.
+    """
+
+    def __init__(
+        self,
+        setting: bool | str,
+        *,
+        chunk_bytes: int,
+        storage_dir: str | PathLike[str] | None,
+        encrypt_storage: bool,
+        drop_page_cache: bool,
+        min_tensor_bytes: int,
+    ) -> None:
+        if setting not in (True, False, "auto"):
+            raise VTensorError(f"offload_params={setting!r}: use True, False or 'auto'")
+        self.setting = setting
+        self._settings = {
+            "chunk_bytes": chunk_bytes,
+            "storage_dir": storage_dir,
+            "encrypt_storage": encrypt_storage,
+            "drop_page_cache": drop_page_cache,
+            "min_tensor_bytes": min_tensor_bytes,
+        }
+        self._made: dict[tuple[int, int], ParamOffload] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._made)
+
+    def for_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        budget_bytes: int,
+        *,
+        pending_bytes: int,
+        plannable: str,
+    ) -> ParamOffload | None:
+        """The offloading ``model``'s step runs with, if any.
+
+        ``pending_bytes``: the optimizer state its first step creates; ``plannable``: why a
+        joint plan cannot run here ("" where it can: on the CPU at chunk granularity).
+
+        Raises:
+            InfeasibleBudgetError: the budget is below what offloading needs.
+        """
+        if optimizer is None or self.setting is False or not budget_bytes:
+            return None
+        key = (id(model), id(optimizer))
+        if key in self._made:
+            return self._made[key]
+        if plannable:
+            if self.setting is True:
+                raise VTensorError(f"offload_params=True: {plannable}")
+            return None
+        side = state_bytes(model, optimizer, pending_bytes)
+        if self.setting == "auto" and side <= AUTO_OFFLOAD_SHARE * budget_bytes:
+            return None
+        offload = offload_for(model, optimizer, budget_bytes, **self._settings)
+        logger.info(
+            "parameters, gradients and optimizer state (%s) offloaded under the budget",
+            format_bytes(side),
+        )
+        self._made[key] = offload
+        return offload
+
+    def close(self) -> None:
+        """Bring every offloaded parameter back into memory."""
+        for offload in self._made.values():
+            offload.close()
+        self._made.clear()
