@@ -48,7 +48,7 @@ class TrainSettings:
 
 
 class OffloadParams(StrEnum):
-    """When a client offloads its parameters too (the rule: ``edgefl.train.offloads_params``)."""
+    """When a client offloads its parameters too (the rule: ``edgefl.train.offload_setting``)."""
 
     # Parameters, gradients and optimizer state are offloaded and planned with the activations
     # (vtensor's one plan) when they would take more than half the budget.

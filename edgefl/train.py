@@ -1,7 +1,7 @@
 """Plain torch loops for local training and evaluation: where they enter vtensor, by which rules.
 
 The memory rules: parameters are offloaded with the activations when they crowd the budget
-(``offloads_params``), never under FedProx (NOTE [offloading under FedProx]); evaluation
+(``offload_setting``), never under FedProx (NOTE [offloading under FedProx]); evaluation
 streams the parameters layer by layer when they alone would crowd it (``streams_layers``).
 """
 
@@ -112,30 +112,20 @@ def check_offload_params(offload: bool, proximal_mu: float) -> None:
         )
 
 
-def offloads_params(
-    settings: VTensorSettings,
-    model: nn.Module,
-    budget_bytes: int,
-    *,
-    momentum: float,
-    proximal_mu: float,
-) -> bool:
-    """Whether to offload the parameters too (``vtensor.offload_params``).
+def offload_setting(settings: VTensorSettings, proximal_mu: float) -> bool | str:
+    """The manager's ``offload_params`` for a round (``vtensor.offload_params``).
 
-    ``auto``: when the parameters, their gradients and SGD's momentum would take more than half
-    the budget, as for evaluation with demand layering (``streams_layers``); never under FedProx
-    (NOTE [offloading under FedProx]) or with whole-tensor swapping.
+    ``auto``: vtensor's rule, when the parameters, gradients and optimizer state would take
+    more than half the budget (NOTE [offload auto] in vtensor/offload/joint.py); never under
+    FedProx (NOTE [offloading under FedProx]) or with whole-tensor swapping.
     """
     mode = settings.offload_params
     if not settings.enabled or mode == OffloadParams.OFF:
         return False
     if mode == OffloadParams.ON:
-        return True  # train_local refuses it under FedProx
-    copies = 3 if momentum else 2
-    crowded = copies * parameter_bytes(model) > budget_bytes // 2
-    return (
-        crowded and offloadable(proximal_mu) and settings.granularity == vtensor.Granularity.CHUNK
-    )
+        return True  # train_within_budget refuses it under FedProx
+    chunked = settings.granularity == vtensor.Granularity.CHUNK
+    return "auto" if offloadable(proximal_mu) and chunked else False
 
 
 def streams_layers(settings: VTensorSettings, model: nn.Module, budget_bytes: int) -> bool:
@@ -149,7 +139,10 @@ def parameter_bytes(model: nn.Module) -> int:
 
 
 def open_manager(
-    settings: VTensorSettings, budget_bytes: int, plan_cache_dir: Path
+    settings: VTensorSettings,
+    budget_bytes: int,
+    plan_cache_dir: Path,
+    offload_params: bool | str = False,
 ) -> vtensor.MemoryManager | None:
     """A MemoryManager for this client's budget, or None when vtensor is off.
 
@@ -167,6 +160,7 @@ def open_manager(
         plan_cache_dir=plan_cache_dir,
         recompute=settings.recompute,
         encode_masks=settings.encode_masks,
+        offload_params=offload_params,
     )
 
 
@@ -181,19 +175,18 @@ def train_within_budget(
 ) -> TrainOutcome:
     """``train_local`` under a MemoryManager of ``budget_bytes`` (vtensor on), closed after.
 
-    The parameters are offloaded as ``offloads_params`` decides; ``plan_cache_dir`` is the
-    plan cache (see ``open_manager``).
+    The parameters are offloaded as ``offload_setting`` says; ``plan_cache_dir`` is the plan
+    cache (see ``open_manager``).
 
     Raises:
         ClientBudgetError: vtensor could not meet the budget.
         ConfigError: ``offload_params=on`` under FedProx (NOTE [offloading under FedProx]).
     """
-    manager = open_manager(settings, budget_bytes, plan_cache_dir)
-    offload = offloads_params(
-        settings, model, budget_bytes, momentum=local.momentum, proximal_mu=local.proximal_mu
-    )
+    offload = offload_setting(settings, local.proximal_mu)
+    check_offload_params(offload is True, local.proximal_mu)
+    manager = open_manager(settings, budget_bytes, plan_cache_dir, offload)
     try:
-        return train_local(model, data, local, manager=manager, offload_params=offload)
+        return train_local(model, data, local, manager=manager)
     finally:
         if manager is not None:
             manager.close()
@@ -205,21 +198,16 @@ def train_local(
     local: LocalRound,
     *,
     manager: vtensor.MemoryManager | None = None,
-    offload_params: bool = False,
 ) -> TrainOutcome:
     """Train ``model`` in place with SGD; every iteration runs under ``manager`` when given.
 
-    ``offload_params`` (with a manager) keeps the parameters, gradients and momentum in
-    vtensor's swap tier between uses as well, planned with the activations under the manager's
-    one budget (``vtensor.ParamOffload`` with ``mm.step(params=...)``); the weights are the same
-    bit for bit. The bytes it moves count in the outcome's.
+    The manager holds the whole training state under its one budget, the parameters,
+    gradients and momentum too where it offloads them; the weights are the same bit for bit.
+    The bytes it moves count in the outcome's.
 
     Raises:
         ClientBudgetError: vtensor could not meet the budget.
-        ConfigError: ``offload_params`` with FedProx's proximal term (a ValueError; NOTE
-            [offloading under FedProx]).
     """
-    check_offload_params(offload_params, local.proximal_mu)
     optimizer = torch.optim.SGD(model.parameters(), lr=local.lr, momentum=local.momentum)
     mu = local.proximal_mu
     anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
@@ -231,34 +219,28 @@ def train_local(
     processed = 0
     model.train()
     started = time.perf_counter()
-    with _offloaded(manager, model, optimizer, offload_params) as offload:
-        for x, y in _batches(data, local.batch_size, local.epochs, rng, local.max_examples):
-            processed += len(y)
-            optimizer.zero_grad(set_to_none=True)
-            with _managed(manager, model, optimizer, (x, y), offload):
-                loss = loss_fn(model(x), y)
-                if anchor:
-                    loss = loss + mu / 2 * sum(
-                        (p - a).pow(2).sum()
-                        for p, a in zip(model.parameters(), anchor, strict=True)
-                    )
-                loss.backward()  # type: ignore[no-untyped-call]
-            if offload is not None:
-                offload.step()
-            else:
-                optimizer.step()
-            losses.append(float(loss.detach()))
-            if manager is not None:
-                rep = manager.report()
-                peak = max(peak, rep.peak_device_bytes)
-                out, back = out + rep.bytes_out, back + rep.bytes_in
-                stall, transfer = stall + rep.stall_s, transfer + rep.transfer_s
-                if source is None or rep.plan_source == vtensor.PlanSource.FALLBACK:
-                    source = rep.plan_source  # the round's: its first step's, or fallback
-        if offload is not None:  # what the parameter side moved, and waited for
-            moved = offload.report()
-            out, back = out + moved.bytes_out, back + moved.bytes_in
-            stall += moved.stall_s
+    for x, y in _batches(data, local.batch_size, local.epochs, rng, local.max_examples):
+        processed += len(y)
+        optimizer.zero_grad(set_to_none=True)
+        with _managed(manager, model, optimizer, (x, y)):
+            loss = loss_fn(model(x), y)
+            if anchor:
+                loss = loss + mu / 2 * sum(
+                    (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor, strict=True)
+                )
+            loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()  # offloaded parameters were updated in backward: nothing is left
+        losses.append(float(loss.detach()))
+        if manager is not None:
+            rep = manager.report()
+            peak = max(peak, rep.peak_device_bytes)
+            out, back = out + rep.bytes_out, back + rep.bytes_in
+            stall, transfer = stall + rep.stall_s, transfer + rep.transfer_s
+            if source is None or rep.plan_source == vtensor.PlanSource.FALLBACK:
+                source = rep.plan_source  # the round's: its first step's, or fallback
+    for moved in manager.offload_reports() if manager is not None else ():
+        out, back = out + moved.bytes_out, back + moved.bytes_in  # the parameter side's
+        stall += moved.stall_s
     return TrainOutcome(
         min(len(data), processed),
         processed,
@@ -275,48 +257,18 @@ def train_local(
 
 
 @contextlib.contextmanager
-def _offloaded(
-    manager: vtensor.MemoryManager | None,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    offload_params: bool,
-) -> Iterator[vtensor.ParamOffload | None]:
-    """A ParamOffload under the manager's budget for the round (closed after it), or None."""
-    if manager is None or not offload_params:
-        yield None
-        return
-    try:
-        offload = vtensor.ParamOffload(
-            model,
-            optimizer,
-            manager.budget_bytes,
-            chunk_bytes=manager.chunk_bytes,
-            storage_dir=manager.storage_dir,
-        )
-    except vtensor.InfeasibleBudgetError as exc:
-        raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
-    with offload:  # brings every parameter back into memory at the end of the round
-        yield offload
-
-
-@contextlib.contextmanager
 def _managed(
     manager: vtensor.MemoryManager | None,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: tuple[torch.Tensor, ...],
-    offload: vtensor.ParamOffload | None = None,
 ) -> Iterator[None]:
     if manager is None:
         yield
         return
     try:
-        if offload is not None:  # one plan: the offloading holds the optimizer's state
-            with manager.step(model, inputs=inputs, params=offload):
-                yield
-        else:
-            with manager.step(model, optimizer, inputs):
-                yield
+        with manager.step(model, optimizer, inputs):
+            yield
     except vtensor.InfeasibleBudgetError as exc:
         raise ClientBudgetError(str(exc), exc.budget_bytes, exc.min_budget_bytes) from exc
 

@@ -34,6 +34,7 @@ from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, quiet_heap
 from vtensor.offload.joint import JointStep, check_joint, held_outside
+from vtensor.offload.report import ParamOffloadReport
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -247,6 +248,10 @@ class MemoryManager:
     def params_offloaded(self) -> bool:
         """Whether a model's parameters, gradients and optimizer state are offloaded here."""
         return bool(self._offloads)
+
+    def offload_reports(self) -> tuple[ParamOffloadReport, ...]:
+        """What each parameter offloading this manager made held and moved, in total."""
+        return self._offloads.reports()
 
     @property
     def budget_bytes(self) -> int:

@@ -9,6 +9,7 @@ from torch import nn
 from vtensor.errors import VTensorError
 from vtensor.offload.joint import AUTO_OFFLOAD_SHARE, offload_for, state_bytes
 from vtensor.offload.param_offload import ParamOffload
+from vtensor.offload.report import ParamOffloadReport
 from vtensor.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ class Offloads:
         )
         self._made[key] = offload
         return offload
+
+    def reports(self) -> tuple[ParamOffloadReport, ...]:
+        """What each offloading held and moved since it was made."""
+        return tuple(offload.report() for offload in self._made.values())
 
     def close(self) -> None:
         """Bring every offloaded parameter back into memory."""
