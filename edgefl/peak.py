@@ -1,7 +1,9 @@
 """Measure a model's unmanaged training peak (vtensor's accounting) and resolve budgets by it."""
 
 import copy
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,14 +13,20 @@ from torch import nn
 import vtensor
 from edgefl.budget import Budget
 from edgefl.data.arrays import ArrayDataset
-from edgefl.train import loss_fn
+from edgefl.settings import VTensorSettings
+from edgefl.train import loss_fn, offload_setting, open_manager
 
 _UNLIMITED_BYTES = 1 << 40
 
 
 @dataclass(frozen=True)
 class PeakMeasurement:
-    """Peak device bytes of a step with nothing swapped, and the smallest workable budget."""
+    """Peak device bytes of a step with nothing swapped, and the smallest workable budget.
+
+    The smallest workable budget is the one a client with ``settings`` states: vtensor's
+    minimum of the whole iteration, measured from far below it (``stated_minimum``), so the
+    server's warning and the clients' errors name one figure.
+    """
 
     unmanaged_peak_bytes: int
     min_budget_bytes: int
@@ -32,11 +40,14 @@ def measure_unmanaged_peak(
     lr: float = 0.01,
     momentum: float = 0.9,
     steps: int = 2,
+    settings: VTensorSettings | None = None,
 ) -> PeakMeasurement:
     """Run ``steps`` SGD steps on a copy-free batch under an unlimited budget; report the peak.
 
-    The model is trained in place: pass a throwaway copy.
+    With a client's vtensor ``settings``, also the minimum such a client states; else the
+    unlimited run's. The model is trained in place: pass a throwaway copy.
     """
+    probe = copy.deepcopy(model) if settings is not None else None
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     idx = np.arange(min(batch_size, len(data)))
     x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
@@ -51,7 +62,40 @@ def measure_unmanaged_peak(
             rep = manager.report()
             peak = max(peak, rep.peak_device_bytes)
             min_budget = max(min_budget, rep.min_budget_bytes)
+    if probe is not None and settings is not None:
+        min_budget = stated_minimum(probe, (x, y), settings, lr=lr, momentum=momentum)
     return PeakMeasurement(peak, min_budget)
+
+
+def stated_minimum(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    settings: VTensorSettings,
+    *,
+    lr: float,
+    momentum: float,
+) -> int:
+    """The minimum a client with ``settings`` states for a step on ``batch``, from far below.
+
+    A step at a one-byte budget runs to its end and raises vtensor's
+    ``InfeasibleBudgetError``, whose minimum is the whole iteration's (with the parameters
+    offloaded where the client would offload them). The model is trained in place.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    x, y = batch
+    with tempfile.TemporaryDirectory() as scratch:
+        manager = open_manager(settings, 1, Path(scratch), offload_setting(settings, 0.0))
+        assert manager is not None  # vtensor is on where a minimum is asked for
+        with manager:
+            for _ in range(2):  # the second step holds the optimizer's state
+                optimizer.zero_grad(set_to_none=True)
+                try:
+                    with manager.step(model, optimizer, (x, y)):
+                        loss_fn(model(x), y).backward()  # type: ignore[no-untyped-call]
+                except vtensor.InfeasibleBudgetError as err:
+                    return err.min_budget_bytes
+                optimizer.step()
+    return 1
 
 
 _PEAKS: dict[tuple[Any, ...], int] = {}

@@ -156,7 +156,14 @@ def _starting_state(
     strategy, history = build_strategy(s), RunHistory()  # its clock starts here
     if peak is None:  # flwr run: measure here, with the clients' thread count
         torch.set_num_threads(s.client.train.torch_threads)
-        peak = measure_unmanaged_peak(copy.deepcopy(model), test_set, s.client.train.batch_size)
+        peak = measure_unmanaged_peak(
+            copy.deepcopy(model),
+            test_set,
+            s.client.train.batch_size,
+            lr=s.client.train.lr,
+            momentum=s.client.train.momentum,
+            settings=s.client.vtensor if s.client.vtensor.enabled else None,
+        )
     if reference is None:
         reference = time_unmanaged_round(s.client, s.server.num_supernodes)
     extra = {

@@ -77,7 +77,12 @@ def measure_peak(settings: RunSettings) -> PeakMeasurement:
     torch.manual_seed(c.seed)
     torch.set_num_threads(c.train.torch_threads)  # as clients train: threads change workspaces
     peak = measure_unmanaged_peak(
-        build_model(c.model.name, info, c.model.options), train, c.train.batch_size
+        build_model(c.model.name, info, c.model.options),
+        train,
+        c.train.batch_size,
+        lr=c.train.lr,
+        momentum=c.train.momentum,
+        settings=c.vtensor if c.vtensor.enabled else None,
     )
     resolved = []
     for device in c.fleet.classes:

@@ -1,12 +1,19 @@
-"""Relative budgets resolve against the peak of the batch the data actually gives."""
+"""Relative budgets resolve against the measured peak; the smallest workable budget stated."""
+
+import copy
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from edgefl.budget import Budget
 from edgefl.data import load_dataset
+from edgefl.errors import ClientBudgetError
 from edgefl.models import build_model
-from edgefl.peak import resolve_budget
+from edgefl.peak import measure_unmanaged_peak, resolve_budget
+from edgefl.settings import OffloadParams, VTensorSettings
+from edgefl.train import LocalRound, train_within_budget
 
 
 def test_a_small_test_set_does_not_shrink_the_training_budget_under_the_same_key() -> None:
@@ -25,3 +32,31 @@ def test_a_small_test_set_does_not_shrink_the_training_budget_under_the_same_key
         Budget(peak_fraction=0.5), model, bundle.train.subset(np.arange(64)), 32, key
     )
     assert again == full
+
+
+def test_the_smallest_workable_budget_is_the_one_a_client_states(tmp_path: Path) -> None:
+    """The simulation's warning and a client's error name one figure, and it trains."""
+    bundle = load_dataset("mnist")
+    torch.manual_seed(0)
+    model = build_model("cnn", bundle.info, {"width": 16, "hidden": 64})
+    data = bundle.train.subset(np.arange(128))
+    settings = VTensorSettings(offload_params=OffloadParams.OFF)
+    measured = measure_unmanaged_peak(copy.deepcopy(model), data, 128, settings=settings)
+    assert 0 < measured.min_budget_bytes < measured.unmanaged_peak_bytes
+    local = LocalRound(lr=0.01, momentum=0.9, epochs=1, batch_size=128, seed=0)
+
+    def train_at(budget: int) -> None:
+        train_within_budget(
+            copy.deepcopy(model),
+            data,
+            local,
+            settings=settings,
+            budget_bytes=budget,
+            plan_cache_dir=tmp_path / str(budget),
+        )
+
+    with pytest.raises(ClientBudgetError) as raised:
+        train_at(measured.min_budget_bytes // 4)
+    stated = raised.value.min_budget_bytes
+    assert abs(stated - measured.min_budget_bytes) <= 0.05 * measured.min_budget_bytes
+    train_at(max(stated, measured.min_budget_bytes))  # the figure works
