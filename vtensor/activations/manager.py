@@ -77,63 +77,46 @@ class MemoryManager:
 
     Args:
         budget: device-tier bytes, as an int or a string such as ``"256MiB"`` or ``"1.5GB"``;
-            ``"N%"`` of the unmanaged peak of this model and batch, read from the first
-            (profiled) iteration's trace, from the second iteration on; or ``"auto"``: what the
-            device can give now (NOTE [budget forms] in ``vtensor/budget.py``).
-            ``budget_bytes`` and ``budget_source`` say what it resolved to.
+            ``"N%"`` of this model and batch's unmanaged peak, from the second iteration on; or
+            ``"auto"``: what the device can give now (NOTE [budget forms] in
+            ``vtensor/budget.py``). ``budget_bytes`` and ``budget_source`` say what it became.
         chunk_bytes: chunk size (default 1 MiB, see NOTE [default chunk size]).
         storage_dir: directory of the swap file (CPU); default: the system temporary directory.
         granularity: ``"chunk"`` or ``"tensor"`` (whole tensors, the prior-work baseline).
         device: the managed device; default: the device of the model's first parameter.
-        min_tensor_bytes: saved tensors smaller than this stay resident (not worth a transfer).
+        min_tensor_bytes: saved tensors smaller than this stay resident.
         prefetch_depth: how many saved tensors backward prefetches ahead.
-        drop_page_cache: flush and drop swap-file pages from the page cache after each transfer,
-            so swapped-out bytes really leave RAM.
+        drop_page_cache: drop swap-file pages from the page cache after each transfer, so
+            swapped-out bytes really leave RAM.
         encrypt_storage: seal every chunk written to the swap file with AES-256-GCM under a
-            random key that exists only in this process's memory (docs/encryption.md). Turn it
-            off only to measure its cost. The pinned host tier (CUDA) is RAM and is not
-            encrypted.
+            key that exists only in this process (docs/encryption.md). The pinned host tier
+            (CUDA) is not encrypted.
         host_capacity_bytes: bound of the pinned host tier (CUDA).
-        tier: where evicted chunks go on CUDA: ``"host"`` (pinned host memory), ``"storage"``
-            (the encrypted swap file, staged through a bounded pinned buffer) or ``"auto"``:
-            storage on a GPU that shares its memory with the host (a Jetson's, where pinned
-            host memory would free nothing), host otherwise. On CPU the swap file always.
-        plan_cache_dir: directory of the plan cache, shared by processes (None: plans live only
-            in this manager).
-        count_workspaces: also budget the memory that ops allocate internally (convolution
-            workspaces, short-lived tensors between hook points), measured per step from the
-            process's peak RSS while profiling (CPU only), so it turns ``measure_peaks`` on.
-            The budget then holds for the process's RSS, at the price of smaller usable budgets;
-            off, it holds for the tracked tensor bytes.
+        tier: where evicted chunks go on CUDA: ``"host"`` (pinned memory), ``"storage"`` (the
+            swap file) or ``"auto"``: storage where the GPU shares memory with the host (a
+            Jetson), host otherwise. On CPU the swap file always.
+        plan_cache_dir: directory of the plan cache, shared by processes (None: no cache).
+        count_workspaces: also budget the memory ops allocate internally, measured from the
+            process's peak RSS while profiling (CPU only; turns ``measure_peaks`` on). The
+            budget then holds for the RSS, at the price of smaller usable budgets.
         measure_peaks: measure an independent peak per iteration
-            (``report().peak_independent_bytes``; on CPU also each profiled step's transient
-            bytes). It resets process-wide high-water marks that other tools read: VmHWM
-            through ``/proc/self/clear_refs`` on CPU (``/usr/bin/time -v`` and outside
-            monitors see it), ``torch.cuda``'s peak statistics on CUDA. Off by default: vtensor
-            then leaves every process-wide counter alone.
-        policy: ``"planned"`` (profile one iteration, plan with the LGM, replay) or
-            ``"reactive"`` (no planning).
-        recompute: plans may also recompute modules in backward (torch's checkpointing)
-            instead of keeping or swapping what they save, where the calibrated model predicts
-            it faster (NOTE [one decision] in ``activations/plan/decision.py``). Training stays
-            bit-identical. Planned policy only, and not with parameter offloading.
-        check_every_hook: while a plan is replayed, read the tracked bytes and judge the budget
-            at every hook point (each saved tensor, each unpack, each backward node), as
-            while profiling. Off, a replay of a plan profiled in this process or loaded from
-            the cache reads them at module boundaries only, and does per-tensor work only where
-            the plan acts (NOTE [lean replay] in ``vtensor/activations/replay/lean.py``); its
-            report then has no per-step statistics and states the profiled iteration's minimum.
-        encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save their output, which the next layer
-            saves too, instead of their input, bit-identically (NOTE [mask encoding]);
-            ``"auto"``: where the plan would move bytes.
+            (``report().peak_independent_bytes``). It resets process-wide high-water marks
+            other tools read (VmHWM on CPU, ``torch.cuda``'s peak statistics).
+        policy: ``"planned"`` (profile, plan, replay) or ``"reactive"`` (no planning).
+        recompute: plans may also recompute modules in backward where the calibrated model
+            predicts it faster (NOTE [one decision]). Training stays bit-identical. Planned
+            policy only, not with parameter offloading.
+        check_every_hook: judge the budget at every hook point of every replay. Off, a proven
+            plan replays lean (NOTE [lean replay]); its report then has no per-step statistics
+            and states the profiled iteration's minimum.
+        encode_masks: ``nn.ReLU6`` and ``nn.Hardtanh`` save their output instead of their
+            input, bit-identically (NOTE [mask encoding]); ``"auto"``: where the plan moves bytes.
         offload_params: manage the parameters, gradients and optimizer state given to
-            :meth:`step` under the same budget, in one plan with the activations: ``"auto"``
-            where they would take more than half the budget (NOTE [offload auto] in
-            ``offload/joint.py``), ``True`` always, ``False`` never. Offloaded, each parameter is
-            updated as its gradient completes in backward, so the ``optimizer.step()`` after
-            the block finds no gradient left and changes nothing; code that reads or clips the
-            gradients between backward and the update needs :class:`ParamOffload` with
-            ``max_grad_norm`` instead. CPU only.
+            :meth:`step` under the same budget, in one plan: ``"auto"`` where they would take
+            more than half of it (NOTE [offload auto] in ``offload/joint.py``), ``True``,
+            ``False``. Offloaded, each parameter is updated as its gradient completes, so the
+            ``optimizer.step()`` after the block changes nothing; to read or clip gradients use
+            :class:`ParamOffload` with ``max_grad_norm`` instead. CPU only.
     """
 
     def __init__(
@@ -265,12 +248,7 @@ class MemoryManager:
 
     @property
     def unmanaged_peak_bytes(self) -> int | None:
-        """The unmanaged peak of this model and batch, from the first profiled iteration's trace.
-
-        What training without the manager would have held at most (the tensors the trace saw,
-        and the optimizer state to come), under any budget: one step under ``budget="auto"``
-        finds it without an unmanaged run.
-        """
+        """The unmanaged peak of this model and batch, from the first profiled trace."""
         return self._budget.unmanaged_peak_bytes
 
     def _budget_resolved(self) -> None:
@@ -316,15 +294,14 @@ class MemoryManager:
             optimizer: its state counts toward the budget; with ``offload_params``, the
                 parameter side goes under the budget with it.
             inputs: tensors made before the step (the batch) that count toward the budget on CPU.
-            params: a ``ParamOffload`` of ``model`` with the same budget, made by the caller
-                (for clipping or gradient accumulation): planned together with the activations
-                (NOTE [one plan] in ``vtensor/offload/joint.py``); call its ``step()`` after the
-                block, and leave ``optimizer`` out.
+            params: a ``ParamOffload`` of ``model`` with the same budget (for clipping or
+                accumulation), planned with the activations (NOTE [one plan] in
+                ``vtensor/offload/joint.py``); call its ``step()`` after the block, and leave
+                ``optimizer`` out.
 
         Raises:
-            InfeasibleBudgetError: the budget cannot be met; the error states the smallest
-                budget of the whole iteration and what holds it (raised when the block exits,
-                after backward, before any update).
+            InfeasibleBudgetError: the budget cannot be met; states the whole iteration's
+                minimum and what holds it (raised as the block exits, before any update).
         """
         if self._active:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
@@ -340,8 +317,7 @@ class MemoryManager:
                     model, optimizer, self.budget_bytes, pending_bytes=pending, plannable=plannable
                 )
         except InfeasibleBudgetError as refused:
-            # Below what offloading needs: this iteration runs without it, to state the whole
-            # iteration's minimum with it (NOTE [minimum budget]).
+            # Run without it, to state the whole iteration's minimum (NOTE [minimum budget]).
             side_floor = refused.min_budget_bytes
         if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
             params, optimizer = owned, None
@@ -356,8 +332,7 @@ class MemoryManager:
                 chunked=self.granularity is Granularity.CHUNK,
             )
         store, policy, tracker = self._ensure_started(device)
-        # The state the optimizer's first step creates: every later iteration holds it, so a
-        # minimum stated now must count it (it is part of their baseline).
+        # State the optimizer's first step creates: later iterations hold it, so minima count it.
         pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         held = held_outside(params.pool, model) if params is not None else 0
         protected, held_state = self._states.of(
@@ -367,8 +342,7 @@ class MemoryManager:
             self._budget.resolve_device(device, held_state)
             self._budget_resolved()
             store, policy, tracker = self._ensure_started(device)
-        # Above the budget, the iteration still runs (the guard keeps what it can) so that the
-        # minimum it states is the whole iteration's, not the state's alone.
+        # Above the budget it still runs, so the minimum it states is the whole iteration's.
         baseline = held_state + held
         peaks = self._peaks = self._peaks or IndependentPeak(
             device, enabled=self.measure_peaks, rss=self.count_workspaces
@@ -480,7 +454,7 @@ class MemoryManager:
         self._reports.append(dataclasses.replace(report, budget_source=budget_source))
         if trace is not None and self._budget.note_profile(trace, pending_state_bytes):
             self._budget_resolved()
-        if logger.isEnabledFor(logging.DEBUG):  # not formatted at every step for nothing
+        if logger.isEnabledFor(logging.DEBUG):
             sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)
             sizes_text = ", ".join(map(format_bytes, sizes))
             logger.debug("iteration %d: peak, budget, out, in: %s", report.iteration, sizes_text)
@@ -509,10 +483,7 @@ class MemoryManager:
         inputs: Sequence[torch.Tensor] = (),
         params: "ParamOffload | None" = None,
     ) -> Plan | None:
-        """The swap plan this manager replays for ``model`` at ``inputs`` (None if none yet).
-
-        ``params`` as for :meth:`step`: the joint plan of that offloading's next backward pass.
-        """
+        """The plan replayed for ``model`` at ``inputs`` (``params`` as for :meth:`step`)."""
         device = self.device or device_of(model)
         signature = params.plan_signature() if params is not None else ""
         return self._plans.plan_for(model, inputs, device, signature)

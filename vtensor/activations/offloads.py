@@ -18,9 +18,8 @@ logger = logging.getLogger(__name__)
 class Offloads:
     """Offloads a model's parameter side under the manager's budget where it must.
 
-    NOTE [offload auto] in ``offload/joint.py`` says where: ``setting`` ``"auto"`` (there),
-    ``True`` (always) or ``False`` (never). Each offloading is made at the first step that needs
-    it, with the manager's storage settings, and kept for the steps that follow.
+    ``setting``: ``"auto"`` (NOTE [offload auto] in ``offload/joint.py``), ``True`` or ``False``.
+    Each offloading is made at the first step that needs it and kept for the later ones.
     """
 
     def __init__(
@@ -59,8 +58,8 @@ class Offloads:
     ) -> ParamOffload | None:
         """The offloading ``model``'s step runs with, if any.
 
-        ``pending_bytes``: the optimizer state its first step creates; ``plannable``: why a
-        joint plan cannot run here ("" where it can: on the CPU at chunk granularity).
+        ``pending_bytes``: state the optimizer's first step creates; ``plannable``: why a joint
+        plan cannot run here ("" where it can).
 
         Raises:
             InfeasibleBudgetError: the budget is below what offloading needs.

@@ -64,23 +64,16 @@ class IterationReport:
 
     Attributes:
         iteration: 0 for the first managed iteration.
-        policy: the swap policy that decided the iteration: "planned" (a plan was replayed to
-            the end) or "reactive".
+        policy: "planned" (a plan was replayed to the end) or "reactive".
         granularity: "chunk" or "tensor".
-        plan_source: where the swap decisions came from: "profiled" (no plan yet: reactive,
-            and this iteration was recorded and planned), "planned" (a plan made in this
-            process), "cached" (a plan loaded from the plan cache, no profiling), "fallback"
-            (the run diverged from its plan), "reactive" (no planning).
+        plan_source: where the swap decisions came from (:class:`PlanSource`).
         device: "cpu" or "cuda".
         budget_bytes: the budget.
         chunk_bytes: chunk size (None at tensor granularity).
-        peak_device_bytes: tracked peak: the state known at entry plus the growth since entry of
-            the allocator's count (glibc mallinfo2 on CPU, ``torch.cuda.memory_allocated`` on
-            CUDA), sampled at every hook point.
-        peak_independent_bytes: independent peak: baseline + growth of the process's peak RSS
-            (VmHWM) over the iteration on CPU, of ``torch.cuda.max_memory_allocated`` on CUDA.
-            None unless the manager measures peaks (``measure_peaks``: it resets those
-            process-wide counters).
+        peak_device_bytes: tracked peak: the state at entry plus the allocator count's growth
+            (mallinfo2 on CPU, ``torch.cuda.memory_allocated``), sampled at every hook point.
+        peak_independent_bytes: baseline plus the growth of peak RSS (CPU) or
+            ``torch.cuda.max_memory_allocated``; None unless ``measure_peaks``.
         independent_kind: how the independent figure was measured (None: not measured).
         min_budget_bytes: the smallest budget that would have worked for this iteration.
         bytes_out: bytes moved to the slower tier.
@@ -93,17 +86,14 @@ class IterationReport:
         predicted_stall_s: the plan's predicted stall (None without a plan).
         planning_s: time spent planning after this iteration.
         cache_load_s: time spent loading the plan from the cache before it.
-        copied_bytes: resident prefixes copied by ``resize_`` when a partly evicted storage
-            shrank or grew (the copy path: CUDA, shared-memory storages); 0 where chunks are
-            released in place (NOTE [release in place] in ``io/pages.py``).
-        one_time_bytes: process memory the iteration allocated for good that is no tensor
-            (MKL's GEMM buffer pool, NOTE [MKL buffer pool] in ``measure/trackers.py``): left
-            out of the tracked bytes and the budget, reported here. Mostly the first iteration
-            of a process, or the first to meet a new matrix shape.
+        copied_bytes: resident prefixes copied by ``resize_`` on the copy path (CUDA, shared
+            memory); 0 where chunks are released in place (NOTE [release in place]).
+        one_time_bytes: non-tensor process memory the iteration kept for good (NOTE [MKL buffer
+            pool] in ``measure/trackers.py``), outside the tracked bytes and the budget.
         recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
-        lean: a replayed plan was checked at module boundaries only, to the end (NOTE [lean
-            replay]): ``peak_device_bytes`` is the highest reading at a boundary, ``steps`` is
-            empty and ``min_budget_bytes`` is the profiled iteration's.
+        lean: checked at watched boundaries only (NOTE [lean replay]): ``peak_device_bytes``
+            is the highest boundary reading, ``steps`` is empty, ``min_budget_bytes`` the
+            profiled iteration's.
     """
 
     iteration: int

@@ -4,23 +4,15 @@ NOTE [one decision]
 A signature's plan is decided once, in at most three iterations, from one calibrated model
 (NOTE [calibrated model] in ``planner/costs.py``):
 
-1. PROFILE: the iteration runs the reactive policy and is recorded (with ``recompute``, the
-   modules safe to recompute and their measured reruns too). Its transfers calibrate the
-   bandwidths. The solver (``solve``) predicts the step of every option (swap only, and each
-   recomputation worth pricing) and takes the least. With ``encode_masks="auto"`` the clamps
-   are encoded where the plan moves bytes.
-2. REPROFILE, only where the choice recomputes or newly encodes: the iteration is profiled
-   with them, so the plan is made from what that iteration really holds.
-3. VALIDATE: the plan is replayed in full (every hook point guarded). If the guard had to move
-   bytes beyond the plan, or the step missed its prediction by more than ``TIME_TOLERANCE``,
-   the per-byte cost is corrected from this replay and the plan is made once more from the
-   profiles (``margin`` the guard's bytes), the least predicted kept. Else it stands.
+1. PROFILE: run the reactive policy and record (with ``recompute``, also the units safe to
+   recompute). Its transfers calibrate the bandwidths; the option of least predicted step wins
+   (swap only, or a recomputation). With ``encode_masks="auto"`` clamps encode where bytes move.
+2. REPROFILE, only if the choice recomputes or newly encodes: plan from what that really holds.
+3. VALIDATE: replay in full. If the guard moved bytes or the step missed its prediction, correct
+   the per-byte cost and plan once more from the profiles; the least predicted stands.
 
-Each plan to replay is stored in the plan cache, the only state processes share, from its
-first replay on (a process that loads it replays it as decided); a plan a full replay proved
-needs no guard is marked there to replay lean. Any process that
-profiles the same key decides by the same rule. A replay that leaves its plan (a divergence,
-or a lean replay over the budget) has its signature profiled again.
+The plan cache, the only state processes share, holds each plan from its first replay, and
+marks those proven to replay lean. A replay that leaves its plan is profiled again.
 """
 
 import dataclasses
@@ -71,8 +63,7 @@ class Decision:
     Attributes:
         stage: what its next iteration does.
         plan: the plan to replay (None: none fits; the reactive policy runs).
-        profiles: the profiles the plan may be made again from: the first, then the
-            reprofile's, if any.
+        profiles: what the plan may be made again from: the first, then the reprofile's.
         choice: what the reprofile recomputes, and whether it encodes.
         encode: what the reprofile's clamps do.
         predicted_s: the step the model predicts for ``plan``.
@@ -204,9 +195,8 @@ class PlanBook:
     def excuse(self, chosen: IterationPlan, was_lean: bool) -> bool:
         """An iteration broke the budget: whether it is excused (else the budget is infeasible).
 
-        A lean replay's plan is profiled again (its minimum would not hold: NOTE [lean
-        replay]); a recomputation that broke it is dropped for the plan without it. Their
-        gradients are right, their peak was not.
+        A lean replay's plan is profiled again (NOTE [lean replay]); a recomputation that broke
+        it is dropped. Their gradients are right, only their peak was not.
         """
         decision = self._decisions.get(chosen.signature)
         if decision is None:
@@ -239,11 +229,10 @@ class PlanBook:
     ) -> PlanSource:
         """Take the decision's next stage from a finished iteration; its source to report.
 
-        ``reserve_bytes`` (the largest growth between two hook points) and ``min_budget_bytes``
-        (its stated minimum) travel with the plan; ``guard_bytes`` is what the guard evicted
-        beyond the plan; ``state_to_come_bytes`` the state its update makes, held by later
-        iterations (NOTE [state to come]); ``moved`` its transfers; ``excused``: it broke the
-        budget and ``excuse`` took its decision back.
+        ``reserve_bytes`` (largest growth between hook points) and ``min_budget_bytes`` travel
+        with the plan; ``guard_bytes``: evicted beyond the plan; ``state_to_come_bytes``: state
+        its update makes (NOTE [state to come]); ``moved``: its transfers; ``excused``: ``excuse``
+        took its decision back.
         """
         decision = self._decisions.get(chosen.signature)
         if excused:
@@ -271,7 +260,7 @@ class PlanBook:
         elif stage is Stage.DECIDED and chosen.executor is not None and not chosen.lean:
             decision = self._proven(chosen, decision, guard_bytes)
         if decision.stage is not Stage.REPROFILE and decision.plan is not before:
-            self._store(chosen.key, decision)  # what a fresh process replays from here on
+            self._store(chosen.key, decision)
         elif decision.lean and stage is Stage.VALIDATE:
             self._mark_lean(chosen.key, decision)
         self._decisions[chosen.signature] = decision

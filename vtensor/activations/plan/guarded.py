@@ -30,24 +30,18 @@ def plan_within_guard(
     None if there is none. ``min_budget_bytes`` (the profiled iteration's stated minimum) and
     ``reserve_bytes`` travel with the plan.
 
-    NOTE [plan within the guard]: the plan leaves the guard its headroom free (its one chunk
-    where the guard keeps each point's own rise; ``reserve_bytes``, the largest growth between
-    two hook points, where it keeps that everywhere: NOTE [planned headroom] in
-    ``planner/reserves.py``), so that the guard moves no bytes of its own and the bytes an
-    iteration moves are the plan's. Where that is infeasible the plan fills the whole budget and
-    the guard keeps its headroom as it can. ``margin_bytes`` more are left free first where a
-    replay showed the guard still had to act (NOTE [one decision] in ``planning.py``).
+    NOTE [plan within the guard]: the plan leaves the guard its headroom free (NOTE [planned
+    headroom] in ``planner/reserves.py``), so the guard moves nothing of its own and every byte
+    moved is the plan's. Where that is infeasible the plan fills the whole budget. First
+    ``margin_bytes`` more are left free, where a validating replay saw the guard act (NOTE [one
+    decision]).
 
     NOTE [floor over the budget]
-    The trace's floor of a step (its largest unmanaged bytes, plus every tensor the step uses)
-    can lie above what the step really needed: the step's unmanaged peak and its tensors' uses
-    need not coincide. On the char GPT at 40 % of its peak the model's floor, the backward of
-    the first attention's projection with the momentum, was 97.6 MiB (93.7 MiB with backward
-    steps in parts, NOTE [backward parts] in ``planner/memory_model.py``), where the iteration
-    stated 90.4 MiB and ran within the 93.4 MiB budget. Where the iteration's stated minimum
-    fits the budget, such steps are planned at their floor and the rest at the budget, and the
-    guard keeps the budget at runtime; a plan over the budget is never replayed lean. Refused
-    instead, the manager ran reactively at 1.48x the unmanaged step.
+    A step's modelled floor (its largest unmanaged bytes plus every tensor it uses) can exceed
+    what it really needed, since its unmanaged peak and its tensors' uses need not coincide.
+    Where the iteration's stated minimum fits the budget, such steps are planned at their floor,
+    the rest at the budget, and the guard keeps the budget at run time; refusing would leave the
+    much slower reactive policy. Such a plan is never replayed lean.
     """
     plan: Plan | None = None
     joint = any(t.kind is not TensorKind.ACTIVATION for t in trace.tensors)
@@ -68,8 +62,7 @@ def plan_within_guard(
             if planned_bytes == budget_bytes and min_budget_bytes > budget_bytes:
                 logger.warning("no swap plan at this budget, staying reactive: %s", err)
     if plan is None and min_budget_bytes <= budget_bytes:
-        # NOTE [floor over the budget]: the iteration ran within the budget, the trace's model
-        # of its floor does not; the guard keeps the budget where the plan does not.
+        # NOTE [floor over the budget]
         plan = plan_lgm(
             trace,
             budget_bytes,
@@ -80,9 +73,8 @@ def plan_within_guard(
         )
     if plan is None:
         return None
-    # NOTE [lean replay]: a replay reads the tracked bytes where the plan comes within the
-    # guard's headroom twice over, or a tenth of the budget, of the budget; of those steps,
-    # where the plan predicts a chunk more than it last confirmed (NOTE [confirmed readings]).
+    # NOTE [lean replay]: read where the plan comes within twice the guard's headroom (or a
+    # tenth of the budget) of the budget, and predicts a chunk more than it last confirmed.
     margin = max(2 * reserve_bytes, budget_bytes // 10)
     slack = chunk_bytes or MIN_BUDGET_MARGIN_BYTES
     watched = watched_steps(plan, trace, margin, slack)
@@ -93,6 +85,6 @@ def plan_within_guard(
         watched_steps=watched,
         step_headroom_bytes=step_headroom(plan, trace),  # NOTE [lean waits]
         watched_events=watched_events(plan, trace, watched),  # NOTE [hookless replay]
-        encoded=trace.encoded,  # NOTE [encoding decided]
+        encoded=trace.encoded,  # NOTE [mask encoding]
         step_reserve_bytes=step_reserves(trace),  # NOTE [step reserve]
     )

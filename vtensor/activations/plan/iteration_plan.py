@@ -11,12 +11,12 @@ from vtensor.planner.trace import Trace
 
 @dataclass(frozen=True)
 class Recomputation:
-    """The modules an iteration recomputes (NOTE [recompute] in ``recompute/checkpointed.py``).
+    """The modules an iteration recomputes (NOTE [recompute]).
 
     Attributes:
         names: the modules recomputed, sorted.
         regrowth: per module, the bytes its recomputation brings back at once (NOTE
-            [recomputed growth]); for a profile, which must make room for them unplanned.
+            [recomputed growth]): a profile must make room for them unplanned.
     """
 
     names: tuple[str, ...] = ()

@@ -12,10 +12,7 @@ from vtensor.planner.lgm import PLANNER_VERSION
 
 
 def planner_version(count_workspaces: bool, recompute: bool, encode_masks: bool | str) -> str:
-    """The planner's version, naming the kind of plan (workspaces, recompute, clamps' bits).
-
-    Plans of each kind stay apart in the cache (NOTE [mask encoding] for clamps' bits).
-    """
+    """The planner's version naming the kind of plan, so each kind stays apart in the cache."""
     masks = {True: "+masks", "auto": "+masks-auto"}.get(encode_masks, "")
     kinds = {"+workspaces": count_workspaces, "+recompute": recompute, masks: bool(masks)}
     return PLANNER_VERSION + "".join(k for k, on in kinds.items() if on)

@@ -1,22 +1,14 @@
 """Recomputation at run time: chosen modules run their forward again in backward.
 
 NOTE [recompute]
-A recomputed module saves nothing for backward but its inputs; backward runs its forward again
-right before it needs what that forward saved. The mechanism is torch's non-reentrant
-``torch.utils.checkpoint``
-(``use_reentrant=False``, ``preserve_rng_state=True``), wrapped around the module's
-``forward`` for the managed step only: it restores the RNG state, so
-dropout masks come out the same, and its own saved-tensor hooks sit inside the manager's, so
-the tensors saved inside the module never reach the manager. Two things checkpointing leaves to
-its caller are done here, in the recomputation's context:
-
-- the manager's module hooks ignore the recomputed forward (``target.recomputing``), so the
-  steps of the iteration stay those of its forward and backward;
-- the module's buffers are put back after the recomputation: BatchNorm would otherwise update
-  its running statistics twice, and training would not be bit-identical.
-
-Which modules are recomputed is the plan's choice (``Plan.recompute``); which may be is decided
-while profiling (NOTE [safe to recompute] in ``activations/recompute/profile/units.py``).
+A recomputed module saves only its inputs; backward runs its forward again right before it needs
+what it saved. The mechanism is torch's non-reentrant checkpointing with the RNG state preserved
+(dropout masks repeat), wrapped around ``forward`` for the managed step only; its saved-tensor
+hooks sit inside the manager's. Two things checkpointing leaves to its caller are done here: the
+manager's module hooks ignore the recomputed forward (``target.recomputing``), and the module's
+buffers are put back afterwards (BatchNorm would update its statistics twice). The plan chooses
+the modules (``Plan.recompute``) among those the profile found safe (NOTE [safe to recompute] in
+``activations/recompute/profile/units.py``).
 """
 
 import contextlib
@@ -43,10 +35,7 @@ class RecomputeHost(RecomputeTarget, Protocol):
     """The iteration a plan's recomputations run in: it measures what each one grows."""
 
     def recompute_began(self, regrowth_bytes: int) -> None:
-        """A recomputation starts (``recomputing`` is 1 now for the outermost).
-
-        ``regrowth_bytes``: what it is expected to bring back (0: unknown, or placed by a plan).
-        """
+        """A recomputation starts; ``regrowth_bytes``: what it brings back (0: unknown/planned)."""
         ...
 
     def recompute_ended(self) -> None:
@@ -58,10 +47,7 @@ class RecomputeHost(RecomputeTarget, Protocol):
 def recomputing(
     target: RecomputeHost, module: nn.Module, regrowth_bytes: int = 0, *, buffers: bool = True
 ) -> Iterator[None]:
-    """Run again the forward of ``module``: hooks ignore it, its buffers come back unchanged.
-
-    Without ``buffers``, putting them back is the caller's (``buffers_of``, ``put_back``).
-    """
+    """Run ``module``'s forward again: hooks ignore it; buffers put back unless not ``buffers``."""
     values = buffers_of(module) if buffers else []
     target.recomputing += 1
     target.recompute_began(regrowth_bytes)
@@ -94,13 +80,13 @@ def recompute_modules(
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
-    ``regrowth``: the bytes each one's recomputation is expected to bring back at once, for a
-    host with no plan to place them (NOTE [recomputed growth] in ``activations/runtime/policy.py``).
+    ``regrowth``: the bytes each recomputation brings back at once, for a host with no plan to
+    place them (NOTE [recomputed growth] in ``activations/runtime/policy.py``).
 
     Raises:
         VTensorError: a name is not a module of ``model``.
     """
-    # By path, not by walking every module: this runs at every step of a replay.
+    # By path, not by walking every module: this runs at every replay.
     modules: dict[str, nn.Module] = {}
     missing: list[str] = []
     for name in names:
@@ -123,8 +109,7 @@ def recompute_modules(
                     "wrapped): it cannot be recomputed"
                 )
             expected = (regrowth or {}).get(name, 0)
-            # Into the instance's dict: ``Module.__setattr__`` and ``__delattr__`` first look
-            # through its parameters, buffers and submodules, ~2 us a module at every step.
+            # Into the instance's dict: ``Module.__setattr__`` searches parameters and buffers.
             module.__dict__["forward"] = _checkpointed(module, module.forward, target, expected)
             wrapped.append(module)
         yield
@@ -149,8 +134,7 @@ def _checkpointed(
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # nothing is saved: nothing to recompute
         call = CallSnapshot(args, kwargs)
-        # The closures hold no tensor once the forward has run: the inputs are kept under the
-        # manager's saved-tensor hooks (which may swap them), not by a reference here.
+        # No closure holds a tensor: the inputs live under the saved-tensor hooks (swappable).
         tensors = call.hand_over()
         pending = [(args, kwargs)]
 
@@ -176,18 +160,13 @@ class CallSnapshot:
     """A forward's arguments as they were at the call, to run it again from (NOTE [call snapshot]).
 
     NOTE [call snapshot]
-    torch's checkpointing keeps the tensors a forward was given and, at recomputation, hands
-    them back one by one: a tensor passed twice comes back as two tensor objects, and a list
-    or dict the caller changed after the call is seen as it is then. Both change what a
-    recomputation computes: ``nn.MultiheadAttention`` projects ``query is key`` (self-attention)
-    with one packed matrix product and distinct tensors with three, and a DenseNet layer given
-    the list of features that its caller extends after the call would concatenate more of them.
-    Where shapes agree the saved tensors would differ silently. So the arguments are flattened
-    at the call (torch's pytree: lists, tuples, dicts, named tuples), each distinct tensor is
-    handed to checkpointing once, and a recomputation rebuilds the arguments from that
-    snapshot: the same tensor object wherever the call had one, containers as they were at the
-    call (new ones: what a recomputation appends to them stays there). The forward itself runs
-    on the caller's own arguments.
+    Checkpointing hands a forward's tensors back one by one: a tensor passed twice comes back as
+    two objects, and a container the caller changed after the call is seen as it is then. Both
+    change the result silently (``nn.MultiheadAttention`` takes another path when ``query is
+    key``; a DenseNet layer would concatenate features appended later). So the arguments are
+    flattened at the call (pytree), each distinct tensor handed over once, and a recomputation
+    rebuilds them: the same object wherever the call repeated one, in new containers as they
+    were at the call. The forward itself runs on the caller's own arguments.
     """
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -206,10 +185,7 @@ class CallSnapshot:
         self._others = [None if isinstance(v, torch.Tensor) else v for v in leaves]
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments again, ``tensors`` in place of the call's (``self.tensors``' order).
-
-        In new containers, with the same object wherever the call repeated one.
-        """
+        """The arguments in new containers, ``tensors`` in place of the call's, in their order."""
         leaves = [
             other if slot is None else tensors[slot]
             for slot, other in zip(self._slots, self._others, strict=True)

@@ -10,25 +10,19 @@ from vtensor.planner.plan import Plan, TensorMove
 logger = logging.getLogger(__name__)
 
 # NOTE [room for restores]
-# A plan that fills the budget predicts each step's bytes within the heap counter's noise (small
-# allocations of the process, a few tens of KiB), and its restores start as the step begins,
-# before any reading: a restore that the noise did not leave room for lands over the budget
-# before the guard can act. A full replay therefore makes room for each restore first, as it
-# does for a parameter read (``Iteration.make_room``): the guard evicts what the plan did not,
-# which makes the plan again under the guard's margin (NOTE [guard margin]). Without it, a
-# transformer's hybrid plan at half its peak restored 1.4 MiB as a step began and the reading
-# then stood 83-126 KiB over the budget, more than the one chunk a reading may exceed it by:
-# two runs in ten of the hybrid equivalence tests beside a busy loop holding one of two cores.
-# A lean replay reads no bytes there: its plan was proven by a full replay that needed no guard.
+# A plan that fills the budget predicts each step's bytes only within the heap counter's noise,
+# and its restores start as the step begins, before any reading: a restore the noise left no room
+# for lands over the budget before the guard can act. A full replay therefore makes room for each
+# restore first (``Iteration.make_room``), as for a parameter read. A lean replay does not: its
+# plan was proven by a full replay that needed no guard.
 
 
 class PlanExecutor:
     """Issues a plan's evictions and prefetches at their steps; gives up at the first divergence.
 
-    vTensors are matched to the plan by position (the order in which the iteration first saves
-    them) and size; steps by position and name. Any mismatch (other shapes, a saved tensor more
-    or less, data-dependent control flow) sets ``diverged`` and stops the replay: the caller's
-    reactive policy then keeps the budget for the rest of the iteration.
+    vTensors are matched to the plan by position (order of first save) and size; steps by
+    position and name. Any mismatch sets ``diverged`` and stops the replay: the reactive policy
+    keeps the budget for the rest of the iteration.
     """
 
     def __init__(
@@ -36,7 +30,7 @@ class PlanExecutor:
     ) -> None:
         self.plan = plan
         self.store = store
-        # See NOTE [eviction timing]: True when the plan budgets op workspaces (count_workspaces).
+        # NOTE [eviction timing]: True when the plan budgets op workspaces.
         self.wait_early_evictions = wait_early_evictions
         # By plan position; None: passed to autograd (NOTE [passed]).
         self.records: dict[int, VTensor | None] = {}
@@ -50,7 +44,6 @@ class PlanExecutor:
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
         self._count = plan.activation_count  # the parameter side is ParamPlanExecutor's
         self.watched = frozenset(plan.watched_steps)  # NOTE [lean replay]
-        # The plan positions it moves (the parameter side's are not its own).
         self.moved = frozenset(m.vid for m in plan.moves if m.vid < self._count)
         for move in plan.moves:
             if move.vid >= self._count:
@@ -82,11 +75,7 @@ class PlanExecutor:
         self._place(record, record.nbytes)
 
     def passes_next(self, nbytes: int) -> bool:
-        """Whether the next storage saved for the first time, of ``nbytes``, is left to autograd.
-
-        It is where the plan never moves it (NOTE [passed]) and the run still follows the plan
-        once it is placed; where the plan moves it, it is not placed here (it becomes a vTensor).
-        """
+        """Whether the next new saved storage (``nbytes``) is left to autograd (NOTE [passed])."""
         if self.next_position() in self.moved:
             return False
         self._place(None, nbytes)
@@ -105,11 +94,7 @@ class PlanExecutor:
     def on_step(
         self, index: int, name: str, make_room: Callable[[int], None] | None = None
     ) -> None:
-        """Step ``index`` named ``name`` begins: issue what the plan says for it.
-
-        ``make_room(nbytes)``, where given, is called before each restore with its bytes
-        (NOTE [room for restores]).
-        """
+        """Step ``index`` named ``name`` begins: issue its moves (NOTE [room for restores])."""
         if not self.active:
             return
         names = self.plan.step_names
@@ -120,14 +105,10 @@ class PlanExecutor:
             )
             return
         # NOTE [eviction timing]: the plan counts an eviction's bytes as gone from its step on.
-        # Evictions of the next step whose vTensors can already go are started now, so their
-        # writes overlap this step; the ones that could not be started early are written now
-        # and waited for. An early write still running when its step begins is not waited for
-        # by default: its bytes count as live, so the tracked bytes and the guard see them. A
-        # plan that budgets op workspaces (count_workspaces) has given those bytes to the
-        # step's workspace, which no sample sees, so it waits for them: MobileNetV2 at 25 %
-        # otherwise ran a 36 MiB convolution workspace with 72 MiB of writes still in flight,
-        # 9.4 MiB over the budget in RSS (measured per op).
+        # The next step's evictions start now so their writes overlap this step; those not
+        # started early are written now and waited for. An early write still running is not
+        # waited for: its bytes count as live, which the guard sees. A plan that budgets op
+        # workspaces has given those bytes to a workspace no sample sees, so it waits for them.
         blocking = False
         for move in self._evictions.get(index, ()):
             if (move.vid, index) in self._started:

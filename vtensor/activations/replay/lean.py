@@ -1,61 +1,35 @@
 """Whether a replayed plan is followed lean: per-tensor work only where the plan acts.
 
 NOTE [lean replay]
-A replayed plan that this process measured in full while profiling is followed with per-tensor
-work only where the plan acts: hook points inside a module (saves, unpacks, backward nodes)
-route to the store and the plan, and the tracked bytes are read, and the guard acts, at the
-module boundaries the plan watches only (``Plan.watched_steps``): its predicted peak's, and of
-those it predicts near the budget, where it predicts more than the last reading confirmed (NOTE
-[confirmed readings] in ``planner/memory_model.py``). The profiled iteration judged every hook
-point and backward node; the replay repeats it (the executor checks every saved tensor's size
-and every step's name, and a divergence turns the checks back on for the rest of the
-iteration). A boundary reading over the budget also turns them back on, and the plan is
-profiled again next time: a lean iteration cannot state a minimum budget of its own (it has not
-judged every point), so it reports the profiled iteration's. A plan replays lean only once a
-full replay of it needed nothing from the guard (no eviction beyond the plan's): where the guard
-helps, it helps between boundaries too (``PlanBook``). With a plan cache, that full replay is
-noted beside the cached plan (by the plan's digest, ``PlanCache.mark_lean``), and the next
-managers that load the plan, in this process or another, replay it lean from their first
-iteration: the main job opens a manager per round, whose first iteration was a full replay.
+A plan this process (or the plan cache) saw replayed in full without the guard acting is followed
+lean: hook points inside a module route only to the store and the plan, and the tracked bytes are
+read, and the guard acts, only at the boundaries the plan watches (``Plan.watched_steps``; NOTE
+[confirmed readings] in ``planner/memory_model.py``). The executor still checks every saved
+tensor's size and every step's name; a divergence or a reading over the budget turns the checks
+back on and the plan is profiled again. A lean iteration has not judged every point, so it reports
+the profiled iteration's minimum budget.
 
 NOTE [lean waits]
-No guard reads the bytes between a lean replay's boundaries, so the boundaries are what keeps
-compute from running ahead of the writes: an eviction's bytes count as gone from its step on
-(NOTE [eviction timing]), and a write still in flight holds them. The plan knows, per step, how
-far under its budget it predicts the step (``Plan.step_headroom_bytes``), and its budget is
-itself the guard's headroom under the manager's (``replays_lean``). So as a step begins, a lean
-replay waits for the writes only where those in flight hold more than that step's headroom: the
-step then stays within the plan's budget, with the guard's headroom to spare, as a full
-replay's guard would keep it. Waiting at every boundary, lean replays stalled where full replays did
-not (a full replay's guard waits only once the headroom is gone); with this rule MobileNetV2's
-lean replays at 80-50 % stall 0.000 s (benchmarks/HISTORY.md, 2026-12-02). Waiting nowhere, the
-main job's two clients sharing two cores, whose writes fell behind compute, went up to 70 %
-over budget in lean replays. A full replay waits by the same rule: its guard sees the writes
-in flight, but keeps only the headroom of the point it acts at (NOTE [step reserve]), while
-the plan has given the bytes it counted as gone to the step, where a recomputation brings a
-module's saved tensors back at once between two points.
+Between a lean replay's boundaries no guard reads the bytes, and a write in flight still holds the
+bytes the plan counts as gone (NOTE [eviction timing]). So as a step begins, the replay waits for
+writes only where those in flight exceed the step's predicted headroom
+(``Plan.step_headroom_bytes``): waiting everywhere stalls, waiting nowhere lets compute run past
+the budget. Full replays wait by the same rule: their guard keeps only the headroom of the point
+it acts at (NOTE [step reserve]).
 
 NOTE [passed]
-A lean replay leaves to autograd, as it is, every saved storage its plan never moves: no
-vTensor, no alias, no record to free, so per-tensor work is done only where the plan acts. Its
-position among the iteration's first saves and its size are still matched with the plan's (a
-storage seen again, found by a weak reference that holds no memory, keeps its first position),
-and unpacking it still checks that it was not modified in place after saving. What this gives
-up: where the replay stops following the plan (a divergence, a reading over the budget), the
-guard that takes over can evict only the storages saved as vTensors.
+A lean replay leaves every saved storage its plan never moves to autograd as it is (no vTensor, no
+record), so per-tensor work happens only where the plan acts. Its position and size are still
+matched with the plan's (a weak reference finds a storage seen again) and unpacking still checks it
+was not modified in place. The price: a guard that takes over after a divergence can evict only
+the storages saved as vTensors.
 
 NOTE [hookless replay]
-A lean replay of a plan that moves no activation (a budget that never binds, or one that
-recomputation or encoding alone meets) has nothing to do at module boundaries but read the
-tracked bytes at the steps it watches: it installs no module hooks at all, so the model's
-modules run on torch's path without hooks. Saved tensors are still matched with the plan by
-position and size (NOTE [passed]), and the tracked bytes are read at the first saved-tensor
-event at or after each watched step (``Plan.watched_events``) instead of at that step's
-boundary: the same readings, among them the one that states the iteration's peak, each a little
-later in its step. A plan with a watched step that no event follows keeps its module hooks. A
-reading over the budget turns the checks back on, at the saved-tensor hooks only, and the plan
-is profiled again next time. Module hooks at every boundary cost the main job's CNN, whose
-step is short, more than a tenth of its step (benchmarks/README.md, ``main_round``).
+A lean replay of a plan that moves no activation installs no module hooks: it reads the tracked
+bytes at the first saved-tensor event at or after each watched step (``Plan.watched_events``), the
+same readings a little later in their step. Module hooks at every boundary cost a short-stepped
+model a noticeable share of its step. A plan with a watched step that no event follows keeps its
+module hooks; a reading over the budget turns the checks back on at the saved-tensor hooks.
 """
 
 from collections.abc import Callable
@@ -94,11 +68,7 @@ class Passing:
         self._at((position, 1))
 
     def passes(self, storage: torch.UntypedStorage) -> int | None:
-        """The plan position of a saved ``storage`` if it is left to autograd, else None.
-
-        A storage seen for the first time is placed in the plan. None once the run has left
-        the plan.
-        """
+        """The plan position of a saved ``storage`` left to autograd (placed if new), else None."""
         executor = self.executor
         if not executor.active or (self.store.records and self.store.known(storage)):
             return None
@@ -117,9 +87,8 @@ class Passing:
 def wait_for_room(store: ChunkStore, plan: Plan, step_index: int, room: int | None = None) -> None:
     """As step ``step_index`` of a replay begins, wait for the writes beyond its headroom.
 
-    NOTE [lean waits], for full replays as well; completed transfers are taken in either way.
-    ``room``: the bytes that may stay in flight, where not the step's headroom (a sparse
-    replay's, NOTE [sparse replay]).
+    NOTE [lean waits]; completed transfers are taken either way. ``room``: the bytes that may
+    stay in flight, where not the step's headroom.
     """
     store.reap(block=False, block_restores=False)
     if room is None:
@@ -130,11 +99,7 @@ def wait_for_room(store: ChunkStore, plan: Plan, step_index: int, room: int | No
 
 
 def replays_hookless(executor: PlanExecutor) -> bool:
-    """Whether a lean replay of ``executor``'s plan needs no module hooks.
-
-    NOTE [hookless replay]: a plan that moves no activation and can read at every step it
-    watches.
-    """
+    """Whether ``executor``'s lean replay needs no module hooks (NOTE [hookless replay])."""
     plan = executor.plan
     nothing_moves = not any(m.vid < plan.activation_count for m in plan.moves)
     return nothing_moves and bool(plan.watched_events)
@@ -151,13 +116,10 @@ def replays_lean(
 ) -> bool:
     """Whether an iteration replays ``executor``'s plan lean (``asked``: its plan book allows).
 
-    Only a plan that leaves the guard its headroom under ``budget_bytes`` (``leaves_headroom``):
-    where the plan fills the whole budget, the guard acts between boundaries as well. Or a plan
-    that moves nothing and whose guard kept each point's own headroom (NOTE [step reserve] in
-    ``planner/reserves.py``): a full replay of it that needed no guard (``asked``) is the same
-    computation as its lean replays, and the guard would have nothing to move. Never under a
-    joint plan with parameter offloading, with op workspaces counted, or while profiling: those
-    read the tracked bytes at every point.
+    A plan must leave the guard its headroom (``leaves_headroom``), else the guard acts between
+    boundaries too; or move nothing with per-point reserves (NOTE [step reserve]), where the guard
+    would have nothing to move. Never with a joint plan, counted workspaces or while profiling:
+    those read the bytes at every point.
     """
     if not asked or executor is None or joint or count_workspaces or record_trace:
         return False
@@ -168,11 +130,7 @@ def replays_lean(
 
 
 def leaves_headroom(plan: Plan, budget_bytes: int) -> bool:
-    """Whether ``plan`` leaves the guard its headroom under ``budget_bytes``.
-
-    NOTE [plan within the guard] in ``activations/plan/guarded.py``, NOTE [planned headroom] in
-    ``planner/reserves.py``.
-    """
+    """Whether ``plan`` leaves the guard room (NOTE [plan within the guard])."""
     reserves = () if plan.tensor_names else plan.step_reserve_bytes  # joint: the one reserve
     headroom = planned_headroom(reserves, plan.reserve_bytes, plan.chunk_bytes)
     return plan.budget_bytes + headroom <= budget_bytes

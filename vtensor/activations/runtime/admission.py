@@ -26,11 +26,7 @@ class Admission:
         self.min_tensor_bytes = min_tensor_bytes
 
     def storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
-        """The storage of a plain tensor, else None.
-
-        Plain: strided, unquantized, not nested, of the device, and not a protected storage. The
-        pack hook runs this for every saved tensor: one call that fetches the storage once.
-        """
+        """The storage of a plain (strided, dense, on the device, unprotected) tensor, else None."""
         if type(tensor) not in _PLAIN_TENSOR_TYPES or tensor.layout != torch.strided:
             return None
         if not self._on_device(tensor) or tensor.is_quantized or tensor.is_nested:

@@ -45,10 +45,7 @@ class ManagerBudget:
             self.source += f"; the profiled iteration, for {self.spec} of its peak"
 
     def note_profile(self, trace: Trace, pending_state_bytes: int) -> bool:
-        """A profiled iteration's trace; returns whether a share of its peak resolved now.
-
-        Traces with modules recomputed hold fewer saved tensors: they give no unmanaged peak.
-        """
+        """A profiled trace (not one that recomputed); whether a share of its peak resolved now."""
         if trace.recomputed:
             return False
         self.unmanaged_peak_bytes = unmanaged_peak(trace) + pending_state_bytes

@@ -38,10 +38,7 @@ class BudgetFloor:
         *,
         strict: bool = True,
     ) -> None:
-        """Judge a hook point that needs ``need`` bytes with ``pinned`` in use.
-
-        ``strict``: a need above the budget breaks it (else only the floor is kept).
-        """
+        """Judge a hook point needing ``need`` bytes; ``strict``: above the budget breaks it."""
         evictable_now = 0
         for record in self.store.records.values():
             if record is pinned:
@@ -49,23 +46,20 @@ class BudgetFloor:
             nbytes = self.store.evictable_bytes(record)
             pending = record.pending
             if pending is not None and pending.outgoing:
-                # Still resident while its write runs (a replayed plan does not wait for it).
+                # Still resident while its write runs.
                 nbytes = sum(c.nbytes for c in pending.chunks)
             evictable_now += nbytes
-            # Evicted (or being evicted) counts too: it was evictable when the policy chose it.
+            # Evicted or being evicted: it was evictable when chosen.
             if record.vid not in self.books.evictable_step and (
                 nbytes or pending is not None or record.offloaded_chunks()
             ):
                 self.books.evictable_step[record.vid] = step_index
-        # Bytes that only became evictable at this point (inputs the op just finished with)
-        # could not have been evicted before the op allocated: only what was evictable at the
-        # previous point could have made room.
+        # Only what was evictable at the previous point could have made room for this op.
         evictable = min(evictable_now, self._prev_evictable)
         self._prev_evictable = evictable_now
-        # NOTE [minimum budget]: the floor is what could not be evicted at this point. The margin
-        # covers the noise of the heap counter (small non-tensor allocations) and the run-to-run
-        # differences in what happens to be resident at a point, so that retrying at the stated
-        # minimum works.
+        # NOTE [minimum budget]: the floor is what could not be evicted at this point, plus a
+        # margin for the heap counter's noise and run-to-run residency, so that retrying at the
+        # stated minimum works.
         floor = need - evictable + MIN_BUDGET_MARGIN_BYTES + need // 100
         if floor > self.books.min_budget_bytes:
             self.books.min_budget_bytes = floor
@@ -87,12 +81,11 @@ def floor_breakdown(
 ) -> FloorBreakdown:
     """What holds ``min_budget_bytes``, the iteration's stated minimum (NOTE [minimum budget]).
 
-    The parameter side counts where it stays in memory (not ``offloaded``): parameters and
-    buffers, every trainable parameter's gradient where the floor lies in or after backward
-    (those that exist where it lies before), the optimizer's state with what its first step
-    creates. The working set is what the minimum holds beyond those, the inputs and the saved
-    bytes that could not leave. The floor with the parameter side offloaded is estimated too:
-    this one less the state, plus twice the least the offloading holds at once.
+    Unless ``offloaded``: parameters and buffers, gradients (all trainable ones where the floor
+    lies in or after backward), optimizer state including what its first step creates. The
+    working set is the rest beyond inputs and saved bytes that could not leave. Also estimated:
+    the floor with the parameter side offloaded (less the state, plus twice the offloading's
+    least holding).
     """
     params = grads = state = 0
     if not offloaded:
@@ -113,6 +106,6 @@ def floor_breakdown(
         side = offloaded_min_bytes(model, optimizer)
     except VTensorError:
         return breakdown  # not offloadable (parameters off the CPU, a foreign optimizer)
-    # The unit its backward updates, and the next one's parameters read ahead for its own.
+    # The unit its backward updates, and the next one's read ahead.
     estimate = min_budget_bytes - breakdown.state + 2 * side
     return dataclasses.replace(breakdown, offloaded_floor_bytes=estimate)

@@ -56,9 +56,8 @@ class HookTarget(Protocol):
 class SavedHandle:
     """What autograd holds instead of a saved tensor: the record and a detached alias.
 
-    The alias shares the saved tensor's version counter, so an in-place change after saving is
-    seen at unpack (the hooks switch off autograd's own check); it also rebuilds the exact view
-    (size, strides, offset) over the storage. Its death releases the record.
+    The alias shares the version counter, so an in-place change is seen at unpack, and keeps
+    the exact view over the storage. Its death releases the record.
     """
 
     __slots__ = ("alias", "record", "store", "version")
@@ -83,21 +82,15 @@ def make_saved_tensor_hooks(
     def pack(tensor: torch.Tensor) -> Any:
         storage = target.admission.storage(tensor)
         if storage is None:
-            # Parameters and buffers (changed in place by the optimizer, or by a parameter
-            # offloading's restores), and tensors of other devices, are left as they are.
+            # State (changed in place by the optimizer) and other devices' tensors: left as is.
             return tensor
         if not target.accepts(tensor, storage):
-            # Saved-tensor hooks switch autograd's own check of in-place changes off: a tiny
-            # activation keeps its version, checked at unpack.
+            # Saved-tensor hooks turn autograd's in-place check off: check the version at unpack.
             return (tensor, tensor._version, None)
         passing = target.passing
         position = passing.passes(storage) if passing is not None else None
-        if position is not None:
-            return (
-                tensor,
-                tensor._version,
-                position,
-            )  # NOTE [passed] in activations/replay/lean.py
+        if position is not None:  # NOTE [passed]
+            return (tensor, tensor._version, position)
         record = target.store.adopt(storage, step=target.step_index)
         if not record.fully_resident():
             target.store.ensure_resident(record)
@@ -123,8 +116,7 @@ def make_saved_tensor_hooks(
         assert alias is not None
         _check_version(alias, handle.version)
         target.after_unpack(handle.record)
-        # A fresh alias per unpack: while backward holds it, the storage's use count exceeds the
-        # store's own references, which pins the record against eviction until it is consumed.
+        # A fresh alias per unpack: while backward holds it, the use count pins the record.
         return alias.detach()
 
     return pack, unpack
@@ -156,26 +148,19 @@ _BOUNDARY_KEY = "vtensor.boundary"
 class _NodeSampler:
     """Post-hooks on the backward nodes of the step's graph, so the tracker samples their peak.
 
-    NOTE [node peaks]: between two hook points of the manager (an unpack, a module boundary),
-    a backward node holds its incoming gradients, its saved tensors and the gradients it has
-    just computed at once; the next unpack only comes after the engine has released the first
-    two, so sampling at hook points alone missed the largest working set of the iteration
-    (ResNet-18's stem: 48 MiB of gradient + 48 MiB saved + 48 MiB computed, measured). A node
-    post-hook runs after the node's computation and before that release. AccumulateGrad nodes
-    get none: a post-hook would keep the incoming gradient referenced, which makes AccumulateGrad
-    copy it instead of stealing it (more memory for the same bits).
+    NOTE [node peaks]: a backward node holds its incoming gradients, its saved tensors and the
+    gradients it computed at once, and the engine frees the first two before the next hook
+    point, so sampling at hook points alone misses the iteration's largest working set. A node
+    post-hook runs before that release. AccumulateGrad nodes get none: a post-hook would keep the
+    incoming gradient referenced, making AccumulateGrad copy it instead of stealing it.
     """
 
     def __init__(self, target: HookTarget) -> None:
         self.target = target
         # NOTE [sampled nodes]: a hooked node is marked in its own metadata with this step's
-        # token, not kept in a set here. Ids of freed nodes are reused (a reused id taken for
-        # "seen" would leave a subgraph unhooked), and holding the nodes themselves until the
-        # step ends kept alive the saved tensors of graphs that backward never runs: the
-        # forward that non-reentrant checkpointing recomputes inside backward (its modules'
-        # outputs are hooked too) held every recomputed activation, and a checkpointed
-        # MobileNetV2 (batch 12, 128 px) peaked at 340.9 MiB tracked under a manager whose
-        # budget never bound, against 133.6 MiB with the marks.
+        # token, not kept in a set: freed nodes' ids are reused (leaving subgraphs unhooked),
+        # and holding the nodes would keep alive the saved tensors of graphs backward never
+        # runs, such as the forward checkpointing recomputes inside backward.
         self._token = object()
         self._handles: list[RemovableHandle] = []
 
@@ -184,8 +169,7 @@ class _NodeSampler:
         stack: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
         while stack:
             node = stack.pop()
-            # AccumulateGrad nodes are leaves with nothing to hook; they live as long as their
-            # parameter (to the end of the process for a cached model), so they are not marked.
+            # AccumulateGrad: a leaf, living as long as its parameter; neither hooked nor marked.
             if node is None or node.name() == "torch::autograd::AccumulateGrad":
                 continue
             metadata = node.metadata
@@ -212,8 +196,7 @@ class ModuleHooks:
         self._backward = {key: f"backward:{name}" for key, name in names.items()}
         self._target = target
         self._sampler = _NodeSampler(target) if sample_nodes else None
-        # A node with a boundary is marked in its metadata with this step's token: its id could
-        # be reused by a node made after it was freed.
+        # Marks in node metadata, by this step's token: node ids are reused.
         self._token = object()
         self._handles = [
             register_module_forward_pre_hook(self._pre),
@@ -230,10 +213,7 @@ class ModuleHooks:
             self.mark(module, output)
 
     def mark(self, module: nn.Module, output: Any) -> None:
-        """Give the nodes that made ``output`` the backward boundary of ``module``.
-
-        A node that already has one (an inner module's output returned as it is) keeps it.
-        """
+        """Give the nodes that made ``output`` the backward boundary of ``module``, if unmarked."""
         name = self._backward.get(id(module))
         if name is None:
             return
@@ -269,15 +249,11 @@ def install_module_hooks(
 ) -> ModuleHooks:
     """Mark forward and backward step boundaries of every module of a model.
 
-    ``names`` gives each of the model's modules its step name by ``id`` (``ModelScan.names``).
-    The hooks are torch's global module hooks, which every module of the process runs while
-    they are registered: two registrations per step, however many modules, and nothing left on
-    the model; modules outside ``names`` pass through them untouched. Forward boundaries come
-    from the pre-hook. Backward boundaries come from pre-hooks on the autograd nodes of module
-    outputs, which leave the graph unchanged (full backward hooks would wrap outputs and break
-    modules that modify their input in place, such as ``ReLU(inplace=True)``). With
-    ``sample_nodes``, every backward node of the graph behind a module output also gets a
-    post-hook that samples the tracked bytes (NOTE [node peaks]). A recomputation's forward
-    steps are not steps.
+    ``names``: each module's step name by ``id`` (``ModelScan.names``). Torch's global module
+    hooks cost two registrations per step and leave nothing on the model. Backward boundaries
+    are pre-hooks on the autograd nodes of module outputs: full backward hooks would wrap the
+    outputs and break in-place modules such as ``ReLU(inplace=True)``. With ``sample_nodes``,
+    backward nodes also sample the tracked bytes (NOTE [node peaks]). A recomputation's forward
+    makes no steps.
     """
     return ModuleHooks(names, target, sample_nodes)

@@ -45,9 +45,7 @@ class Iteration:
     ) -> None:
         self.store = store
         self.params = params  # NOTE [one plan] in vtensor/offload/joint.py
-        # Above 0 while a forward runs again (NOTE [recompute] in
-        # activations/recompute/checkpointed.py): module hooks then ignore it. ``units`` records the
-        # candidates while profiling.
+        # Above 0 while a forward runs again (NOTE [recompute]): module hooks then ignore it.
         self.recomputing = 0
         self._recompute_from: tuple[int, int] | None = None  # outermost: (reading, regrowth)
         self.units: UnitRecorder | None = None
@@ -60,7 +58,7 @@ class Iteration:
         self.baseline_bytes = baseline_bytes
         self.record_trace = record_trace
         self.executor = executor
-        # NOTE [transient bytes] in activations/runtime/recorder.py; it also keeps the RSS peak.
+        # NOTE [transient bytes] in runtime/recorder.py; it also keeps the RSS peak.
         self.rss = rss if record_trace or count_workspaces else None
         self.count_workspaces = count_workspaces
         self.rss_peak_bytes = 0
@@ -111,7 +109,7 @@ class Iteration:
             # NOTE [step reserve] in planner/reserves.py: the rise since the guard last acted.
             self.books.note_growth(self._guarded_at, self.meter.rise(live))
         if live > self.policy.budget_bytes + self.overshoot_bytes:
-            # The budget broke before the policy could act: infeasible at this budget as run.
+            # Broke before the policy could act: infeasible at this budget as run.
             self.books.violated = True
             self.floor.note_broken(live, self._step_name())
         self.books.peak_bytes = max(self.books.peak_bytes, live)
@@ -144,8 +142,8 @@ class Iteration:
             began, regrowth = self._recompute_from
             live = self.live_bytes()
             self.meter.announce_recomputed(live - began)
-            # No hook reads inside it: a profile reads its peak as where it began plus its
-            # working set (NOTE [recomputation's working set] in activations/runtime/recorder.py).
+            # No hook reads inside it: its peak is where it began plus its working set (NOTE
+            # [recomputation's working set]).
             self._sample(max(live, began + regrowth) if self.record_trace else live)
             self._recompute_from = None
 
@@ -187,10 +185,8 @@ class Iteration:
         resident = record.storage.nbytes() if record.storage is not None else 0
         if incoming and resident and not record.in_place:
             # NOTE [growing a partial vTensor]: on the copy path growing a storage reallocates
-            # it, so the resident prefix and the full size coexist while the prefix is copied.
-            # Make room for the whole size; if that is impossible, send the prefix out as well,
-            # which trades a write and a read of the prefix for the transient. Released in
-            # place, only the incoming bytes are allocated.
+            # it, so prefix and full size coexist. Make room for the whole size, else send the
+            # prefix out too (a write and a read traded for the transient).
             self.enforce(incoming_bytes=record.nbytes, pinned=record, judge=False)
             too_big = self.live_bytes() + record.nbytes > self.policy.budget_bytes
             if too_big and self.store.evictable(record):
@@ -222,8 +218,7 @@ class Iteration:
             return
         index = self.step_index + 1
         if name.startswith("backward:") and not self._backward_done_queued:
-            # Mark the end of backward: optimizer work that follows is its own step. autograd
-            # runs a callback queued during a backward when the graph task ends.
+            # Optimizer work after backward is its own step: autograd runs this at graph end.
             self._backward_done_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         self._event = 0
@@ -247,25 +242,21 @@ class Iteration:
             if not self.executor.active:
                 self.policy.at_plan_step(self.step_index, active=False, joint=joint)
         if self.params is not None:
-            # The plan's reads at this step: make room for each under the budget, then start it.
             for entry in self.params.on_step(self.step_index):
                 self.make_room(entry.nbytes)
                 self.params.read(entry)
-        # NOTE [reused readings]: a heap-counter read walks every free chunk of every malloc
-        # arena (12-41 us measured); while no storage was resized or freed since the reading
-        # above (``store.memory_epoch``), it still holds. Reads of a parameter offloading are
-        # not counted by the epoch, so a joint iteration always reads again.
+        # NOTE [reused readings]: a heap-counter read walks every malloc arena's free chunks;
+        # while no storage was resized or freed (``store.memory_epoch``), the last one holds.
+        # The epoch does not count parameter reads, so a joint iteration always reads again.
         same = self.store.memory_epoch == epoch and self.params is None
         self.enforce(live_hint=live if same else None)
 
     def after_node(self) -> None:
         """Sample a backward node's working set (NOTE [node peaks] in ``runtime/hooks.py``).
 
-        No eviction here: the node's bytes are already allocated. What grew since the last
-        hook point is headroom the policy must keep (``reserve``), and a working set above the
-        budget breaks it like any other sample; its floor is judged against what was evictable
-        at the previous hook point, which is what could have made room. The next unpack begins
-        a part of the step (NOTE [backward parts]).
+        No eviction here: the node's bytes are already allocated. The growth since the last hook
+        point is headroom the policy must keep; the floor is judged against what was evictable
+        at the previous point, which could have made room.
         """
         if self._open is not None:
             self._open.node_ended = True
@@ -274,7 +265,6 @@ class Iteration:
         live = self.live_bytes()
         self._sample(live)
         self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
-        # The budget breaks here as at any sample (``_sample``): the policy could not act.
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
         self.meter.note(live)
 
@@ -301,12 +291,11 @@ class Iteration:
     ) -> None:
         """Keep tracked device bytes (plus ``incoming_bytes`` about to arrive) under the budget.
 
-        ``pinned`` is the vTensor about to be used: it is neither evicted nor counted as
-        evictable. ``judge=False`` makes room without recording feasibility (a first attempt).
-        ``live_hint`` is a reading of the tracked bytes taken since the store last moved
-        memory; it is used instead of a new reading while nothing moves (NOTE [reused readings]).
+        ``pinned``: the vTensor about to be used, neither evicted nor counted as evictable.
+        ``judge=False`` makes room without recording feasibility. ``live_hint``: a reading still
+        valid while nothing moves (NOTE [reused readings]).
         """
-        # NOTE [deterministic reaping] in activations/runtime/policy.py: wait here unless replaying.
+        # NOTE [deterministic reaping]: wait here unless replaying.
         replaying = self.executor is not None and self.executor.active
         epoch = self.store.memory_epoch
         self.store.reap(block=not replaying, block_restores=False)
@@ -321,7 +310,6 @@ class Iteration:
         if self.store.memory_epoch != epoch or self.params is not None:
             live = self.live_bytes()  # else nothing was freed or grown since the read above
         if live + incoming_bytes > self.policy.high_watermark():
-            # Still no headroom for the next op: evict down to the watermark and wait for it.
             self.store.reap(block=True)
             self.policy.evict_down_to(
                 self.live_bytes() + incoming_bytes, self.policy.high_watermark(), pinned
@@ -334,8 +322,7 @@ class Iteration:
         self.meter.mark(live)
         self._guarded_at = (self.step_index, self._event)
 
-    # -- lean replay (NOTE [lean replay] in activations/replay/lean.py)
-    # -------------------------------
+    # -- lean replay (NOTE [lean replay]) ------------------------------------------------------
     def _lean_begin(self, index: int, name: str) -> bool:
         """Step ``index`` named ``name`` of a lean replay begins; False: it left the plan."""
         executor = self.executor

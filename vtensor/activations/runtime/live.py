@@ -10,10 +10,8 @@ from vtensor.measure.trackers import DeviceTracker
 class LiveBytes:
     """Reads the tracked bytes of one iteration and the growth between two readings.
 
-    The counters are process-wide (the heap counter on CPU; on CUDA the allocator's count of
-    every tensor on the device: other models, other managers' steps, cuBLAS's workspaces), so
-    the growth since entry is counted on top of ``baseline_bytes``, the tensors known to exist
-    at entry: the budget means the same on both devices.
+    The counters are process-wide (heap on CPU, every tensor on the device on CUDA), so the
+    growth since entry is counted on top of ``baseline_bytes``, the tensors known at entry.
     """
 
     def __init__(
@@ -33,18 +31,16 @@ class LiveBytes:
         self._entry_released = store.released_bytes
         self._last_live = 0
         self._last_param = 0
-        # Where the guard last acted (NOTE [step reserve]): the reading, parameters, restores
-        # started, recomputed bytes announced since, evictions completed.
+        # Where the guard last acted (NOTE [step reserve]): reading, parameters, restores,
+        # recomputed bytes, evictions completed.
         self._mark = (0, 0, 0, 0, 0)
         self.recomputed_bytes = 0  # growth of the recomputations since the last noted reading
 
     def read(self) -> int:
         """Tracked device bytes now."""
         now = self.tracker.current_bytes()
-        # Pages released in place are still allocated for the heap counter: subtracted. The
-        # resident pages see them leave by themselves (NOTE [release in place] in io/pages.py).
-        # Frees of memory allocated before the step (a previous loss, say) lower the counter
-        # below its entry value; never report less than nothing.
+        # The heap counter still counts pages released in place (NOTE [release in place] in
+        # io/pages.py). Frees of older memory can take the reading below zero: clamp.
         released = 0
         if not self.tracker.counts_released_pages:
             released = self.store.released_bytes - self._entry_released
@@ -70,10 +66,9 @@ class LiveBytes:
     def rise(self, live: int) -> int:
         """How far the model's allocations took ``live`` above the guard's last reading.
 
-        Parameters read, restores started and recomputations are the manager's own; a replayed
-        plan places them, so they are left out. Evictions completed since are added back: when
-        they complete depends on the disk and the load, and a replay whose writes were still in
-        flight rises by all that was allocated (NOTE [gross rise] in ``planner/reserves.py``).
+        Parameter reads, restores and recomputations are the plan's to place: left out.
+        Completed evictions are added back, since their timing depends on the disk (NOTE [gross
+        rise] in ``planner/reserves.py``).
         """
         level, params, restored, recomputed, evicted = self._mark
         announced = max(0, self._param_bytes() - params) + recomputed
@@ -81,12 +76,7 @@ class LiveBytes:
         return live - level - announced - (self.store.restored_bytes - restored) + freed
 
     def growth(self, live: int) -> int:
-        """Growth since the last noted reading that nobody announced: the guard's headroom.
-
-        Reads of the parameter offloading sharing the budget are announced (``make_room``) and,
-        under a joint plan, planned; they are not headroom the guard must keep. The growth of
-        recomputations is in it, and apart in ``recomputed_bytes`` (NOTE [recomputed growth]).
-        """
+        """Unannounced growth since the last noted reading (NOTE [recomputed growth])."""
         return live - self._last_live - max(0, self._param_bytes() - self._last_param)
 
     def _param_bytes(self) -> int:

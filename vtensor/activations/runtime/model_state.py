@@ -1,7 +1,7 @@
 """What a step holds before any activation is saved: the device, storages and bytes of state.
 
-State is the model's parameters, buffers and gradients and the optimizer's tensors; the
-manager never swaps them (``ParamOffload`` does), and with the batch they are the baseline.
+State (parameters, buffers, gradients, optimizer tensors) is never swapped here; with the batch
+it is the baseline.
 """
 
 import dataclasses
@@ -20,10 +20,7 @@ from vtensor.planner.keys import architecture_fingerprint, dtype_of
 
 
 def device_of(model: "nn.Module | ModelScan") -> torch.device:
-    """The device of the model's first parameter or buffer (CPU for a model with neither).
-
-    Given the model's scan, its tensors in the same order, without walking the modules.
-    """
+    """The device of the model's (or its scan's) first parameter or buffer; CPU if none."""
     if isinstance(model, ModelScan):
         first = model.parameters[:1] or model.buffers[:1]
         return first[0].device if first else torch.device("cpu")
@@ -37,8 +34,8 @@ def device_of(model: "nn.Module | ModelScan") -> torch.device:
 def on_device_type(device: torch.device) -> Callable[[torch.Tensor], bool]:
     """A test of whether a tensor is on a device of ``device``'s type.
 
-    ``tensor.device`` makes a new device object at every call (about 0.5 us), and a step tests
-    every state tensor and every saved one; ``is_cpu`` and ``is_cuda`` read a flag (0.06 us).
+    ``tensor.device`` builds a device object per call; ``is_cpu``/``is_cuda`` read a flag, and a
+    step tests every state and saved tensor.
     """
     if device.type in ("cpu", "cuda"):
         return operator.attrgetter(f"is_{device.type}")
@@ -51,22 +48,18 @@ class ModelScan:
     """One walk over a model's modules, for everything a step needs of its structure.
 
     Attributes:
-        names: each module's step name by ``id``: ``"model"`` for the root, else its
-            qualified name.
+        names: each module's step name by ``id``: ``"model"`` for the root, else its qualname.
         parameters: each parameter once (tied ones once).
         buffers: each buffer once.
         structure: what the model's architecture fingerprint depends on that can be checked
             without computing it (NOTE [fingerprint once]).
-        maskable: the modules that may save their output instead of their input (NOTE
-            [mask encoding] in ``activations/encode.py``).
-        tensors: the part of ``structure`` that can change without a registration (NOTE
-            [scan once]).
+        maskable: the modules that may save their output instead (NOTE [mask encoding]).
+        tensors: the part of ``structure`` that can change unregistered (NOTE [scan once]).
         holders: the modules' ``_parameters`` and ``_buffers`` that hold any.
         members: what ``holders`` held, in order, when the model was scanned.
         modules: each module but the root by its step name (``module`` finds the root too).
         state: ``parameters`` then ``buffers``.
-        dtype: the parameters' :func:`~vtensor.planner.keys.dtype_of`, for the plan key (a
-            dtype changes with a conversion, which the scan's checks see: NOTE [scan once]).
+        dtype: the parameters' :func:`~vtensor.planner.keys.dtype_of`, for the plan key.
     """
 
     names: dict[int, str]
@@ -96,8 +89,7 @@ class ModelScan:
         maskable: list[nn.Module] = []
         holders: list[dict[str, Any]] = []
         modules: dict[str, nn.Module] = {}
-        # Direct members of each module (``_parameters``, ``_buffers``): the public iterators
-        # walk the module tree again for every module they are called on.
+        # Direct members: the public iterators walk the subtree again for every module.
         for qualname, module in model.named_modules():
             names[id(module)] = qualname or "model"
             if qualname:
@@ -130,25 +122,14 @@ class ModelScan:
         return dataclasses.replace(scan, tensors=tensors, state=state, dtype=dtype)
 
 
-# NOTE [scan once]: walking a model's modules costs about 2 us a module (0.45 ms a step for
-# MobileNetV2's 231), a fifth of what a manager whose budget never binds adds to a short step.
-# So a manager walks a model again only when a module, parameter or buffer was registered on
-# any module of the process since its last walk (torch's global registration hooks see every
-# assignment and ``register_*`` call) or when the scanned modules' parameters or buffers
-# changed: another tensor in the module's own dict (``Module._apply`` under
-# ``torch.__future__``'s overwrite on conversion puts new ones there without a registration, and
-# their storages must be protected), or one deleted, or another ``requires_grad``, or another
-# shape or dtype. What is read at every step is what is cheap to read together: the dicts'
-# members, the parameters' ``requires_grad`` and the data pointers of the parameters and
-# buffers, which the state's reading shares (NOTE [state once]). Shapes and dtypes are compared
-# only when a data pointer moved: a tensor's shape or dtype changes with its data (``.data``
-# assigned, ``set_``, a conversion) but for an in-place view (``p.data = p.data[:k]``,
-# ``resize_`` to fewer elements). Such a change is then seen as an in-place hyperparameter
-# change is (NOTE [fingerprint once]): the replay leaves its plan if what it saves differs.
-# Reading shapes too cost 0.14 ms a step on MobileNetV2, most of it reaching tensors the step
-# had pushed out of the caches. A module deleted without a replacement stays in the scan: its
-# name is unused, which changes nothing the step does. Storages are not cached: a parameter
-# whose ``.data`` was replaced is protected by its new storage at the next step.
+# NOTE [scan once]: walking every module each step costs a short step a noticeable share. So a
+# model is walked again only when torch's global registration hooks saw a registration, or the
+# modules' own dicts hold other tensors (a conversion may replace them without registering), or a
+# ``requires_grad`` changed. Each step reads only what is cheap together: the dicts' members,
+# ``requires_grad`` and the data pointers, which the state's reading shares (NOTE [state once]).
+# Shapes and dtypes are compared only when a pointer moved, since they change with the data; an
+# in-place view that keeps the pointer shows up as a divergence from the plan instead (NOTE
+# [fingerprint once]).
 _registrations = 0
 _counting = False
 
@@ -171,10 +152,8 @@ def _count_registrations() -> None:
 class ScanCache:
     """A manager's last :class:`ModelScan`, walked again only when it may be stale.
 
-    NOTE [scan once]. Holds the model weakly and drops the scan when the model goes, so neither
-    the model nor its parameters outlive their last reference for the manager's sake.
-    ``pointers`` are the data pointers of the scan's parameters and buffers, as :meth:`of`
-    last read them.
+    NOTE [scan once]. Holds the model weakly, so the manager keeps neither it nor its
+    parameters alive. ``pointers``: the state's data pointers as :meth:`of` last read them.
     """
 
     def __init__(self) -> None:
@@ -196,7 +175,7 @@ class ScanCache:
             and _same_members(scan)
             and list(map(_requires_grad, scan.parameters)) == self._flags
         ):
-            pointers = list(map(_data_ptr, scan.state))  # map: half a comprehension's time
+            pointers = list(map(_data_ptr, scan.state))
             if pointers == self.pointers or _tensors_structure(scan) == scan.tensors:
                 self.pointers = pointers
                 return scan
@@ -239,12 +218,10 @@ _chain = itertools.chain.from_iterable
 class Fingerprint:
     """A model's ``architecture_fingerprint``, computed again only when its structure changes.
 
-    NOTE [fingerprint once]: the fingerprint renders every module's record and hashes them; a
-    manager computes it for a model once, and again only when the structure its scan sees
-    changes (which modules, and which parameters and buffers, by identity, with their shapes,
-    dtypes and ``requires_grad``). A hyperparameter changed in place between steps (a
-    convolution's stride) is not seen there: the replay then diverges from its plan (the
-    executor checks every saved tensor's size and every step's name), which plans it again.
+    NOTE [fingerprint once]: rendering and hashing every module is costly, so it is computed
+    again only when the scan's structure changes. A hyperparameter changed in place (a
+    convolution's stride) is not seen there; the replay then diverges from its plan, which
+    plans it again.
     """
 
     def __init__(self) -> None:
@@ -277,11 +254,7 @@ def state_storages(
     inputs: Sequence[torch.Tensor],
     device: torch.device,
 ) -> tuple[set[int], int]:
-    """The state's storages and the bytes on ``device`` of the state and ``inputs``.
-
-    Returns the identities of the state's storages (the store never adopts them) and the bytes
-    of the state's and the inputs' storages on ``device``, each storage once.
-    """
+    """The state's storage identities, and the bytes on ``device`` of the state and ``inputs``."""
     protected, seen = _state_seen(state_tensors(scan, optimizer), device)
     return protected, _with_inputs(seen, inputs, device)
 
@@ -315,14 +288,11 @@ def _with_inputs(seen: dict[int, int], inputs: Sequence[torch.Tensor], device: t
 class StateStorages:
     """A manager's :func:`state_storages`, read again only when a state tensor's data moved.
 
-    NOTE [state once]: every step needs the identities of the state's storages (the store
-    never adopts them) and their bytes (the iteration's baseline); reading a storage is a
-    Python object per tensor (MobileNetV2's 630 state tensors: 0.26 ms, against 0.05 ms for
-    their data pointers). A manager keeps the last reading while the state's tensors, in order,
-    have the same data pointers: a storage replaced (``.data`` assigned, ``set_``) is made while
-    the old one still exists, so its data lies elsewhere. Those of the parameters and buffers
-    are the scan's (``ScanCache.pointers``, read with its checks). Zero-size storages, which
-    may share the null pointer, make every step read again. The inputs are read at every step.
+    NOTE [state once]: each step needs the state's storage identities and bytes, and reading a
+    storage makes a Python object per tensor. The last reading holds while the state's data
+    pointers are the same, in order: a replaced storage is made while the old one lives, so its
+    pointer differs. Zero-size storages (null pointer) force a new reading; inputs are read
+    every step.
     """
 
     def __init__(self) -> None:
@@ -336,10 +306,7 @@ class StateStorages:
         device: torch.device,
         pointers: list[int],
     ) -> tuple[set[int], int]:
-        """What :func:`state_storages` returns; the set is the manager's: read it only.
-
-        ``pointers`` are the data pointers of ``scan.state``, read at this step.
-        """
+        """:func:`state_storages` (a shared set: read only); ``pointers``: of ``scan.state``."""
         made = _made_by_steps(scan, optimizer)
         made_pointers = list(map(_data_ptr, made))
         key = (device, pointers, made_pointers)

@@ -20,35 +20,27 @@ def prefetch_order(records: list[VTensor], before_vid: int) -> list[VTensor]:
 
 
 # NOTE [deterministic reaping]: while profiling or reacting, every eviction started before a hook
-# point completes at that point (``Iteration.enforce``; it has had at least one op of compute to
-# overlap with), so the memory it frees, and the decisions that follow (the trace, the plan),
-# depend on the sequence of hook events rather than on disk speed. While a plan is replayed, the
-# decisions are the plan's: evictions still in flight are left to run (their bytes count as live
-# until they complete) and are waited for only when the headroom below needs them, so the writes
-# overlap the following ops instead of stalling at the next hook. Restores are never waited for
-# there: their bytes are allocated when they start, and backward waits on them only when it
-# uses them.
+# point completes at that point (``Iteration.enforce``), so the trace and the plan depend on the
+# sequence of hook events, not on disk speed. While a plan is replayed, writes in flight run on
+# (their bytes count as live) and are waited for only when the headroom needs them, so they
+# overlap compute. Restores are never waited for there: their bytes are allocated at their start.
 
 
 class ReactivePolicy:
     """Keeps the tracked device bytes under a budget by evicting exactly the deficit.
 
     NOTE [reactive watermarks]
-    Hooks only see a tensor after the op that made it has allocated it, so the policy keeps a
-    ``reserve`` of headroom: the largest growth of device bytes seen between two enforcement
-    points. Above ``budget - reserve`` it must free bytes before the next op and blocks on the
-    writes; above ``budget - 2 * reserve`` it starts writes early without waiting, so that the
-    copies overlap compute. Evictions cover the deficit rounded up to whole chunks (whole
-    tensors at tensor granularity), taken from the tail of the victims.
+    Hooks see a tensor only after its op allocated it, so the policy keeps a ``reserve`` of
+    headroom: the largest growth seen between two enforcement points. Above ``budget - reserve``
+    it frees bytes and blocks on the writes; above ``budget - 2 * reserve`` it starts writes
+    early without waiting, to overlap compute. Evictions cover the deficit in whole chunks, from
+    the victims' tails.
 
     NOTE [guard takes whole remainders]
-    While a plan is replayed, the policy only guards the headroom: the first cut of a victim is
-    the deficit, and a victim that has already lost a tail goes whole (all its resident chunks).
-    The guard acts at hook point after hook point for about one chunk each time; cutting the
-    same victim again and again would shrink its storage (a ``resize_`` copy of the resident
-    prefix) at every cut, while taking every victim whole from the start moves more bytes
-    (benchmarks/README.md, "Guard: victims cut once"). The plan's own moves stay exact to the
-    chunk, and profiling iterations evict exactly the deficit.
+    While a plan is replayed, the guard cuts a victim by the deficit once; a victim already cut
+    goes whole. The guard acts about a chunk at a time, and cutting the same victim again would
+    copy its resident prefix (``resize_``) at every cut; taking every victim whole at once moves
+    more bytes. The plan's moves and profiling evictions stay exact.
     """
 
     name = "reactive"
@@ -57,17 +49,16 @@ class ReactivePolicy:
         self.store = store
         self.budget_bytes = budget_bytes
         self.reserve_bytes = 0
-        # The largest growth outside recomputations: the headroom a plan leaves a guard that
-        # keeps it everywhere (NOTE [recomputed growth], NOTE [planned headroom]).
+        # The largest growth outside recomputations (NOTE [recomputed growth]).
         self.plan_reserve_bytes = 0
         self.transient_bytes = 0  # the largest workspace seen inside one op (profiling)
-        # Headroom kept while replaying a plan (NOTE [planned headroom] in planner/reserves.py).
+        # Headroom kept while replaying a plan (NOTE [planned headroom]).
         self.guard_bytes = store.chunk_bytes or GUARD_MIN_BYTES
         self.prefetch_depth = prefetch_depth
-        # Off while a plan is replayed: the plan moves bytes early; this policy only guards.
+        # Off while a plan is replayed: the plan moves bytes early, the policy only guards.
         self.early_eviction = True
-        # The plan's reserves per step and hook event, and the one in force now while the plan
-        # is followed (None: ``reserve_bytes``; NOTE [step reserve] in planner/reserves.py).
+        # The plan's reserves per step and hook event, and the one in force (None:
+        # ``reserve_bytes``; NOTE [step reserve] in planner/reserves.py).
         self.step_reserves: tuple[tuple[int, ...], ...] = ()
         self.step_reserve: int | None = None
         self._now: tuple[int, ...] | None = None  # the running step's reserves by hook event
@@ -76,20 +67,12 @@ class ReactivePolicy:
         """Keep at least ``nbytes`` of headroom from now on (a growth between hook points).
 
         NOTE [recomputed growth]
-        Recomputing a unit brings all it saved back at once, between two hook points, where no
-        hook can make room: a growth as large as the unit's saved tensors, on MobileNetV2
-        several times the largest growth elsewhere. While reacting, that growth is headroom
-        like any other, and a trial of recomputation makes room before each recomputation for
-        a bound of what it will hold (``unit_regrowth``, NOTE [regrowth bound]): without it, a unit
-        larger than any growth seen so far landed on top of what the trial was bringing back
-        and broke the budget, more often on a loaded machine. A plan knows: its trace sampled
-        each recomputation's bytes in the step that needed them, so the plan places them, and
-        the headroom it leaves the guard is only the growth outside recomputations
-        (``recomputed_bytes`` of ``nbytes``, ``plan_reserve_bytes``). Kept at the whole growth,
-        the guard's watermark sat below the plan's own peak: the hybrid plan could not be made
-        under it, filled the whole budget, and every replay's guard evicted what the plan did
-        not, so no replay of it went lean (MobileNetV2 at 50 %: 71 MiB moved a step by the
-        19-module plan, 34 MiB after; benchmarks/HISTORY.md, 2026-12-02).
+        Recomputing a unit brings all it saved back at once between two hook points, where no
+        hook can make room. Without a plan, that growth is headroom like any other, and room is
+        made before each recomputation for a bound of it (NOTE [regrowth bound]). A plan places
+        those bytes itself (its trace sampled them), so the headroom it leaves the guard is only
+        the growth outside recomputations (``plan_reserve_bytes``): kept at the whole growth, the
+        guard's watermark would sit below the plan's own peak and evict what the plan did not.
         """
         self.plan_reserve_bytes = max(self.plan_reserve_bytes, nbytes - recomputed_bytes)
         if not self.early_eviction:
@@ -112,8 +95,7 @@ class ReactivePolicy:
         """Step ``index`` begins (its hook event 0); ``following``: the replay follows its plan.
 
         NOTE [step reserve] in ``planner/reserves.py``: while it does, the guard keeps the growth
-        the profile saw after the same hook event of the same step; once it does not, its one
-        reserve everywhere.
+        the profile saw after the same hook event; else its one reserve.
         """
         known = following and 0 <= index < len(self.step_reserves)
         self._now = self.step_reserves[index] if known else None
@@ -122,9 +104,8 @@ class ReactivePolicy:
     def at_plan_step(self, index: int, *, active: bool, joint: bool) -> None:
         """Step ``index`` of a replay begins; ``active``: the replay follows its plan.
 
-        While it does, the plan moves bytes and the guard keeps each point's headroom; under a
-        joint plan with parameter offloading, the one reserve everywhere (NOTE [step reserve] in
-        ``planner/reserves.py``).
+        While it does, the guard keeps each point's headroom; under a joint plan, the one
+        reserve everywhere (NOTE [step reserve]).
         """
         self.at_step(index, following=active and not joint)
         self.follow_plan(active)
@@ -139,10 +120,9 @@ class ReactivePolicy:
     def use_reserve(self, nbytes: int) -> None:
         """Keep the headroom of the plan about to be replayed: the growth its profile measured.
 
-        Not the largest over every iteration: a trial of recomputation grows more between hook
-        points than the swap-only iterations do (recomputation brings a unit's tensors back at
-        once), and that headroom kept under a swap-only plan made its guard evict what the plan
-        did not (MobileNetV2 at 50 %: 250 MiB out per step instead of 193).
+        Not the largest over every iteration: a profile that recomputed grows more between hook
+        points, and that headroom under a swap-only plan would make the guard evict what the
+        plan did not.
         """
         self.reserve_bytes = nbytes
         self.plan_reserve_bytes = nbytes
@@ -158,13 +138,11 @@ class ReactivePolicy:
     def high_watermark(self) -> int:
         """Device bytes above which the next allocation could break the budget."""
         if not self.early_eviction:
-            # A replayed plan budgets each step's op workspaces itself (its trace measured
-            # them); the guard keeps the largest growth between two hook points free, because
-            # the plan's per-step model cannot place every allocation within a step.
+            # The plan budgets workspaces; the guard keeps the growth between hook points the
+            # per-step model cannot place.
             reserve = self.reserve_bytes if self.step_reserve is None else self.step_reserve
             return self.budget_bytes - max(reserve, self.guard_bytes)
-        # The reactive policy does not know which step needs a workspace, so it keeps the
-        # largest one seen free as well.
+        # Not knowing which step needs a workspace, keep the largest seen free as well.
         return self.budget_bytes - self.reserve_bytes - self.transient_bytes
 
     def evict_down_to(
@@ -189,17 +167,13 @@ class ReactivePolicy:
         return scheduled
 
     def enforce(self, live_bytes: int, pinned: VTensor | None = None) -> None:
-        """Start evictions above the early watermark; wait for writes above the high one.
-
-        The caller measures the device bytes again afterwards.
-        """
+        """Start evictions above the early watermark; wait for writes above the high one."""
         high = self.high_watermark()
         early = high - self.reserve_bytes if self.early_eviction else high
         if live_bytes > early:
             self.evict_down_to(live_bytes, max(early, 0), pinned)
         if live_bytes > high and self.store.in_flight():
-            # Only completed writes free memory: a restore's bytes were allocated when it
-            # started, so waiting for one here would stall without making room.
+            # Only completed writes free memory; waiting on a restore would free nothing.
             self.store.reap(block=True, block_restores=False)
 
     def prefetch(self, live_bytes: int, current: VTensor) -> int:

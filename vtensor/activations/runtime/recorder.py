@@ -21,8 +21,7 @@ class OpenStep:
     stats_at_start: StoreStats
     unmanaged_peak: int = 0
     rss_start: int = 0
-    # NOTE [backward parts] in planner/memory_model.py: the unmanaged peak of each part so far,
-    # and whether a backward node ended since the part's last unpack.
+    # NOTE [backward parts] in planner/memory_model.py: each part's unmanaged peak so far.
     parts: list[int] = field(default_factory=lambda: [0])
     bases: list[int] = field(default_factory=lambda: [-1])  # each part's first sample
     node_ended: bool = False
@@ -44,16 +43,12 @@ class OpenStep:
     def transient_bytes(self, rss_high_water: int, rss_now: int, live_now: int) -> int:
         """How far the step's peak rose above its end level, in RSS beyond what samples saw.
 
-        NOTE [transient bytes]: ops allocate workspaces (convolution im2col buffers, say) that
-        live only inside one call, where no hook can sample them. While profiling, the
-        process's RSS high-water mark is read at every step boundary: what a step grew in RSS
-        beyond what it grew in tracked bytes is its transient, which the trace records and,
-        with ``count_workspaces``, the plan and the policy then budget for. With
-        ``count_workspaces`` every iteration measures them, so the reactive policy (which
-        never profiles) learns them too. Allocations still held at the end (one-time kernel
-        caches, outputs) are not transient. Both rises are measured from the higher of the
-        step's start and end levels, so memory freed during the step (garbage of earlier code)
-        is not mistaken for one.
+        NOTE [transient bytes]: op workspaces (im2col buffers, say) live inside one call, where
+        no hook samples them. While profiling (and every iteration with ``count_workspaces``,
+        so the reactive policy learns them too), what a step grew in RSS high-water beyond its
+        tracked rise is its transient, which plan and policy then budget for. Both rises are
+        measured from the higher of the step's start and end levels, so memory freed during the
+        step, or still held at its end, is not mistaken for one.
         """
         rss_rise = rss_high_water - max(self.rss_start, rss_now)
         sampled_rise = self.peak - max(self.live_start, live_now)
@@ -65,17 +60,12 @@ class UnitHighs:
     """How far each unit's forward took the bytes (NOTE [recomputation's working set]).
 
     NOTE [recomputation's working set]
-    Recomputing a unit runs its forward again at the first unpack of anything it saved. The
-    model holds the saved tensors it brings back from then on (NOTE [recomputed lifetimes] in
-    ``planner/recomputed.py``), but while the forward runs it holds more: outputs no op saves
-    (an attention's scores and masked scores, T x T each, beside the probabilities), its own
-    output, tensors too small to manage. Left out, the model would put a recomputing step under
-    what it holds. So the profile notes, for each unit, how far the bytes its forward made rose
-    above where they stood as it began: each reading outside vTensors plus every byte saved into
-    them so far, so that a tensor being saved or swapped changes nothing
-    (``TraceUnit.working_bytes``). What of it the model does not hold already is held while the
-    unit runs again. The unit's own checks run its forward again without readings, so they count
-    for no unit (``tests/vtensor/activations/test_working_set.py``).
+    A recomputed forward holds more than the saved tensors it brings back (NOTE [recomputed
+    lifetimes] in ``planner/recomputed.py``): outputs no op saves (an attention's scores), its
+    own output, tensors too small to manage. Left out, the model would put a recomputing step
+    under what it holds. So the profile notes per unit how far its forward raised the readings
+    outside vTensors plus every byte saved so far, which saving or swapping leaves unchanged
+    (``TraceUnit.working_bytes``). A unit's own checks take no readings and count for none.
     """
 
     now: int = 0  # the last reading outside vTensors plus the bytes saved into them so far
@@ -116,7 +106,7 @@ class IterationBooks:
     min_budget_step: str = ""
     min_budget_kept_bytes: int = 0  # saved bytes that could not leave where the floor is
     violated: bool = False
-    # per (step, hook event) where the guard acted: the largest rise after it (NOTE [step reserve])
+    # per (step, hook event) the guard acted at: the largest rise after it (NOTE [step reserve])
     growth: dict[tuple[int, int], int] = field(default_factory=dict)
     # per vTensor, the step and part it was last unpacked in (NOTE [backward parts])
     last_part: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -129,7 +119,7 @@ class IterationBooks:
 
     def note_unmanaged(self, step: OpenStep, nbytes: int) -> None:
         """An unmanaged reading of ``nbytes`` in ``step``: its peaks, and the open units'."""
-        step.note_unmanaged(nbytes)  # and its part's (NOTE [backward parts])
+        step.note_unmanaged(nbytes)
         self.highs.note(nbytes)
 
     def unpacked(self, vid: int, step_index: int, step: OpenStep | None) -> None:
@@ -152,11 +142,7 @@ class IterationBooks:
         }
 
     def close(self, step: OpenStep, stats: StoreStats, transient: int, *, counted: bool) -> None:
-        """Book ``step`` as it ends: its statistics and its trace step.
-
-        ``transient`` is its op workspace beyond the sampled peak; ``counted``: the manager
-        budgets workspaces, so the trace's unmanaged peak includes it.
-        """
+        """Book ``step`` as it ends; ``counted``: its ``transient`` joins the unmanaged peak."""
         now = time.perf_counter()
         before = step.stats_at_start
         phase = Phase(step.name.split(":", 1)[0])

@@ -108,7 +108,7 @@ def iteration_trace(iteration: Iteration, budget_bytes: int, chunk_bytes: int | 
     if iteration.units is not None and iteration.units.seen:
         position = {vid: i for i, vid in enumerate(sorted(books.tensors))}
         names = [s.name for s in trace.steps]
-        costs = mechanism_costs(str(iteration.device))  # once per process and device
+        costs = mechanism_costs(str(iteration.device))
         units = iteration.units.units(position, trace.tensors, names, costs)
     return dataclasses.replace(
         trace,

@@ -24,15 +24,13 @@ def instrumented(
 ) -> Iterator[None]:
     """``model`` hooked to ``iteration`` for one step; everything comes off at the end.
 
-    The modules ``chosen`` recomputes, or the plan it replays, are recomputed (NOTE [recompute] in
-    ``activations/recompute/checkpointed.py``); otherwise, if ``chosen`` finds units, the profile
-    records which modules could be. If ``chosen`` encodes, clamps save bits (NOTE [mask encoding] in
-    ``activations/encode.py``). Saved tensors go through the manager's hooks.
+    Recomputes what ``chosen`` says (NOTE [recompute]), else may record which modules could be;
+    encodes clamps if it says so (NOTE [mask encoding]).
     """
     recomputation = chosen.recompute
     hooks_pair = make_saved_tensor_hooks(iteration)
     with contextlib.ExitStack() as stack:
-        if not iteration.hookless:  # NOTE [hookless replay] in activations/replay/lean.py
+        if not iteration.hookless:  # NOTE [hookless replay]
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
         if recomputation.names:

@@ -26,16 +26,13 @@ class ChunkStore:
 
     def __init__(self, engine: TransferEngine, chunk_bytes: int | None) -> None:
         self.engine = engine
-        # Where evicted chunks land: pinned host memory or the swap file (io/engines.py).
         self._offloaded = engine.lands_in
         # NOTE [release in place]: CPU storages release evicted pages where they lie; chunks
         # smaller than a page hold no whole page to release and take the copy path.
         self._in_place = engine.host_pages and (chunk_bytes is None or chunk_bytes >= PAGE_BYTES)
-        # Bytes of pages released in place and not yet restored or freed, over all records:
-        # the heap counter still counts them as allocated, so its readings subtract them.
+        # Pages released in place, not yet restored or freed: the heap counter still counts them.
         self.released_bytes = 0
-        # Whether a restore in place faults its pages in at its start, so that a counter of
-        # resident pages counts it from there, as the heap counter does (``pages.populate``).
+        # Fault restored pages in at once, so a resident-page counter sees them as the heap does.
         self.populate_restores = False
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}
@@ -44,15 +41,12 @@ class ChunkStore:
         self._owner = threading.get_ident()
         self._deferred: list[VTensor] = []  # died on another thread or with a transfer in flight
         self._lock = threading.Lock()
-        # Records with a transfer in flight, by vid: asked at every hook point, so kept apart
-        # instead of found by scanning every record.
+        # Records with a transfer in flight, by vid: asked at every hook point.
         self._in_flight: dict[int, VTensor] = {}
         self.stats = StoreStats()
-        # Bumped whenever the store resizes or drops a storage, so a caller can tell that a
-        # reading of the tracked bytes taken since (with no op run in between) is still current.
+        # Bumped whenever a storage is resized or dropped: an older reading is stale.
         self.memory_epoch = 0
-        # Bytes whose restores have started, ever: what the store itself grew the device by
-        # (NOTE [step reserve] in planner/reserves.py).
+        # Bytes of every restore started: the store's own growth (NOTE [step reserve]).
         self.restored_bytes = 0
 
     # -- adoption and death -------------------------------------------------------------------
@@ -81,8 +75,7 @@ class ChunkStore:
         )
         self._next_vid += 1
         self.records[record.vid] = record
-        # Keyed by the StorageImpl address: safe because the record holds the storage, so the
-        # address cannot be recycled while the key exists.
+        # The record holds the storage, so its StorageImpl address cannot be recycled.
         self._by_storage[storage._cdata] = record
         return record
 
@@ -128,12 +121,7 @@ class ChunkStore:
             self._free(record)
 
     def collect_off_owner(self) -> None:
-        """``collect`` on a thread other than the owner's, where ``drop_handle`` defers frees.
-
-        On CUDA backward runs on autograd's device thread while the owner waits in
-        ``backward()``; on CPU it runs on the owner's, whose deferrals (transfers in flight)
-        wait for ``reap`` as before.
-        """
+        """``collect`` off the owner's thread (CUDA backward runs on autograd's device thread)."""
         if threading.get_ident() != self._owner:
             self.collect()
 
@@ -153,16 +141,12 @@ class ChunkStore:
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
-        # With nothing in flight ``resident_bytes`` is exactly its DEVICE chunks; reading it
-        # is O(1). This is asked of every record at every hook point, so the checks of
-        # ``evictable`` and ``own_references`` are written out here.
+        # Asked of every record at every hook point, so ``own_references`` is inlined.
         storage = record.storage
         if storage is None or record.dead or record.pending is not None:
             return 0
         nbytes = record.resident_bytes
-        # Only the store's own references (the record and one alias per handle, see
-        # ``own_references``): the temporary reference of this call's own ``_cdata`` lookup
-        # is not counted, but the record's Python storage object is.
+        # The ``_cdata`` lookup adds no reference; the record's storage object counts as one.
         if nbytes == 0 or _use_count(storage._cdata) != 1 + record.handles:
             return 0
         return nbytes
@@ -202,8 +186,8 @@ class ChunkStore:
     def evict(self, record: VTensor, nbytes: int) -> int:
         """Start evicting tail chunks of ``record`` covering at least ``nbytes``; returns bytes.
 
-        Which chunks leave does not change when they are needed (backward uses the whole
-        vTensor); the tail is the one choice the copy path can also make.
+        Backward uses the whole vTensor, so which chunks leave does not matter; the tail is the
+        one choice the copy path can also make.
         """
         tail: list[Chunk] = []
         covered = 0
@@ -255,8 +239,7 @@ class ChunkStore:
             return
         assert record.storage is not None
         if record.in_place:
-            # The released pages come back as the reads fill them: counted from now, as a
-            # grown storage would be.
+            # Counted from now, as a grown storage would be.
             if self.populate_restores:
                 _populate_chunks(record.storage.data_ptr(), chunks)
             self.released_bytes -= record.released_bytes
@@ -271,14 +254,9 @@ class ChunkStore:
         self._start(record, Pending(self.engine.restore(record.storage, chunks), chunks, False))
 
     def reap(self, *, block: bool = False, block_restores: bool = True) -> None:
-        """Complete finished transfers (all in-flight ones when ``block``).
-
-        With ``block_restores=False`` a blocking reap waits for evictions only: restores finish
-        when they are done or when their vTensor is used.
-        """
+        """Complete finished transfers; ``block``: wait for evictions (and restores if asked)."""
         if not self._in_flight and not self._deferred:
-            # Nothing to take in: a lean replay asks twice at each of its 200-odd boundaries a
-            # step. A record deferred by another thread just now is taken in at the next call.
+            # Fast path: a lean replay asks at every boundary.
             return
         for record in self.in_flight():
             pending = record.pending

@@ -23,12 +23,11 @@ class VTensor:
 
     Attributes:
         vid: identity within the session, in pack order.
-        storage: the storage. Released in place (NOTE [release in place] in ``io/pages.py``)
-            it keeps its full size; on the copy path its size is the resident prefix.
+        storage: the storage: full size when released in place (NOTE [release in place] in
+            ``io/pages.py``), the resident prefix on the copy path.
         nbytes: full size of the storage.
-        chunks: the chunks that can leave. Released in place they are the whole pages inside
-            the storage, any of which can leave; on the copy path they cover the storage and
-            the resident ones form a prefix (eviction takes the tail).
+        chunks: the chunks that can leave: whole pages, any of them, in place; on the copy path
+            they cover the storage and eviction takes the tail.
         saved_step: step index at which it was first packed.
         handles: live pack handles (autograd's references to it).
         resident_bytes: bytes of the chunks on the device and idle (what an eviction can take).

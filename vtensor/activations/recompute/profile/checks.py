@@ -1,7 +1,6 @@
 """Whether running a unit's forward again reproduces it: the checks of NOTE [safe to recompute].
 
-NOTE [safe to recompute] is in ``activations/recompute/profile/units.py``, which records the units
-while profiling.
+NOTE [safe to recompute] is in ``activations/recompute/profile/units.py``.
 """
 
 import contextlib
@@ -79,7 +78,7 @@ class OpenUnit:
     buffers: list[torch.Tensor]
     attributes: dict[tuple[int, str], object]
     call: CallSnapshot  # what a recomputation would run from (NOTE [call snapshot])
-    watch: list[int]  # NOTE [recomputation's working set] in activations/runtime/recorder.py
+    watch: list[int]  # NOTE [recomputation's working set]
 
 
 def cuda_rng() -> torch.Tensor | None:
@@ -101,10 +100,7 @@ def plain_attributes(module: nn.Module) -> dict[tuple[int, str], object]:
 def why_unsafe(
     module: nn.Module, opened: OpenUnit, output: Any, target: RecomputeTarget
 ) -> tuple[str, float]:
-    """Why recomputing ``module`` might not reproduce its forward ("" if it would).
-
-    Also the time of its forward run again (0.0 if the check did not get that far).
-    """
+    """Why recomputing ``module`` might not reproduce its forward (""), and its rerun's time."""
     if any(t._version != version for t, version in opened.versions):
         return "it modifies an input in place", 0.0
     outputs = tensors_in(output)
@@ -137,12 +133,10 @@ def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> b
 def _reproduces(
     module: nn.Module, opened: OpenUnit, outputs: Sequence[torch.Tensor], target: RecomputeTarget
 ) -> tuple[bool, float]:
-    """Run the forward again from the state it began with: whether the outputs are the same.
+    """Whether the forward run again from its start state gives the same outputs, and its time.
 
-    Also how long that forward took (NOTE [unit time]).
-
-    It runs from the call's snapshot, as a recomputation would (NOTE [call snapshot]), so
-    what it appends to a list it was given stays out of the caller's.
+    NOTE [unit time]. It runs from the call's snapshot, as a recomputation would (NOTE [call
+    snapshot]).
     """
     start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
     args, kwargs = opened.call.copy()
@@ -168,7 +162,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        # NaNs equal as bits; compare the bytes (flattened: a 0-dim tensor has no byte view).
+        # NaNs equal as bits (flattened: a 0-dim tensor has no byte view).
         return torch.equal(_bytes(a), _bytes(b))
     return torch.equal(a, b)
 
@@ -177,6 +171,6 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bits as integers of its element's size: compared four times faster than bytes."""
+    """``t``'s bits as integers of its element's size (faster to compare than bytes)."""
     flat = t.detach().reshape(-1).contiguous()
     return flat.view(_SAME_SIZE_INT.get(flat.element_size(), torch.uint8))

@@ -1,13 +1,10 @@
 """What a recomputation costs beyond the unit's own ops, measured once per process and device.
 
 NOTE [mechanism cost]
-The profile times a unit's forward (NOTE [unit time] in ``activations/recompute/profile/units.py``).
-Torch's checkpointing, which runs it again, costs something of its own whatever the unit: its frame,
-its saved-tensor hooks and their handles. Left out, the cheapest cover of a deficit takes many small
-units, each paying it. So it is measured here on a unit too small for its ops to count (a 1x1
-convolution on a 2x2 input), trained a step at a time with and without it in turn, the medians kept;
-the profile adds it to each unit's predicted cost (``TraceUnit.overhead_s``). It runs once per
-process and device, outside any step, in about 0.1 s on a CPU.
+Checkpointing costs something of its own whatever the unit (its frame, hooks and handles); left
+out, the cheapest cover of a deficit takes many small units, each paying it. So it is measured
+once per process and device on a unit too small for its ops to count, stepped with and without
+it in turn (medians), and added to each unit's cost (``TraceUnit.overhead_s``).
 """
 
 import functools
@@ -26,11 +23,7 @@ _WARM = 5
 
 @dataclass(frozen=True)
 class MechanismCosts:
-    """Seconds a recomputation costs beyond its unit's ops (NOTE [mechanism cost]).
-
-    Attributes:
-        checkpoint_s: a unit recomputed under torch's checkpointing.
-    """
+    """Seconds a checkpointed recomputation costs beyond its unit's ops (NOTE [mechanism cost])."""
 
     checkpoint_s: float
 

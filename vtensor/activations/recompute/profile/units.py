@@ -1,49 +1,29 @@
 """While profiling: which modules could be recomputed, what each saves, and whether it is safe.
 
 NOTE [safe to recompute]
-A recomputed forward must give back exactly what the first one saved, or backward computes a
-silently wrong gradient. While an iteration is profiled, each candidate module (every module
-with children, below the root) is checked as it runs, and marked unsafe, never to be
-recomputed, when it:
-
-- modifies an input in place (its inputs' version counters moved): a second forward would
-  start from other values;
-- calls a custom autograd ``Function`` (a ``BackwardCFunction`` node in the graph it built):
-  its ``forward`` may have side effects that a second run repeats (the manager's own mask
-  encoding has none: NOTE [mask encoding] in ``activations/encode.py``);
-- changes a plain attribute of itself or a submodule (a call counter, a cached flag): a second
-  run would see or change other state;
-- does not reproduce its outputs bit for bit when run again at once from the same inputs, the
-  same RNG state and the same buffers (randomness outside torch's generators, state outside the
-  module, data-dependent behaviour that the inputs do not determine);
-- runs more than once per iteration (a shared module): its saved tensors have no one span.
-
-The check runs its forward again (without autograd), and that time is excluded from the
-step's measured duration. Control flow that
-depends only on the inputs is safe: a second run
-takes the same branch. What no check can see (a side effect outside Python attributes and
-tensors, such as a write to a file) stays the user's to exclude.
+A recomputed forward must save exactly what the first one did, or the gradient is silently
+wrong. While profiling, each candidate (every module with children, below the root) is checked
+as it runs and marked unsafe when it modifies an input in place; calls a custom autograd
+``Function`` (its forward may have side effects); changes a plain attribute of itself or a
+submodule; does not reproduce its outputs bit for bit when run again from the same inputs, RNG
+state and buffers; or runs more than once per iteration (its saved tensors have no one span).
+Input-dependent control flow is safe. Side effects outside Python attributes and tensors (a
+file write) stay the user's to exclude. The check's time is left out of the step's duration.
 
 NOTE [no room to recompute]
-Recomputing a unit holds what its forward held (NOTE [recomputation's working set] in
-``recorder.py``) on top of at least the bytes the iteration began with (parameters,
-gradients, state, inputs). A unit whose forward held more than the budget leaves beside those
-can never be recomputed within it, so it is marked so and not checked: its checks would run
-its forward again after making room for all it held, evicting what the rest of the iteration
-then brings back.
+Recomputing a unit holds its forward's working set (NOTE [recomputation's working set] in
+``runtime/recorder.py``) on top of the iteration's starting bytes. A unit whose working set
+exceeds what the budget leaves beside those can never be recomputed; it is marked so and not
+checked, since its checks would evict what the rest of the iteration brings back.
 
 NOTE [one unit per tensors]
-A module whose forward saved exactly what one of its children's did (a residual block's
-wrapper around its body, whose add saves nothing) frees the same bytes recomputed, at the cost
-of its child's forward and its own ops: it is no candidate of its own, and is left out of the
-units unchecked: checking it would run its forward again for nothing.
+A module that saved exactly what one of its children did (a residual wrapper whose add saves
+nothing) frees the same bytes at a higher cost: it is no candidate, and is not checked.
 
 NOTE [unit time]
-A unit's forward time, what recomputing it costs, is that of the check's second run:
-its forward alone, measured twice, the lesser counting. The first run's window holds the
-profiled iteration's own work at every hook point and each inner unit's checks, which would
-rank recomputation dearer than it is. What the mechanism that runs it again costs of its own
-is added to it (NOTE [mechanism cost] in ``activations/recompute/profile/cost.py``).
+A unit's recompute time is its check's second run, its forward alone: the first run's window
+also holds the profile's own hook work and inner units' checks, which would overprice it. The
+mechanism's own cost is added (NOTE [mechanism cost] in ``recompute/profile/cost.py``).
 """
 
 import dataclasses
@@ -193,8 +173,7 @@ class UnitRecorder:
             )
             self.seen[name].working_bytes = working
             return
-        # The checks run its forward again, thrice, where no reading sees them: room for what it
-        # held, as for a recomputation (NOTE [recomputation's working set] in recorder.py).
+        # The checks rerun its forward unseen by readings: make room for its working set.
         self.target.make_room(working)
         why, again_s = why_unsafe(module, opened, output, self.target)
         forward_s = again_s or forward_s  # NOTE [unit time]
@@ -223,10 +202,8 @@ class UnitRecorder:
     ) -> tuple[TraceUnit, ...]:
         """The candidates as trace units (``position``: store vid -> trace vid).
 
-        A unit's inner tensors are those saved inside its forward, not its inputs, and used
-        only by backward steps of itself or its submodules; units without any are left out.
-        ``costs``: what each way of recomputing costs beyond the unit's ops (NOTE [mechanism
-        cost] in ``activations/recompute/profile/cost.py``).
+        A unit's inner tensors: saved inside its forward, not its inputs, used only by its own
+        backward steps; units without any are left out. ``costs``: NOTE [mechanism cost].
         """
         units = []
         for seen in self.seen.values():
