@@ -336,7 +336,7 @@ def _flag(value: Any, what: str) -> bool:
 
 
 def _masks(value: Any) -> bool | str:
-    """``vtensor.encode_masks``: true, false, or auto (NOTE [encoding decided] in vtensor)."""
+    """``vtensor.encode_masks``: true, false, or auto (NOTE [mask encoding] in vtensor)."""
     if value == "auto":
         return "auto"
     if not isinstance(value, bool):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite: set up .venv, run pytest over tests/, then rerun the vtensor equivalence
-# tests (and the cached products') with dirty freed memory (MALLOC_PERTURB_) so a
+# tests (and the whole-state ones) with dirty freed memory (MALLOC_PERTURB_) so a
 # use-after-evict bug cannot hide, and under mimalloc and jemalloc preloaded.
 #
 # Extra arguments go to the first pytest run, e.g. `scripts/test.sh -k equivalence -x`.
@@ -45,13 +45,12 @@ run_pytest "$PY" -m pytest -q tests/vtensor "$@"
 run_pytest "$PY" -m pytest -q tests --ignore=tests/vtensor "$@"
 
 EQUIVALENCE=tests/vtensor/activations/test_equivalence.py
-# Selective units behind one node, their product leaves' outputs kept (NOTE [cached products]).
-CACHED=tests/vtensor/activations/test_cached_products.py
-LEAVES=tests/vtensor/activations/test_product_leaves.py
+# The whole training state under one budget (parameters offloaded with the activations).
+ONE_OBJECT=tests/vtensor/test_one_object.py
 if [[ -f "$EQUIVALENCE" ]]; then
     # 165 = 0xa5: glibc fills freed (and new) malloc memory with this byte pattern.
-    echo "test: rerunning $EQUIVALENCE, $CACHED and $LEAVES with MALLOC_PERTURB_=165" >&2
-    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE" "$CACHED" "$LEAVES"
+    echo "test: rerunning $EQUIVALENCE and $ONE_OBJECT with MALLOC_PERTURB_=165" >&2
+    run_pytest env MALLOC_PERTURB_=165 "$PY" -m pytest -q "$EQUIVALENCE" "$ONE_OBJECT"
 fi
 
 # The same equivalence tests, the RSS-from-outside check and the counter's own tests under the
