@@ -1,9 +1,8 @@
 """First forward only: a parameter used while none of its units runs is an error, never a crash.
 
-Between uses an offloaded parameter's storage holds no bytes, so an op reading it outside the
+Between uses an offloaded parameter's storage holds no bytes, so an op using it outside the
 forward of a module that owns it (``F.linear(h, self.embed.weight)`` in a parent) would read
-freed memory. During the first forward under offloading a function mode checks every op's
-tensor arguments before the op runs and raises ``ParamOffloadError`` with the fix.
+freed memory. During the first forward a function mode checks every op's tensor arguments.
 """
 
 from collections import Counter

@@ -42,7 +42,7 @@ def install_offload_hooks(
     """Route forward boundaries of ``model`` and its units, and gradient arrivals, to ``target``.
 
     Post-hooks are ``always_call``, so a forward that raises still ends its calls; the root's
-    hooks run first before its forward and last after it, around any unit hooks of the root.
+    hooks wrap any unit hooks of the root.
     """
     handles: list[RemovableHandle] = []
     for unit in units:
@@ -76,9 +76,8 @@ def install_offload_hooks(
 def on_backward_start(output: Any, callback: Callable[[], None]) -> None:
     """Call ``callback`` before autograd runs any node of the module that made ``output``.
 
-    The prehook goes on the nodes of the output tensors and of their bases: a view's own node
-    leaves the graph when the view is changed in place later (``ReLU(inplace=True)`` after a 3-D
-    ``Linear``, whose output is a view of a matmul's), its base's node stays.
+    Also on their bases' nodes: a view's node leaves the graph if the view is later changed in
+    place (``ReLU(inplace=True)`` after a 3-D ``Linear``); its base's stays.
     """
 
     def hook(_grads: Any) -> None:

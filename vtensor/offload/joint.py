@@ -2,25 +2,13 @@
 
 NOTE [one plan]
 ``mm.step(model, inputs=..., params=po)`` runs a ``MemoryManager`` iteration and a
-``ParamOffload`` session under the manager's one budget. While an iteration is profiled, a
-:class:`ParamRecorder` listens to the offload pool and records, per parameter-side tensor
-(parameter, optimizer state, gradient, by name), the steps of the manager's trace at which a use
-held it in memory, when it was created and whether it outlives the iteration; these become
-``TraceTensor``s next to the saved activations (``kind`` not ``"activation"``, moved ``whole``),
-and the trace's unmanaged bytes no longer include them. The LGM planner then decides for all of
-them together which bytes are away at which step; it needs no other change, because it only
-sees sizes, lifetimes and uses. A :class:`ParamPlanExecutor` replays the parameter side of the
-plan: it keeps in memory between uses what the plan has resident (the pool's default is to let
-every tensor go after its use), lets go of a tensor at its planned eviction step (a drop when
-its tier copy is current, else a write) and starts its read at the planned prefetch step.
-Activations are replayed by ``PlanExecutor`` as before. A :class:`JointStep` connects the two
-for one iteration: the iteration makes room (evicting activations) before each read the plan
-starts at a step, and the pool announces every read of its own (a use, a prefetch) so that
-the iteration makes room for it first.
-
-A plan of the parameter side only guides: the pool still pins what a use needs and reads it on
-demand, so a parameter the plan did not foresee costs a wait, never a wrong value; and the pool
-never holds more than the budget, whatever the plan says.
+``ParamOffload`` under one budget. While profiling, a :class:`ParamRecorder` records per
+parameter-side tensor (by name) the steps a use held it, its creation and whether it outlives
+the iteration: ``TraceTensor``s moved ``whole``, which the LGM planner (sizes, lifetimes, uses
+only) plans with the activations. A :class:`ParamPlanExecutor` replays that side: it holds what
+the plan has resident, lets go and reads at the planned steps; the iteration makes room before
+every read the pool announces. The plan only guides: the pool still pins and reads what a use
+needs (an unforeseen use costs a wait, never a wrong value) and never exceeds the budget.
 """
 
 import contextlib
@@ -51,10 +39,8 @@ class RoomMaker(Protocol):
 class JointStep:
     """One ``MemoryManager`` iteration and a ``ParamOffload`` under one budget (NOTE [one plan]).
 
-    Made by the activation manager for each joint iteration; ``side`` is what the iteration
-    drives (a recorder while profiling, a plan executor while replaying, None when reactive).
-    :meth:`connected_to` connects the offload pool to the iteration for the block and
-    disconnects it afterwards: the pool announces every read, so the iteration can make room.
+    ``side`` is what the iteration drives: a recorder while profiling, a plan executor while
+    replaying, None when reactive.
 
     Args:
         params: the parameter offloading sharing the budget.
@@ -98,8 +84,7 @@ class JointStep:
             yield
         finally:
             self.params.end_joint()
-            # A replayed plan keeps holding what it has resident at the end (the next iteration
-            # starts from that); a recorder's job ends with the iteration.
+            # A replayed plan keeps holding what it has resident: the next iteration starts there.
             pool.disconnect(keep_listener=self.replays)
 
 
@@ -113,10 +98,7 @@ def check_joint(
     *,
     chunked: bool,
 ) -> None:
-    """Refuse a joint step that cannot share one plan; the error names the fix.
-
-    ``unit`` describes the manager's unit of swapping; ``chunked``: it swaps chunks.
-    """
+    """Refuse a joint step that cannot share one plan (``unit``: the manager's swap unit)."""
     if params.model is not model:
         raise VTensorError("step(params=...) needs the ParamOffload of the model being stepped")
     if optimizer is not None:
@@ -145,19 +127,15 @@ def held_outside(pool: OffloadPool, model: nn.Module) -> int:
 
 
 # NOTE [offload auto]
-# ``MemoryManager(offload_params="auto")`` offloads a model's parameters, gradients and
-# optimizer state (a ``ParamOffload`` under the manager's budget, planned with the activations)
-# where they would take more than this share of the budget: what is left could not hold a step's
-# working set and the activations that must stay, so managing the activations alone would fail
-# or leave them no room to move. Below it they stay in memory, which costs no transfers.
+# ``MemoryManager(offload_params="auto")`` offloads parameters, gradients and optimizer state
+# (planned with the activations) where they would take more than this share of the budget: the
+# rest could not hold a step's working set and the activations that must stay. Below it they
+# stay in memory, which costs no transfers.
 AUTO_OFFLOAD_SHARE = 0.5
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, pending: int) -> int:
-    """Parameters, buffers, the trainable parameters' gradients and the optimizer's state.
-
-    ``pending``: the state the optimizer's first step creates, not yet there.
-    """
+    """Parameters, buffers, gradients and optimizer state, with ``pending`` state to come."""
     params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
     grads = sum(p.nbytes for p in model.parameters() if p.requires_grad)
     state = 0

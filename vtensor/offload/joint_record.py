@@ -1,7 +1,4 @@
-"""The parameter side of a profiled joint iteration: which steps held each tensor, as a trace.
-
-NOTE [one plan] in ``offload/joint.py``.
-"""
+"""The parameter side of a profiled joint iteration (NOTE [one plan] in ``offload/joint.py``)."""
 
 from dataclasses import dataclass, field
 
@@ -62,8 +59,7 @@ class ParamRecorder:
         if life is None:
             return
         now = self.step
-        if entry.pins == 0 and life.pinned_at >= 0:
-            # Held through every step from its pin to now: each is a use.
+        if entry.pins == 0 and life.pinned_at >= 0:  # held from its pin to now: each step a use
             life.uses.update(range(life.pinned_at, now + 1))
             life.pinned_at = -1
         if not entry.clean:

@@ -1,7 +1,4 @@
-"""The parameter side of a replayed joint plan: hold, let go and read at the planned steps.
-
-NOTE [one plan] in ``offload/joint.py``.
-"""
+"""The parameter side of a replayed joint plan (NOTE [one plan] in ``offload/joint.py``)."""
 
 from collections.abc import Callable
 
@@ -14,8 +11,7 @@ from vtensor.planner.trace import TraceTensor
 class ParamPlanExecutor:
     """Replays the parameter side of a joint plan through an ``OffloadPool`` (NOTE [one plan]).
 
-    ``active()`` is the activation replay's state: once the run diverges from the plan, the
-    pool's own policy takes over again.
+    Once ``active()`` (the activation replay) is False, the pool's own policy takes over.
     """
 
     def __init__(self, plan: Plan, pool: OffloadPool, active: Callable[[], bool]) -> None:
@@ -65,10 +61,9 @@ class ParamPlanExecutor:
 
     # -- the iteration ----------------------------------------------------------------------
     def on_step(self, index: int) -> list[OffloadedTensor]:
-        """Step ``index`` begins: let go of what the plan evicts; returns what it reads now.
+        """Step ``index`` begins: let go of what the plan evicts; returns what to :meth:`read`.
 
-        The iteration makes room for each read under the shared budget, then starts it with
-        :meth:`read`, in order.
+        The iteration makes room for each read under the shared budget before starting it.
         """
         self.step = index
         if not self._active():
@@ -85,8 +80,7 @@ class ParamPlanExecutor:
                 self.missed += 1
             self.pool.let_go(entry)
         if index == 0:
-            # The first iteration under this plan may start with tensors the pool's own policy
-            # let go of but the plan has resident: bring them in as the plan assumes.
+            # The pool's own policy may have let go of what the plan has resident at the start.
             fetch = [n for n in self._vids if n in entries and not self._away(n, 0)]
         reads = [entries[name] for name in fetch if name in entries]
         return [entry for entry in reads if self.pool.must_read(entry)]

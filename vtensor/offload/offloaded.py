@@ -1,14 +1,13 @@
 """One tensor kept whole in the storage tier between uses, with exact accounting of its bytes.
 
 NOTE [write-back residency]
-Parameters, optimizer state and accumulated gradients change only at known points (an update,
-an accumulation), but are read many times in between (every forward and backward). So a tensor
-keeps the copy it last wrote to the tier: while that copy is *clean*, dropping the tensor from
-memory is only ``UntypedStorage.resize_(0)`` (no write), and only a *dirty* tensor is written.
-The storage object stays the same through every move, so views of it (``weight.t()`` saved by
-autograd) see the bytes again once they are read back. Bytes move through the session's
-``FileTransferEngine`` (sealed with AES-256-GCM, on its I/O thread), in chunks of
-``chunk_bytes``; a tensor is always moved whole, since a layer uses all of its weights.
+Parameters, optimizer state and accumulated gradients change only at known points (an update, an
+accumulation) but are read many times in between. So a tensor keeps the copy it last wrote to
+the tier: while that copy is *clean*, leaving memory is only ``UntypedStorage.resize_(0)``, and
+only a *dirty* tensor is written. The storage object stays the same through every move, so
+autograd's saved views of it (``weight.t()``) see the bytes again once read back. A tensor
+moves whole (a layer uses all its weights), in ``chunk_bytes`` chunks through the session's
+sealed ``FileTransferEngine``.
 """
 
 import time
@@ -68,8 +67,8 @@ class ResidentMeter:
 class OffloadedTensor:
     """A tensor whose storage moves whole between memory and the storage tier.
 
-    ``pins`` counts the uses that need the bytes in memory now; only an unpinned tensor may
-    leave memory. ``wanted`` marks a prefetched tensor that a coming use will pin.
+    ``pins`` counts the uses that need it in memory now (only an unpinned one may leave);
+    ``wanted`` marks a prefetch that a coming use will pin.
     """
 
     def __init__(

@@ -1,16 +1,14 @@
 """Training with parameters, gradients and optimizer state offloaded to the storage tier.
 
 NOTE [parameter offloading] (docs/param-offload.md)
-Each unit's (NOTE [offload units]) parameters are brought in by a forward pre-hook and let go
-by a forward hook; the forward hook also sees which of them autograd saved (their use counts
-grew) and puts a prehook on the autograd nodes of the unit's outputs, which brings those back in
-before the unit's backward. A post-accumulate-grad hook takes each gradient as it completes:
-between micro-batches it is added to the parameter's accumulated gradient, which then leaves
-memory; in the last backward of a step the parameter is updated at once (NOTE [per-parameter
-update]), or, when clipping by global norm, the gradient's norm is kept and the gradient leaves
-memory until ``step()`` runs a streamed clip-and-update pass. Reads for the next ``lookahead``
-uses start on the I/O thread as far as the budget allows; a use waits only on reads still in
-flight. The policy (what to prefetch) is :class:`vtensor.offload.policy.Lookahead`.
+A forward pre-hook brings a unit's parameters in (NOTE [offload units]) and a forward hook lets
+them go, noting which autograd saved (their use counts grew) and putting a prehook on the
+unit's output nodes that brings those back before its backward. A post-accumulate-grad hook
+takes each gradient as it completes: between micro-batches it is added to the accumulated
+gradient, which leaves memory; in a step's last backward the parameter is updated at once (NOTE
+[per-parameter update]), or, when clipping by global norm, the gradient's norm is kept for the
+streamed clip-and-update pass of ``step()``. Reads for the next ``lookahead`` uses
+(:class:`~vtensor.offload.policy.Lookahead`) start on the I/O thread as the budget allows.
 """
 
 import contextlib
@@ -120,7 +118,7 @@ class ParamOffload:
             )
         self.meter = ResidentMeter()
         chunk_size = parse_bytes(chunk_bytes, what="chunk_bytes")
-        # ``describe_params`` keeps every parameter on the CPU (``offload/records.py``).
+        # ``describe_params`` refused any parameter off the CPU.
         self._engine = engine_for(
             torch.device("cpu"),
             tier=tier,
@@ -177,8 +175,8 @@ class ParamOffload:
     def step(self) -> torch.Tensor | None:
         """Finish the optimizer step after ``accumulation_steps`` backward passes.
 
-        Without clipping every parameter was already updated as its gradient completed; with
-        ``max_grad_norm`` this clips and updates layer by layer and returns the total norm.
+        With ``max_grad_norm``, clip and update layer by layer and return the total norm;
+        without, every parameter was updated as its gradient completed (None).
         """
         self._check_open()
         passes = self._passes
@@ -198,10 +196,7 @@ class ParamOffload:
 
     # -- joint plans --------------------------------------------------------------------------
     def begin_joint(self, *, plan_driven: bool) -> None:
-        """A ``MemoryManager`` step that shares the budget begins (its ``JointStep``).
-
-        ``plan_driven``: a joint plan decides the reads; the lookahead reads nothing ahead.
-        """
+        """A ``MemoryManager`` step sharing the budget begins; ``plan_driven``: its plan reads."""
         self._passes.begin_joint(plan_driven=plan_driven)
 
     def end_joint(self) -> None:
@@ -211,9 +206,8 @@ class ParamOffload:
     def plan_signature(self) -> str:
         """What a joint plan of the coming backward pass depends on (NOTE [one plan]).
 
-        The settings that change which tensors exist and when they are used, and the position
-        of the backward pass in its step: the first micro-batch of an accumulating step creates
-        the accumulated gradients, the last one updates, the others only accumulate.
+        The settings that change which tensors exist and when, and the backward's place in its
+        step: the first micro-batch creates the accumulated gradients, the last one updates.
         """
         if self.accumulation_steps == 1:
             position = "only"
@@ -254,7 +248,7 @@ class ParamOffload:
         )
 
     def close(self) -> None:
-        """Bring every parameter and state tensor back into memory and delete the swap file.
+        """Bring every parameter and state tensor back and delete the swap file.
 
         Gradients of a step not finished with ``step()`` are dropped.
         """

@@ -1,7 +1,6 @@
 """The passes of parameter offloading: what each forward, backward and update use pins and reads.
 
-NOTE [parameter offloading] in ``offload/param_offload.py``. This is the hooks' target
-(``offload/hooks.py``); ``ParamOffload`` owns it and the pool.
+The hooks' target (NOTE [parameter offloading] in ``offload/param_offload.py``).
 """
 
 from collections import Counter
@@ -24,10 +23,7 @@ class OffloadPasses:
     """Routes the model's uses of its parameters to the pool, pass by pass, and reads ahead.
 
     Args:
-        pool: the session's offloaded tensors.
-        optimizer: stepped one parameter at a time.
-        policy: what to read ahead (recorded in the first step).
-        units: the model's offload units.
+        pool, optimizer, policy, units: the session's (the optimizer is stepped per parameter).
         params: per parameter name, what offloading holds for it.
         owners: per parameter storage, its name and the units that own it (first forward).
         accumulation_steps, max_grad_norm, norm_type, min_tensor_bytes: as for ``ParamOffload``.
@@ -64,9 +60,7 @@ class OffloadPasses:
         self._saved: dict[int, set[str]] = {}  # unit -> parameters autograd saved (last forward)
         self._calls: list[tuple[Unit, dict[str, tuple[int, int]], list[Any]]] = []
         self._guard: UseGuard | None = None
-        # True while a MemoryManager replays a joint plan (NOTE [one plan]): reads are then
-        # the plan's, not the lookahead's.
-        self._plan_driven = False
+        self._plan_driven = False  # a joint plan does the reads, not the lookahead
         self._joint_step = False  # inside a MemoryManager step that shares the budget
 
     def end_step(self) -> None:
@@ -83,8 +77,7 @@ class OffloadPasses:
     def begin_forward(self) -> None:  # noqa: D102
         self._forward_calls = 0
         if not self._joint_step:
-            # A forward outside the manager's steps (evaluation, say): a joint plan's hold on
-            # what it kept resident ends; the next joint step reads what its plan needs.
+            # A forward outside the manager's steps (evaluation): a joint plan's hold ends.
             self.pool.end_hold()
         if self._recording and self._guard is None:
             self._guard = UseGuard(self.owners, self._running)
@@ -103,8 +96,7 @@ class OffloadPasses:
         self.pool.acquire([r.entry for r in records], f"forward of {unit.name or '<root>'}")
         self._running[unit.name] += 1
         grad_on = torch.is_grad_enabled()
-        # Hold each AccumulateGrad node through the call so that its creation does not look
-        # like a saved reference when the use counts are compared afterwards.
+        # Hold the AccumulateGrad nodes: made during the call, they would look like saves.
         nodes = [
             r.param.view_as(r.param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
             for r in records
@@ -164,10 +156,7 @@ class OffloadPasses:
     def _backward_need(
         self, unit: Unit, saved: set[str]
     ) -> tuple[dict[str, list[OffloadedTensor]], int]:
-        """Per parameter, what a unit's backward pins (until that gradient is in).
-
-        Also the bytes the backward will allocate: its gradients, first-step optimizer state.
-        """
+        """What a unit's backward pins per parameter until its gradient; the bytes it allocates."""
         needs: dict[str, list[OffloadedTensor]] = {}
         reserve = 0
         update_now = self.final and self.max_grad_norm is None
@@ -294,10 +283,7 @@ class OffloadPasses:
 
     # -- joint steps ----------------------------------------------------------------------------
     def begin_joint(self, *, plan_driven: bool) -> None:
-        """A ``MemoryManager`` step that shares the budget begins (its ``JointStep``).
-
-        ``plan_driven``: a joint plan decides the reads; the lookahead reads nothing ahead.
-        """
+        """A ``MemoryManager`` step sharing the budget begins; ``plan_driven``: its plan reads."""
         self._joint_step, self._plan_driven = True, plan_driven
 
     def end_joint(self) -> None:

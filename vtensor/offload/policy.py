@@ -1,8 +1,7 @@
 """Which layers' tensors to read ahead: the order of uses seen in the first step, ``k`` ahead.
 
-Policy only: it returns uses, the session turns them into tensors and the pool decides whether
-they fit. A wrong guess (control flow that changed) costs a read and memory that a later use can
-reclaim, never correctness: every use waits on its own tensors.
+Policy only: it returns uses; the pool decides whether their tensors fit. A wrong guess costs a
+read and memory, never correctness: every use waits on its own tensors.
 """
 
 from dataclasses import dataclass
@@ -45,8 +44,7 @@ class Lookahead:
     ) -> list[Event]:
         """The uses after the ``position``-th of ``phase``, wrapping to the next step.
 
-        Outside the last backward of a step (``final`` False) no update pass follows, so update
-        uses are skipped.
+        Update uses are skipped unless ``final`` (the step's last backward, before the update).
         """
         ordered = sorted(schedule, key=lambda e: _ORDER.index(e.phase))
         if not final:

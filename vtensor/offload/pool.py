@@ -1,8 +1,7 @@
 """The offloaded tensors of one session under one budget: pins, prefetches, room, write-backs.
 
-Mechanism only: callers say which tensors a use needs and which it may want soon; the pool
-moves bytes so that the tensors in memory never exceed the budget (NOTE [write-back residency]
-in ``vtensor/offload/offloaded.py``).
+Mechanism only: callers say which tensors a use needs and may want soon; the pool keeps the
+tensors in memory within the budget (NOTE [write-back residency] in ``offload/offloaded.py``).
 """
 
 import itertools
@@ -45,13 +44,10 @@ class PoolListener(Protocol):
 class OffloadPool:
     """Owns the session's offloaded tensors and the meter of their resident bytes.
 
-    A *fixed* tensor (too small to be worth a transfer, or in a ``resident`` module) never
-    leaves memory; it is counted like the others.
-
-    Under a joint plan (NOTE [one plan] in ``offload/joint.py``), while :meth:`connect`-ed, a
-    listener sees every adoption, use and release and may hold tensors in memory between uses,
-    and ``before_allocate(nbytes)`` is called before the pool allocates ``nbytes`` (a read), so
-    the activation manager that shares the budget can make room for them first.
+    A *fixed* tensor (small, or in a ``resident`` module) never leaves memory but is counted.
+    While :meth:`connect`-ed to a joint iteration (NOTE [one plan] in ``offload/joint.py``), a
+    listener sees every move and may hold tensors between uses, and every read is announced
+    first, so the activation manager sharing the budget can make room.
     """
 
     def __init__(
@@ -64,9 +60,7 @@ class OffloadPool:
         self.tensors: list[OffloadedTensor] = []
         self._fixed: set[int] = set()
         self._alive: set[int] = set()
-        # Bytes that will be allocated without asking (gradients backward is about to produce):
-        # kept free by every room-making and prefetch decision until they arrive.
-        self.reserved_bytes = 0
+        self.reserved_bytes = 0  # kept free for gradients backward is about to produce
         self._wanted_order = itertools.count()
         self._wanted_at: dict[int, int] = {}
         self.fixed_bytes = 0  # bytes of fixed tensors: always in memory
@@ -119,10 +113,7 @@ class OffloadPool:
 
     # -- uses ---------------------------------------------------------------------------------
     def acquire(self, entries: list[OffloadedTensor], what: str, extra_bytes: int = 0) -> None:
-        """Pin ``entries`` in memory for a use, waiting only on reads still in flight.
-
-        ``extra_bytes`` is memory the use will allocate on top (gradients backward produces).
-        """
+        """Pin ``entries`` for a use that allocates ``extra_bytes`` more; wait only on reads."""
         self.make_room(self.missing_bytes(entries) + extra_bytes, what)
         # Counted again: making room may have dropped some of ``entries`` themselves.
         self._announce(self.missing_bytes(entries))
@@ -180,10 +171,7 @@ class OffloadPool:
         return not entry.in_memory and id(entry) in self._alive
 
     def read_held(self, entry: OffloadedTensor) -> None:
-        """Start reading ``entry`` for a plan that has it resident from now on.
-
-        The caller made room for it under the shared budget (NOTE [one plan]).
-        """
+        """Start reading ``entry``, resident in the plan from now on; the caller made room."""
         if self.must_read(entry):
             entry.fetch()
 
@@ -227,10 +215,7 @@ class OffloadPool:
             self._settle(entry)
 
     def make_room(self, nbytes: int, what: str) -> None:
-        """Free memory until ``nbytes`` more fit in the budget, or raise.
-
-        Finished writes go first, then prefetched tensors, the latest prefetched first.
-        """
+        """Free room for ``nbytes`` or raise: unwanted tensors first, then the latest prefetches."""
         self.reap()
         nbytes += self.reserved_bytes
         if self.meter.resident_bytes + nbytes <= self.budget_bytes:

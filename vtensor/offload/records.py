@@ -121,9 +121,9 @@ def update_parameter(
     grad: OffloadedTensor,
     min_tensor_bytes: int,
 ) -> None:
-    """Step ``record``'s parameter with ``grad`` (pinned); the gradient is forgotten.
+    """Step ``record``'s parameter with ``grad`` (pinned), then forget the gradient.
 
-    The parameter and its state are marked changed and start their write-back when unpinned.
+    The parameter and its state are marked dirty: written back once unpinned.
     """
     entries = [record.entry, *record.state]
     reserve = 0 if record.state else record.state_bytes

@@ -12,8 +12,8 @@ class ParamOffloadReport:
         min_budget_bytes: the smallest budget this model, optimizer and configuration allow.
         param_bytes, grad_bytes, state_bytes: what unmanaged training holds (its footprint).
         resident_bytes: parameter, gradient and state bytes in memory now.
-        peak_resident_bytes: the most at any moment, counted exactly at every allocation and
-            release the offloader makes or sees (a gradient from the moment its hook runs).
+        peak_resident_bytes: the most at any moment, counted at every allocation and release
+            the offloader makes or sees.
         step_peak_bytes: the peak of each ``step()``.
         bytes_out, bytes_in: bytes written to and read from the storage tier.
         stall_s: seconds training waited on transfers still in flight.

@@ -1,13 +1,11 @@
 """The layers of a model for parameter offloading, their byte needs and the smallest budget.
 
 NOTE [offload units]
-A *unit* is a module that owns parameters directly (a ``Linear``, a ``LayerNorm``, a parent that
-holds an ``nn.Parameter``). Its parameters are in memory while its forward runs and again from
-the start of its backward until their gradients have accumulated. A parameter owned by several
-units (a tied embedding and output head) belongs to all of them. Parameters of units whose
-forward encloses other units' (a parent that owns a parameter) and tied parameters stay in memory
-across other units' uses: they are *long-lived*, and the smallest feasible budget counts them in
-full next to the largest other unit.
+A *unit* is a module that owns parameters directly. Its parameters are in memory while its
+forward runs and from the start of its backward until their gradients have accumulated. A
+parameter owned by several units (tied weights) belongs to all of them. Parameters of a unit
+whose forward encloses others', and tied ones, stay in memory across other units' uses: they are
+*long-lived*, and the smallest budget counts them in full next to the largest other unit.
 """
 
 from collections.abc import Iterable
@@ -134,9 +132,8 @@ def footprint(
 ) -> Footprint:
     """The totals and the smallest feasible budget (NOTE [offload units]).
 
-    One parameter at its worst holds itself, its state and ``grad_copies`` gradients (the
-    accumulated one and the one backward just produced). Unmanaged (small or resident) tensors
-    always count in full; long-lived ones count in full; of the others, the largest unit.
+    A parameter at its worst holds itself, its state and ``grad_copies`` gradients (accumulated
+    and new). Unmanaged and long-lived ones count in full; of the others, the largest unit.
     """
 
     def full(name: str) -> int:

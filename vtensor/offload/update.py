@@ -2,21 +2,18 @@
 
 NOTE [per-parameter update]
 ``torch.optim`` optimizers update each parameter from its own gradient, state and group
-hyperparameters only: the single-tensor implementation (``foreach=False``, torch's default for
-CPU tensors) loops over parameters, and the foreach and fused ones apply the same elementwise
-math to lists. So stepping the user's optimizer on a one-parameter view of its group gives the
-bits a whole-model ``optimizer.step()`` gives, with the state kept in ``optimizer.state`` (so
-``state_dict()`` and LR schedulers keep working). Compare with a baseline that uses the same
-implementation: on CUDA torch defaults to foreach for many tensors; pass ``foreach=False`` to
-both sides there.
+hyperparameters only (the single-tensor, foreach and fused implementations apply the same
+elementwise math). So stepping the user's optimizer on a one-parameter view of its group gives
+the bits of a whole-model ``optimizer.step()``, with the state in ``optimizer.state``
+(``state_dict()`` and LR schedulers keep working). Compare against the same implementation: on
+CUDA torch defaults to foreach, so pass ``foreach=False`` to both sides there.
 
 NOTE [clipping by global norm]
-``torch.nn.utils.clip_grad_norm_`` computes one norm per gradient, stacks them in parameter
-order (grouped by device and dtype), takes the norm of the stack, and multiplies every gradient
-by ``clamp(max_norm / (total + 1e-6), max=1)``. Offloading keeps each gradient's norm (a 0-d
-tensor) as the gradient completes in backward, combines them in the same order after backward
-(:func:`total_norm`), and applies the factor to each gradient in the streamed update pass
-(:func:`clip_`). The same ops on the same values give the same bits.
+``clip_grad_norm_`` stacks one norm per gradient in parameter order (grouped by device and
+dtype), takes the norm of the stack and scales every gradient by ``clamp(max_norm / (total +
+1e-6), max=1)``. Offloading keeps each gradient's norm as it completes, combines them in the
+same order (:func:`total_norm`) and scales each gradient in the update pass (:func:`clip_`):
+the same ops on the same values give the same bits.
 """
 
 from collections.abc import Sequence

@@ -1,7 +1,6 @@
 """plan_lgm: a pure planner from a Trace to a swap Plan, in named passes over the trace's LGM.
 
-The algorithm is written down in docs/lgm.md; NOTE [memory model] in memory_model.py states what
-occupies memory when.
+docs/lgm.md states the algorithm; NOTE [memory model] in memory_model.py, what occupies memory.
 """
 
 import bisect
@@ -59,8 +58,8 @@ def plan_lgm(
 ) -> Plan:
     """Plan which chunks leave and return at which step so that ``trace`` fits ``budget_bytes``.
 
-    Pure and deterministic. Farthest-next-use (Belady) eviction of exactly the deficit at each
-    over-budget layer, then each prefetch as early as memory allows (docs/lgm.md).
+    Pure and deterministic: farthest-next-use (Belady) eviction of exactly the deficit at each
+    over-budget layer, then each prefetch as early as memory allows.
 
     Args:
         trace: the profiled iteration.
@@ -121,9 +120,8 @@ def plan_lgm(
 def _evict_farthest(lgm: LayeredGraph, resident: Bytes, caps: Bytes) -> list[_Window]:
     """Walk the layers; at each over its cap, evict exactly the deficit, farthest next use first.
 
-    Each victim's bytes stay away for the whole gap between its uses that holds the layer
-    (they are brought back at its next use; ``_schedule_prefetches`` moves that earlier).
-    ``resident`` is updated in place.
+    A victim stays away for its whole gap between uses (``_schedule_prefetches`` then moves its
+    return earlier). ``resident`` is updated in place.
     """
     starting: dict[int, list[TraceTensor]] = {}
     for t in lgm.trace.tensors:
@@ -154,12 +152,11 @@ def _evict_farthest(lgm: LayeredGraph, resident: Bytes, caps: Bytes) -> list[_Wi
 def _cost_weight(lgm: LayeredGraph, t: TraceTensor, use: int | None) -> float:
     """How much farther a clean tensor's next use counts than a dirty one's.
 
-    NOTE [cost-weighted distance]: evicting a saved activation costs a write and a read;
-    evicting a persistent tensor that has not changed since its last write-back (a parameter
-    between its forward and its update) is a drop and costs only the read. Farthest next use
-    weighs distance alone; here the distance of such a clean victim is multiplied by the ratio
-    of the two costs, ``(1/write + 1/read) / (1/read)``, so at equal cost per step of distance
-    the cheaper bytes go first. Activations are never clean: they keep plain farthest next use.
+    NOTE [cost-weighted distance]: evicting an activation costs a write and a read; evicting a
+    persistent tensor unchanged since its last write-back (a parameter between its forward and
+    its update) is a drop and costs only the read. So a clean victim's distance is multiplied by
+    ``(1/write + 1/read) / (1/read)``: at equal cost per step of distance the cheaper bytes go
+    first. Activations are never clean and keep plain farthest next use.
     """
     clean = t.persistent and use is not None and (t.dirty_step < 0 or use <= t.dirty_step)
     return 1.0 + lgm.read_bytes_per_s / lgm.write_bytes_per_s if clean else 1.0
@@ -175,8 +172,7 @@ def _evict_group(
 ) -> int:
     """Cover ``deficit`` from vTensors with the same next use; return what is left of it.
 
-    The smallest that covers it alone goes, else the largest and repeat: at tensor
-    granularity this keeps the overshoot small.
+    The smallest that covers it alone goes, else the largest, and repeat: small overshoot.
     """
     stops = {t.vid: _gap(t, step, lgm.n_steps)[1] for t in group}
     away = {
@@ -236,11 +232,7 @@ def _chunks_for(lgm: LayeredGraph, t: TraceTensor, nbytes: int) -> int:
 def _trim_overshoot(
     lgm: LayeredGraph, windows: list[_Window], resident: Bytes, caps: Bytes
 ) -> list[_Window]:
-    """Bring back whole chunks that no layer of their window needs away any more.
-
-    Evictions at later layers can make earlier ones partly redundant, and whole tensors
-    overshoot their deficit. Largest first; windows left empty are dropped.
-    """
+    """Bring back, largest first, whole chunks no layer of their window needs away any more."""
     for w in sorted(windows, key=lambda w: (-w.nbytes, w.vid, w.first)):
         slack = int((caps[w.first : w.stop] - resident[w.first : w.stop]).min())
         t = lgm.trace.tensors[w.vid]
@@ -255,10 +247,8 @@ def _trim_overshoot(
 def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) -> list[_Window]:
     """Make each persistent tensor's residency at the end of the iteration match its start.
 
-    Iterations repeat, so a parameter the plan has away after its last use is still away when
-    the next iteration starts: it gets the window before its first use as well. Conversely,
-    one away before its first use must have left after its last use of the iteration before.
-    Both only take bytes away, so the budget still holds.
+    Iterations repeat: a parameter away after its last use is still away at the next start, so
+    it gets the window before its first use too, and conversely; either only frees bytes.
     """
     n = lgm.n_steps
     by_vid: dict[int, list[_Window]] = {}
@@ -286,11 +276,7 @@ def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) ->
 def _schedule_prefetches(
     lgm: LayeredGraph, windows: list[_Window], resident: Bytes, caps: Bytes
 ) -> None:
-    """Issue each restore as early as memory allows, scanning back from its use.
-
-    Earliest use first, so that the restores nearest in time get the memory first. Windows
-    whose vTensor is never used again are not restored.
-    """
+    """Issue each restore as early as memory allows, earliest use first (it gets memory first)."""
     for w in windows:
         if w.stop >= lgm.n_steps:
             continue

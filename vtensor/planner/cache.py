@@ -1,13 +1,11 @@
 """Versioned on-disk cache of plans by PlanKey: atomic writes, checksums, LRU bound, multi-process.
 
-NOTE [plan cache on disk]: one JSON file per key, named ``<key digest>.json``, holding
-``cache_schema_version``, the key's fields, the plan's JSON text and the SHA-256 of that text.
-Writers write a private temp file in the same directory, fsync it and ``os.replace`` it over the
-entry, so a reader opens either the old or the new file whole, never a partial one, and concurrent
-puts of one key leave one valid entry (the last). Recency is the file's mtime, bumped by ``get``;
-only eviction, which deletes files, is serialised across processes by ``flock`` on ``.lock``.
-Anything unexpected in an entry is a miss with a warning; the next put of that key replaces it,
-and other bad entries age out of the LRU order.
+NOTE [plan cache on disk]: one JSON file per key, ``<key digest>.json``, holding the cache schema
+version, the key's fields, the plan's JSON text and its SHA-256. Writers fsync a private temp file
+and ``os.replace`` it over the entry, so readers see the old or the new file whole, and concurrent
+puts of one key leave the last. Recency is the mtime, bumped by ``get``; only eviction (deleting)
+is serialised across processes, by ``flock`` on ``.lock``. A bad entry is a miss with a warning,
+replaced by the next put of its key or aged out.
 """
 
 import contextlib
@@ -69,9 +67,8 @@ def _sha256(text: str) -> str:
 
 
 def _set_mtime_now(path: Path) -> None:
-    # The kernel stamps files from a coarse clock (a jiffy, up to 10 ms), which would tie entries
-    # written or read in quick succession; an explicit ns time keeps the LRU order exact. Setting
-    # an explicit time needs ownership, so a shared directory falls back to the coarse "now".
+    # The kernel's coarse file clock would tie entries used in quick succession; an explicit ns
+    # time keeps the LRU order exact. It needs ownership: elsewhere, the coarse "now".
     now_ns = time.time_ns()
     try:
         os.utime(path, ns=(now_ns, now_ns))
@@ -147,8 +144,8 @@ class PlanCache:
     def mark_lean(self, key: PlanKey, plan: Plan) -> None:
         """Note that a full replay of ``plan``, cached under ``key``, needed nothing from the guard.
 
-        The note holds the plan's digest, so a plan stored since (by any process) is not
-        covered by it. A failed write only costs the next manager a full replay.
+        The note holds the plan's digest, so it covers no plan stored since. A failed write
+        only costs the next manager a full replay.
         """
         try:
             self._write_atomic(self.lean_path(key), plan.digest().encode())

@@ -2,14 +2,12 @@
 
 NOTE [calibrated model]
 A step under a plan takes its measured compute, plus the seconds it waits for transfers
-(``predict_stalls``, one FIFO channel at the tier's write and read bandwidth), plus the
-compute the swap engine's own work takes from it per byte moved (sealing, system calls, page
-faults on return: on a CPU the engine shares the cores with compute), plus the forward time of
-what it recomputes with each mechanism's own cost, both measured per unit while profiling
-(``whole_s``). The bandwidths come from the profiled iteration's own transfers; the per-byte
-CPU cost starts at 0 and is corrected once, by a validating replay: what the replay took beyond
-the prediction, per byte it moved. Every choice (keep, swap or recompute) compares predictions
-of this one model; none is tried in iterations of its own.
+(``predict_stalls``: one FIFO channel at the tier's write and read bandwidth), plus the swap
+engine's CPU time per byte moved (on a CPU it shares the cores with compute), plus the measured
+cost of recomputing the units it recomputes (``whole_s``). The bandwidths come from the profiled
+iteration's own transfers; the per-byte cost starts at 0 and is corrected once, from what a
+validating replay took beyond its prediction. Keep, swap and recompute are all priced by this
+one model; no option is tried in an iteration of its own.
 """
 
 from dataclasses import dataclass, replace

@@ -21,10 +21,9 @@ def _class_name(obj: object) -> str:
 
 
 def _is_torch_builtin(module: nn.Module) -> bool:
-    # NOTE [extra_repr in the fingerprint]: stride, padding, kernel size, ``inplace`` and friends
-    # change activation sizes without changing any parameter shape, and torch's own modules print
-    # exactly these hyperparameters in ``extra_repr``. User modules may print anything (values,
-    # addresses), so theirs is left out: their behaviour lives in code, which no key can capture.
+    # NOTE [extra_repr in the fingerprint]: stride, padding, ``inplace`` and friends change
+    # activation sizes, not parameter shapes, and torch's own modules print exactly these in
+    # ``extra_repr``. User modules may print anything (values, addresses), so theirs is left out.
     return type(module).__module__.split(".")[0] == "torch"
 
 
@@ -60,18 +59,11 @@ def _module_records(model: nn.Module) -> Iterator[tuple[object, ...]]:
 
 
 def architecture_fingerprint(model: nn.Module) -> str:
-    """A stable hex digest of a model's structure, never of its values.
+    """A stable SHA-256 hex digest of ``model``'s structure (only inspected), never its values.
 
-    Covers the module tree (qualified names and classes), the hyperparameters torch's own modules
-    report in ``extra_repr``, parameter and buffer names, shapes, dtypes, ``requires_grad`` and
-    weight tying. Two fresh instances of one architecture give the same digest whatever their
-    weights; any change of structure, class, shape or dtype gives another.
-
-    Args:
-        model: the model; it is only inspected.
-
-    Returns:
-        64 lowercase hex characters (SHA-256).
+    Covers the module tree (qualified names and classes), torch modules' ``extra_repr``,
+    parameter and buffer names, shapes, dtypes, ``requires_grad`` and weight tying: fresh
+    instances of one architecture agree whatever their weights.
     """
     text = json.dumps(list(_module_records(model)), separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
@@ -95,17 +87,11 @@ def _describe(value: object) -> str:
 
 
 def input_signature(*inputs: object) -> str:
-    """A readable signature of a model's inputs: shapes, dtypes and device types, never values.
+    """A readable signature of a model's positional inputs: shapes, dtypes and device types.
 
-    Tensors may be nested in tuples, lists and mappings. Python scalars (``int``, ``float``,
-    ``bool``, ``str``, ``None``) enter by value because they can change the forward pass; other
-    objects by class name only.
-
-    Args:
-        *inputs: the positional inputs of one iteration, as passed to the model.
-
-    Returns:
-        For example ``"(torch.float32[8,3,32,32]@cpu, torch.int64[8]@cpu)"``.
+    Tensors may be nested in tuples, lists and mappings; Python scalars enter by value (they can
+    steer the forward), other objects by class name. For example
+    ``"(torch.float32[8,3,32,32]@cpu, torch.int64[8]@cpu)"``.
     """
     return _describe(inputs)
 
@@ -169,8 +155,7 @@ class PlanKey:
 
 @functools.lru_cache(maxsize=256)
 def _digest(key: PlanKey) -> str:
-    # Cached: a manager makes its key at every step, and rendering it costs more than the
-    # lookup of an equal key (every field is a string or a number).
+    # Cached: a manager makes its key at every step; rendering costs more than a lookup.
     text = json.dumps(asdict(key), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -183,15 +168,9 @@ def plan_key(
     chunk_bytes: int | None,
     planner_version: str,
 ) -> PlanKey:
-    """Build the :class:`PlanKey` of a model, its inputs and a budget.
+    """The :class:`PlanKey` of ``model``, one iteration's ``inputs`` and a budget.
 
-    Args:
-        model: the model to train; its first parameter's device gives the device kind (CPU if
-            it has none).
-        inputs: one iteration's positional inputs.
-        budget_bytes: the memory budget.
-        chunk_bytes: chunk size (None: tensor granularity).
-        planner_version: name and version of the planner.
+    The device kind is that of the model's first parameter (CPU if it has none).
     """
     first = next(model.parameters(), None)
     device_kind = first.device.type if first is not None else "cpu"

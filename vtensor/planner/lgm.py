@@ -1,7 +1,6 @@
 """The Layered Graph Model of a trace: its layers (steps), vTensor lives and what cannot move.
 
-The model and the algorithm are written down in docs/lgm.md; NOTE [memory model] in memory_model.py
-states what occupies memory when.
+docs/lgm.md states the model; NOTE [memory model] in memory_model.py, what occupies memory.
 """
 
 import logging
@@ -40,11 +39,9 @@ FROM_TRACE: Literal[TraceDefault.TRACE] = TraceDefault.TRACE
 class LayeredGraph:
     """The Layered Graph Model: one layer per trace step, each vTensor live over an interval.
 
-    What the planner works on: per layer, the bytes no plan can move (``floors``) and the
-    bytes resident with nothing moved (``full_resident``); per vTensor, its life and uses in
-    the trace and its chunk count. Layers are not materialised as objects: the planner walks
-    the lives (intervals) directly, so building the model is linear in the trace. The
-    bandwidths price the moves (``predict_stalls``).
+    Per layer, the bytes no plan can move (``floors``) and those resident with nothing moved
+    (``full_resident``); per vTensor, its life, uses and chunk count. Layers are not objects:
+    the planner walks the lives directly, linear in the trace. The bandwidths price the moves.
     """
 
     trace: Trace
@@ -68,7 +65,7 @@ class LayeredGraph:
         return np.array(simulate(empty, self.trace), dtype=np.int64)
 
     def floors(self) -> Bytes:
-        """Bytes per layer that no plan can swap out (NOTE [memory model], docs/lgm.md)."""
+        """Bytes per layer that no plan can swap out (NOTE [memory model])."""
         n = self.n_steps
         delta = np.zeros(n + 1, dtype=np.int64)
         for t in self.trace.tensors:

@@ -1,7 +1,4 @@
-"""The planner's memory model: resident bytes per step under a plan, its checks, its stalls.
-
-NOTE [memory model] below; docs/lgm.md states the model in full.
-"""
+"""The planner's memory model: resident bytes per step under a plan, its checks, its stalls."""
 
 import bisect
 from collections.abc import Sequence
@@ -13,10 +10,10 @@ from vtensor.planner.plan import Plan, TensorMove
 from vtensor.planner.trace import Trace, TraceTensor
 
 # NOTE [memory model]: tensor t occupies ``nbytes`` from ``saved_step`` through its last use
-# step (through the last step if it has no use, or if it is persistent: parameters and
-# optimizer state live across iterations); a move takes ``evict_bytes`` off it during
-# ``[evict_step, prefetch_step)``. Resident bytes at a step are the step's unmanaged peak plus
-# the resident parts of the live tensors. docs/lgm.md states the model in full.
+# (through the last step if it has none or is persistent: parameters and optimizer state live
+# across iterations); a move takes ``evict_bytes`` off it during ``[evict_step, prefetch_step)``.
+# Resident bytes at a step are its unmanaged peak plus the resident parts of the live tensors.
+# docs/lgm.md states the model in full.
 
 
 def last_live_step(tensor: TraceTensor, n_steps: int) -> int:
@@ -26,17 +23,14 @@ def last_live_step(tensor: TraceTensor, n_steps: int) -> int:
     return max(tensor.use_steps)
 
 
-# NOTE [backward parts]: a step runs from one module boundary to the next, so a module whose
-# forward calls tensor ops itself (an attention) has its whole backward in one step. Held to the
-# step, every tensor its backward unpacks would count at the step's peak, though each is freed
-# once the backward node that used it is done, often before that peak, and the floor would
-# overstate what training needs. So a profile cuts each backward step into parts, a part
-# beginning at the first unpack after a backward node ended (``TraceStep.part_peak_bytes``), and
-# notes in which part each tensor was last unpacked (``TraceTensor.last_part``). A tensor used at
-# a step counts from the step's start (a plan restores it there) and, at its last use, through
-# the part that used it last; the step's unmanaged figure is the largest part's less the tensors
-# used at the step (every plan holds them there; the model adds them back). No plan changes which
-# part frees what, so the figure holds for every plan. Replays still act at module boundaries.
+# NOTE [backward parts]: a module whose forward calls tensor ops itself (an attention) has its
+# whole backward in one step, and each tensor it unpacks is freed once the node that used it is
+# done, often before the step's peak: held to the step, they would overstate the floor. So a
+# profile cuts a backward step into parts, one beginning at the first unpack after a node ended
+# (``TraceStep.part_peak_bytes``), and notes the part of each tensor's last unpack
+# (``TraceTensor.last_part``). A tensor counts from its use step's start and, at its last use,
+# through that part; the step's unmanaged figure is its largest part less the tensors used there
+# (the model adds them back). No plan changes which part frees what, so this holds for any plan.
 
 
 def step_unmanaged(trace: Trace) -> npt.NDArray[np.int64]:
@@ -102,8 +96,7 @@ def unmanaged_peak(trace: Trace) -> int:
 def simulate(plan: Plan, trace: Trace) -> list[int]:
     """Resident device bytes at each step of ``trace`` when ``plan`` is replayed.
 
-    Follows NOTE [memory model]: an eviction frees its bytes from its issue step on, a prefetch
-    makes them resident from its issue step on.
+    NOTE [memory model]: evictions and prefetches take effect from their issue step on.
     """
     n = len(trace.steps)
     delta = _kept(trace)
@@ -116,14 +109,12 @@ def simulate(plan: Plan, trace: Trace) -> list[int]:
     return [int(b) for b in step_unmanaged(trace) + np.cumsum(delta[:n])]
 
 
-# NOTE [confirmed readings]: a lean replay's reading of the tracked bytes confirms the plan's
-# prediction at that step; the bytes the trace explains are then known at every later step from
-# the plan alone (the reading plus the predicted change). What another reading adds is the
-# bytes no trace explains (memory held outside autograd), and a reading walks the whole heap
-# (its cost grows with the process's free heap chunks). So among the steps predicted near the
-# budget, a lean replay reads where the plan predicts more than at its last reading (by more
-# than ``slack_bytes``), at the predicted peak, and after ``stride`` near steps without a
-# reading: unexplained bytes are found within ``stride`` near steps instead of at the next one.
+# NOTE [confirmed readings]: a lean replay's reading confirms the plan's prediction, after which
+# the bytes the trace explains are known from the plan alone; another reading adds only bytes
+# no trace explains, and each walks the whole heap. So of the steps predicted near the budget, a
+# lean replay reads where the plan predicts more than ``slack_bytes`` above its last reading, at
+# the predicted peak, and after ``stride`` near steps without one: unexplained bytes are found
+# within ``stride`` near steps.
 READING_STRIDE = 8
 
 
@@ -136,9 +127,8 @@ def watched_steps(
 ) -> tuple[int, ...]:
     """The steps a lean replay reads the tracked bytes at (NOTE [lean replay]).
 
-    Of the steps predicted within ``margin_bytes`` of the plan's budget, where the guard may
-    have to act, and the step of the predicted peak, where the reading is the iteration's peak:
-    those NOTE [confirmed readings] keeps.
+    Of the steps predicted within ``margin_bytes`` of the budget (where the guard may act) and
+    the predicted peak's, those NOTE [confirmed readings] keeps.
     """
     resident = simulate(plan, trace)
     if not resident:
@@ -174,9 +164,8 @@ def confirming_readings(
 def watched_events(plan: Plan, trace: Trace, steps: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """The first saved-tensor event at or after each of ``steps`` (NOTE [hookless replay]).
 
-    ``(vid, 0)``: the save of activation ``vid``; ``(vid, 1)``: its first unpack. At one step a
-    save comes first. Each event once, in order; empty when a step has none after it (a replay
-    could not read there without module hooks).
+    ``(vid, 0)``: the save of activation ``vid``; ``(vid, 1)``: its first unpack (a save first
+    within a step). Each event once, in order; empty when a step has none after it.
     """
     events = [(t.saved_step, 0, t.vid) for t in trace.tensors[: plan.activation_count]]
     events += [
@@ -207,9 +196,9 @@ def step_headroom(plan: Plan, trace: Trace) -> tuple[int, ...]:
 def check_plan(plan: Plan, trace: Trace, budget_bytes: int) -> list[str]:
     """Every way ``plan`` breaks the rules on ``trace`` under ``budget_bytes``; empty if none.
 
-    Checks that the plan is for this trace, that every move is legal (whole tail chunks, issued
-    at or after the vTensor became evictable, no use while its bytes are away, windows of one
-    vTensor disjoint) and that the resident bytes never exceed the budget.
+    The plan must be for this trace, every move legal (whole tail chunks, at or after the
+    vTensor became evictable, no use while away, one vTensor's windows disjoint) and the
+    resident bytes within the budget.
     """
     names = tuple(s.name for s in trace.steps)
     sizes = tuple(t.nbytes for t in trace.tensors)
@@ -278,9 +267,8 @@ def predict_stalls(
 ) -> list[float]:
     """Seconds compute waits for transfers at the start of each step when ``plan`` is replayed.
 
-    One transfer channel, first in first out (the storage tier's single I/O thread); at each
-    step the evictions are issued, then the restores. A restore must finish before the next
-    use; an eviction before the first step that would exceed the budget without its bytes.
+    One FIFO channel (the tier's I/O thread); each step issues its evictions, then its restores.
+    A restore is due at its next use; an eviction at the first step over budget without it.
     """
     resident = np.array(simulate(plan, trace), dtype=np.int64)
     issued: dict[int, list[tuple[float, int]]] = {}  # step -> (seconds of I/O, step it is due)
@@ -302,10 +290,9 @@ def predict_stalls(
 def writing_moves(plan: Plan, trace: Trace) -> set[TensorMove]:
     """The moves whose eviction writes bytes; the others drop a copy the tier already holds.
 
-    Saved activations are written at every eviction. A persistent tensor keeps its last
-    written copy (NOTE [write-back residency] in ``offload/offloaded.py``): of its moves, the
-    first after its change (``dirty_step``; cyclically, into the next iteration, if none
-    follows it) writes and the rest only drop; one never changed never writes.
+    Activations write at every eviction. A persistent tensor keeps its last written copy (NOTE
+    [write-back residency] in ``offload/offloaded.py``): only its first move after its change
+    (``dirty_step``, cyclically) writes; one never changed never writes.
     """
     writes: set[TensorMove] = set()
     by_vid: dict[int, list[TensorMove]] = {}

@@ -10,19 +10,12 @@ PLAN_SCHEMA_VERSION = 14
 
 @dataclass(frozen=True)
 class TensorMove:
-    """The swap of one vTensor (a saved storage of the trace, by ``vid``).
+    """The swap of one vTensor (a saved storage of the trace, by ``vid``: order of first save).
 
-    Attributes:
-        vid: the vTensor, as numbered in the trace (order of first save).
-        evict_bytes: bytes that leave the device: a whole number of tail chunks (at tensor
-            granularity, the whole tensor).
-        evict_step: step at which the eviction is issued (at or after the trace's
-            ``evictable_step`` of the vTensor).
-        prefetch_step: step at which the restore is issued (at or before its first use after
-            ``evict_step``); ``len(step_names)`` means never: the vTensor has no later use.
-
-    The bytes are absent during ``[evict_step, prefetch_step)``. A vTensor used at scattered
-    steps may have several moves; their windows never overlap (``check_plan``).
+    ``evict_bytes`` (whole tail chunks; at tensor granularity the whole tensor) are away during
+    ``[evict_step, prefetch_step)``: evicted at or after the trace's ``evictable_step``, restored
+    at or before the next use; ``prefetch_step == len(step_names)``: never (no later use). A
+    vTensor used at scattered steps may have several moves whose windows never overlap.
     """
 
     vid: int
@@ -42,41 +35,31 @@ class Plan:
         budget_bytes: the budget it was planned for.
         chunk_bytes: chunk size (None: whole tensors).
         moves: the swaps, ordered by ``evict_step`` then ``vid``.
-        step_names: the trace's step names, to recognise a diverging iteration.
-        tensor_bytes: the trace's vTensor sizes by vid, same purpose.
-        tensor_names: the names of the parameter-side tensors by vid (empty for activations,
-            which come first); empty when the plan has none (NOTE [one plan]).
-        predicted_peak_bytes: the largest device bytes the model predicts at any step.
-        predicted_stall_s: the transfer time the model predicts compute waits for.
+        step_names, tensor_bytes: the trace's step names and vTensor sizes by vid, to recognise
+            a diverging iteration.
+        tensor_names: the parameter-side tensors' names by vid, empty for activations (which
+            come first); empty when there are none (NOTE [one plan]).
+        predicted_peak_bytes, predicted_stall_s: the model's largest device bytes at any step,
+            and the transfer time compute waits for.
         planner: name and version of the planner that made it.
         schema_version: bumped when fields change meaning.
-        reserve_bytes: the headroom the budget guard kept when the plan was made (the
-            largest growth between two hook points): a process replaying the plan keeps it
-            from its first iteration.
-        recompute: modules (qualified names) whose forward runs again in backward instead of
-            keeping or swapping what it saves (NOTE [recompute]); the moves are planned for the
-            iteration with them recomputed.
-        predicted_step_s: the step time the planner predicts: measured compute, recomputation
-            included, plus the predicted stall.
-        min_budget_bytes: the smallest budget the profiled iteration it was planned from could
-            have run at (NOTE [minimum budget]); a lean replay, which does not judge every hook
-            point, reports it (NOTE [lean replay]).
-        watched_steps: the steps at which a lean replay reads the tracked bytes: the predicted
-            peak's, and of those predicted near the budget the ones NOTE [confirmed readings]
-            keeps (``memory_model.watched_steps``).
-        step_headroom_bytes: per step, the plan's budget less the bytes it predicts resident
-            there: the writes a lean replay may leave in flight as the step begins (NOTE [lean
-            waits]); empty: none.
-        watched_events: the saved-tensor events a replay without module hooks reads the
-            tracked bytes at, the first at or after each watched step: ``(vid, 0)`` its save,
-            ``(vid, 1)`` its first unpack (NOTE [hookless replay]); empty: a watched step has
-            none after it.
-        encoded: made from an iteration whose clamps saved bits (NOTE [mask encoding]): its
-            replays encode them too.
-        step_reserve_bytes: per step, per hook event of it, the headroom the guard keeps
-            there while a replay follows the plan, where it fills the budget (the trace's
-            ``growth_bytes``, NOTE [step reserve] in ``planner/reserves.py``); empty:
-            ``reserve_bytes`` everywhere.
+        reserve_bytes: the largest growth between two hook points while profiling: the guard
+            keeps it from a replaying process's first iteration.
+        recompute: modules (qualified names) whose forward runs again in backward (NOTE
+            [recompute]); the moves are planned with them recomputed.
+        predicted_step_s: measured compute, recomputation included, plus the predicted stall.
+        min_budget_bytes: the profiled iteration's stated minimum (NOTE [minimum budget]), which
+            a lean replay reports (NOTE [lean replay]).
+        watched_steps: where a lean replay reads the tracked bytes (NOTE [confirmed readings]).
+        step_headroom_bytes: per step, the budget less the predicted resident bytes: the writes
+            a lean replay may leave in flight as it begins (NOTE [lean waits]); empty: none.
+        watched_events: per watched step, the first saved-tensor event at or after it, where a
+            hookless replay reads: ``(vid, 0)`` a save, ``(vid, 1)`` a first unpack (NOTE
+            [hookless replay]); empty: a watched step has none after it.
+        encoded: made where the clamps saved their output; its replays do too (NOTE [mask
+            encoding]).
+        step_reserve_bytes: per step and hook event, the headroom the guard keeps there while a
+            replay follows the plan (NOTE [step reserve]); empty: ``reserve_bytes`` everywhere.
     """
 
     budget_bytes: int
@@ -114,12 +97,10 @@ class Plan:
         return 2 * sum(m.evict_bytes for m in self.moves)
 
     def to_json(self) -> str:
-        """Serialize to JSON text: that of ``dataclasses.asdict``, field by field.
+        """Serialize to JSON text: that of ``dataclasses.asdict``, built field by field.
 
-        ``asdict`` copies every leaf on the way: 1.1 ms against 0.1 ms for the main job's plans
-        (11.5 kB), in the first step of every manager that replays a cached plan (``digest``).
-        The fields hold only numbers, strings, tuples of them and ``TensorMove``s, which JSON
-        writes the same way either way.
+        ``asdict`` deep-copies every leaf, slow in the first step of every manager that replays
+        a cached plan (``digest``); the fields are plain values that JSON writes the same way.
         """
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
         plain["moves"] = [{n: getattr(m, n) for n in _MOVE_FIELDS} for m in self.moves]

@@ -1,16 +1,14 @@
 """Which modules to recompute instead of keeping or swapping what they save (pure).
 
 NOTE [hybrid plan]
-Every saved byte is kept, swapped or recomputed. A unit (a module, NOTE [recompute] in
-``activations/recompute/checkpointed.py``) recomputed frees its inner tensors from its forward to
-its backward, at the price of its measured forward time and the mechanism's own cost (``whole_s``),
-and brings them back all at once at the start of its backward (NOTE [recomputed lifetimes] in
-``recomputed.py``). Two recomputations are worth pricing: the cheapest cover of the deficit (the
-peak over the budget), cheapest per freed byte first (NOTE [cheapest finish]), never two nested
-units, each only where the iteration with it still has a feasible floor; and every outermost safe
-unit, what checkpointing every block does. The solver (``PlanBook._solve``) prices each, with the
-swapping left to do, on the calibrated model (NOTE [calibrated model] in ``costs.py``) against
-swapping alone, and takes the least.
+Every saved byte is kept, swapped or recomputed. Recomputing a unit (NOTE [recompute] in
+``activations/recompute/checkpointed.py``) frees its inner tensors from its forward to its
+backward, at its measured forward and checkpointing cost (``whole_s``), and brings them back at
+once when its backward starts (NOTE [recomputed lifetimes] in ``recomputed.py``). Two options are
+priced: the cheapest cover of the deficit (cheapest per freed byte first, NOTE [cheapest finish];
+never two nested units; each only where a feasible floor remains), and every outermost safe unit
+(checkpointing every block). ``PlanBook._solve`` prices each, with the swapping left to do, on
+the calibrated model (NOTE [calibrated model] in ``costs.py``) against swapping alone.
 """
 
 from collections.abc import Sequence
@@ -33,11 +31,10 @@ def unit_regrowth(trace: Trace) -> dict[str, int]:
 
     NOTE [regrowth bound]
     A profile that recomputes makes room for each unit before it runs again (NOTE [recomputed
-    growth] in ``activations/runtime/policy.py``), from a profile that never ran it twice. The
-    unit's working set measured there (NOTE [recomputation's working set] in
-    ``activations/runtime/recorder.py``) is that bound; where none was measured (no reading inside
-    its forward), twice every tensor saved inside it but its inputs: running again makes afresh what
-    it saved and holds outputs no op saved until it ends.
+    growth] in ``activations/runtime/policy.py``). The bound is the unit's working set measured
+    by a profile that ran it once (NOTE [recomputation's working set] in
+    ``activations/runtime/recorder.py``); where none was measured, twice what it saved but its
+    inputs: it makes those afresh and holds unsaved outputs too.
     """
     bounds = {}
     for unit in trace.units:
@@ -59,7 +56,7 @@ def unit_regrowth(trace: Trace) -> dict[str, int]:
 def choose_recompute(trace: Trace, budget_bytes: int) -> Names:
     """The cheapest units of ``trace`` to recompute to cover its deficit at ``budget_bytes``.
 
-    Sorted, maybe empty. Deterministic: ties are broken by name.
+    Sorted, maybe empty; ties are broken by name.
     """
     # What the iteration would hold if nothing moved (the profiled one already swapped).
     demand = simulate(empty_plan(trace, budget_bytes, trace.chunk_bytes), trace)
@@ -108,12 +105,11 @@ def _cheapest_finish(
     """The option of least time, under ``below``, that alone frees ``left`` more bytes.
 
     NOTE [cheapest finish]
-    Taking the options cheapest per freed byte first can overshoot: the best ratio may cover
-    the deficit alone where a cheaper unit covers it too. So at every point of the ratio order
-    the cheapest option that would finish the cover on its own is priced too (the classic guard
-    of greedy covering), and the least total time wins. A finish counts only where the
-    iteration with it, nothing moved, really peaks within the budget (freed bytes are a proxy:
-    those not live at the peak lower nothing).
+    Cheapest per freed byte first can overshoot: a cheaper unit may cover the rest alone. So at
+    every point of the ratio order the cheapest option that finishes the cover on its own is
+    priced too (the classic guard of greedy covering), and the least total time wins. A finish
+    counts only where the iteration with it, nothing moved, peaks within the budget: freed
+    bytes not live at the peak lower nothing.
     """
     for unit, seconds, _ in sorted((o for o in options if o[2] >= left), key=lambda o: o[1]):
         if seconds >= below:
@@ -130,8 +126,8 @@ def _cheapest_finish(
 def recompute_outermost(trace: Trace, budget_bytes: int) -> Names:
     """Every outermost safe unit of ``trace``: what checkpointing every block does.
 
-    Where recomputing a unit would leave no feasible floor at ``budget_bytes``, its outermost
-    safe descendants are tried in its place. Sorted, maybe empty; deterministic.
+    A unit that would leave no feasible floor at ``budget_bytes`` gives way to its outermost
+    safe descendants. Sorted, maybe empty.
     """
     safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
     frontier = _outermost(safe)
@@ -146,10 +142,7 @@ def recompute_outermost(trace: Trace, budget_bytes: int) -> Names:
 
 
 def recompute_candidates(trace: Trace, budget_bytes: int) -> tuple[Names, ...]:
-    """The recomputations worth pricing at ``budget_bytes`` (NOTE [hybrid plan]).
-
-    None where nothing needs to leave memory.
-    """
+    """The recomputations worth pricing at ``budget_bytes`` (NOTE [hybrid plan]); may be empty."""
     cheapest = choose_recompute(trace, budget_bytes)
     if not cheapest:
         return ()

@@ -7,7 +7,7 @@ from vtensor.planner.trace import Trace, TraceStep, TraceUnit
 
 
 def whole_s(unit: TraceUnit) -> float:
-    """What recomputing ``unit`` costs: its forward and the mechanism's own work.
+    """What recomputing ``unit`` costs: its forward and checkpointing's own work.
 
     NOTE [mechanism cost] is in ``activations/recompute/profile/cost.py``.
     """
@@ -17,20 +17,17 @@ def whole_s(unit: TraceUnit) -> float:
 def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
     """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
 
-    A unit's inner tensors are gone. Each tensor recomputation brings back is held, as
-    unmanaged bytes, from the unit's first backward step through its own last use (NOTE
-    [recomputed lifetimes]), and while it runs again, that step holds its working set too
-    (``_add_working``). The unit's inputs cannot move: checkpointing's frame holds them. Vids
-    are renumbered in order.
+    A unit's inner tensors are gone; what recomputation brings back is held as unmanaged bytes
+    (NOTE [recomputed lifetimes]), with the unit's working set where it runs again
+    (``_add_working``). Its inputs cannot move: checkpointing's frame holds them. Vids are
+    renumbered in order.
 
     NOTE [recomputed lifetimes]
-    Recomputation runs the unit's forward again at the first unpack of anything it saved, so
-    every tensor it brings back appears at once, at the start of the unit's backward. It does
-    not stay there: torch's checkpoint keeps a recomputed tensor only under a weak reference
-    keyed by the handle its saved-tensor hook packed, and drops the handle when the tensor is
-    unpacked, so each one is freed once the backward node that used it is done with it, within
-    its last step in the part that used it last (NOTE [backward parts] in
-    ``memory_model.py``).
+    A unit's forward runs again at the first unpack of anything it saved, so everything it brings
+    back appears at once, at the start of its backward. torch's checkpoint holds each recomputed
+    tensor under a weak reference and drops it at its unpack, so each is freed once the backward
+    node that used it is done: in its last use step, in the part that used it last (NOTE
+    [backward parts] in ``memory_model.py``).
     """
     chosen = set(names)
     units = [u for u in trace.units if u.name in chosen]
@@ -74,24 +71,20 @@ def _add_working(
     extra: list[int],
     part_extra: dict[int, list[int]],
 ) -> None:
-    """Hold what ``unit`` runs again with beyond what it brings back, where it runs again.
+    """Hold the working set ``unit`` runs again with, less what it brings back (held already).
 
-    NOTE [recomputation's working set] in ``activations/runtime/recorder.py``: the working set less
-    the tensors it brings back, which the model holds already. It runs at the first unpack of
-    anything the unit saved from ``first``, its first backward step, on: in the step of that use,
-    through the earliest part in which one of those tensors was last used there (every part where
-    none was).
+    It runs at the first unpack, from ``first`` (its first backward step) on, of anything the
+    unit saved: in that step, through the earliest part in which one of those tensors was last
+    used (every part where none was). NOTE [recomputation's working set] is in
+    ``activations/runtime/recorder.py``.
 
     NOTE [working set at an unpack]
     A recomputation runs inside the unpack that begins a part, before that part's backward node
-    allocates anything, and has let go of its temporaries when the node starts: the part peaks
-    at the larger of the two, not at their sum. Held on top of each part's own peak, every
-    block of the char GPT recomputed was modelled to need 108.5 MiB at half batch, where the
-    trial of that plan peaked at 99.3 MiB and checkpointing the same blocks at 99.1 MiB of live
-    tensors (benchmarks/README.md, ``activation_swap``): candidates near a floor were judged
-    not to fit. So a part holds what the working set adds above the part's base (its first
-    sample, at that unpack), the highest base of the parts it may run in, where that is above
-    the part's own peak. Without bases (a step in one part) it is held on top, as before.
+    allocates, and lets go of its temporaries before the node starts: the part peaks at the
+    larger of the two, not their sum (held on top, plans near a floor were judged not to fit).
+    So a part holds what the working set adds above the highest base (first sample, at that
+    unpack) of the parts it may run in, where that exceeds the part's own peak. Without bases
+    (a step in one part) it is held on top.
     """
     held = sum(trace.tensors[v].nbytes for v in unit.inner_vids)
     more = unit.working_bytes - held

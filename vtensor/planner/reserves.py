@@ -1,40 +1,28 @@
 """The guard's headroom point by point: how far the bytes rose after it acted there (pure).
 
 NOTE [step reserve]
-Between two points where the guard can act (a step's start, a pack, an unpack) the tracked bytes
-can rise where no hook can make room (an op's output, a concatenation and what consumes it, a
-backward node's working set), so the guard keeps headroom under the budget while a plan is
-replayed. One figure for the whole iteration would sit under the plan's own peak wherever one
-step rises far more than the rest, and one per step would count a backward node's working set
-again after the step's peak: either way the guard would evict at every replay. So the profile
-books to each point where the guard acted (the step, and the point's place among its hook
-events, the same in every iteration of one plan) how far the readings rose before the guard
-could act again, less what the manager announced or did itself in between (parameter reads,
-restores, recomputations: a replayed plan places those). ``TraceStep.growth_bytes`` holds them,
-``Plan.step_reserve_bytes`` carries them. While a replay follows its plan the guard keeps at each
-point what followed it in the profile (at least its one chunk); a lean replay guards at
-boundaries only, with the headroom of the step's start (NOTE [lean replay]). A joint plan with
-parameter offloading, and a replay that has left its plan, keep the largest rise everywhere.
+Between two points where the guard can act (a step's start, a pack, an unpack) the bytes rise
+where no hook can make room (an op's output, a backward node's working set); one headroom for
+the whole iteration would sit under the plan's peak and the guard would evict at every replay.
+So the profile books per step and hook event how far the bytes rose after the guard acted there,
+less the manager's own restores, reads and recomputations (``TraceStep.growth_bytes``, carried
+as ``Plan.step_reserve_bytes``), and a replay following its plan keeps that (at least a chunk; a
+lean replay, the step start's: NOTE [lean replay]). Joint or diverged replays keep the largest.
 
 NOTE [planned headroom]
-A plan need not leave the rises free as well: the bytes a rise brings are already in the trace's
-step model (what is still allocated at the next reading is in that step's unmanaged peak; a
-tensor saved in between counts as the plan's from its step's start), so while a replay follows
-its plan each point's reading and the rise after it stay within the prediction. Planning under
-the largest rise at every step would move bytes for one step's rise at all of them. So the plan
-leaves the guard its one chunk (the least it keeps at a point), or the largest rise where that is
-less; where the guard keeps the largest rise everywhere (a joint plan, or no rises booked) it
-leaves that. What the model misses (writes still in flight, NOTE [lean waits]; a step whose end
-rises before the next one's evictions) shows as bytes the guard moves beyond the plan, and the
-plan is made again that much lower (NOTE [guard margin]).
+A plan need not also leave the rises free: their bytes are in the trace's step model already
+(what is still allocated at the next reading is in that step's unmanaged peak), and planning
+under the largest rise at every step would move bytes for one step's rise at all of them. So a
+plan leaves the guard one chunk (the largest rise, where that is less), or the largest rise
+where the guard keeps it everywhere. What the model misses shows as bytes the guard moves beyond
+the plan, and the validating replay makes the plan again that much lower (NOTE [one decision] in
+``activations/plan/decision.py``).
 
 NOTE [gross rise]
-The rise booked to a point counts everything the model allocated until the guard could act
-again, even where evictions completed in between and the readings rose less. While profiling,
-the guard's early evictions complete at the next point, before its reading: the readings rose
-by the allocations less those writes. A replay's writes complete when the disk and the load let
-them; one still in flight there rises by all the allocations, so the headroom booked net of
-the writes would sit under what that replay needs.
+The rise booked to a point counts everything allocated until the guard could act again, even
+where evictions completed in between. While profiling, the guard's evictions complete before its
+next reading; a replay's writes complete when the disk lets them, so a point with one still in
+flight rises by all the allocations: headroom booked net of the writes would be too small.
 """
 
 from vtensor.planner.trace import Trace

@@ -35,26 +35,20 @@ class TraceStep:
         name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
         phase: forward, backward or other.
         duration_s: measured wall time of the step.
-        live_bytes_start: tracked device bytes when the step began.
-        peak_live_bytes: largest tracked device bytes sampled during the step.
-        unmanaged_peak_bytes: largest tracked device bytes sampled during the step that were not
-            in managed vTensors (parameters, gradients, outputs not saved yet, temporaries),
-            plus ``transient_bytes`` when the manager counts op workspaces.
-        transient_bytes: what the step needed beyond its sampled peak, for workspaces that live
-            only inside one op (measured from the process's RSS high-water mark on CPU; 0 where
-            it could not be measured).
-        growth_bytes: per hook event of the step (0: its start, then each saved-tensor pack,
-            unpack and backward node, in order), how far the tracked bytes rose after the guard
-            acted there before it could act again, less the manager's own restores, parameter
-            reads and recomputations (NOTE [step reserve] in ``planner/reserves.py``); 0 where
-            it did not act; trailing events without a rise left out.
-        part_peak_bytes: a backward step's unmanaged peak per part, in order: a part begins
-            at the first unpack after a backward node ended (NOTE [backward parts] in
+        live_bytes_start, peak_live_bytes: tracked device bytes at its start, and the most sampled.
+        unmanaged_peak_bytes: the most tracked bytes sampled outside managed vTensors
+            (parameters, gradients, unsaved outputs, temporaries), plus ``transient_bytes``
+            when the manager counts op workspaces.
+        transient_bytes: what one op's workspaces needed beyond the sampled peak (from the RSS
+            high-water mark on CPU; 0 where unmeasured).
+        growth_bytes: per hook event (0: the start, then each pack, unpack and backward node),
+            how far the bytes rose after the guard acted there before it could act again
+            (NOTE [step reserve] in ``planner/reserves.py``); trailing zeros left out.
+        part_peak_bytes: a backward step's unmanaged peak per part (NOTE [backward parts] in
             ``planner/memory_model.py``); empty where the step is one part.
-        part_base_bytes: per part, its first unmanaged sample, taken at the unpack that began
-            it, before the part's backward node allocates: where a recomputation run at that
-            unpack starts from (``_add_working`` in ``planner/recomputed.py``); empty where the
-            step is one part.
+        part_base_bytes: per part, its first unmanaged sample, at the unpack that began it:
+            where a recomputation run there starts from (``_add_working`` in
+            ``planner/recomputed.py``); empty where the step is one part.
     """
 
     index: int
@@ -79,23 +73,19 @@ class TraceTensor:
         nbytes: size of its storage.
         dtypes: dtypes of the views saved of it.
         saved_step: step index of the first save.
-        evictable_step: first step at whose start nothing but autograd referenced it (it could
-            be swapped from then on: the step after the one during which that became true);
-            -1 if that never happened.
+        evictable_step: the first step at whose start only autograd referenced it (swappable
+            from then on); -1 if never.
         use_steps: step indices at which backward unpacked it, in order.
-        kind: a saved activation, or a tensor of parameter offloading (NOTE [one plan] in
-            ``offload/joint.py``).
+        kind: a saved activation, or a tensor of parameter offloading (NOTE [one plan]).
         name: a parameter-side tensor's name in its ``ParamOffload``
-            (``"fc.weight#state:exp_avg"``); empty for activations, matched by position instead.
-        persistent: it outlives the iteration (parameters, optimizer state, gradients kept
-            for an update after it): live through the last step. One that also existed before
-            it (``saved_step`` 0) is away at the start of an iteration if a plan has it away at
-            the end (NOTE [memory model] in memory_model.py).
+            (``"fc.weight#state:exp_avg"``); empty for activations, matched by position.
+        persistent: it outlives the iteration (parameters, optimizer state, kept gradients):
+            live through the last step; one with ``saved_step`` 0 away at the end of an
+            iteration is away at its start too.
         whole: it moves as one piece whatever the chunk size (parameter-side tensors).
-        dirty_step: the last step at which it was changed (an update, an accumulation), -1 if
-            it was not: an eviction before that step and after a write-back needs no write.
-        last_part: the part of its last use step (``TraceStep.part_peak_bytes``) in which it
-            was last unpacked; -1 where that step is one part or it is not known.
+        dirty_step: the last step that changed it (an update, an accumulation), -1 if none.
+        last_part: the part of its last use step in which it was last unpacked; -1 where that
+            step is one part or it is not known.
     """
 
     vid: int
@@ -118,25 +108,20 @@ class TraceUnit:
 
     Attributes:
         name: the module's qualified name in the model.
-        first_step: index of the forward step its forward began with.
-        last_step: index of the last forward step inside its forward.
-        forward_s: measured wall time of its forward run again on its own (what recomputing it
-            costs, with ``overhead_s``: NOTE [unit time] in
+        first_step, last_step: the first and last forward steps of its forward.
+        forward_s: measured wall time of its forward run again on its own (NOTE [unit time] in
             ``activations/recompute/profile/units.py``).
-        inner_vids: the vTensors (trace vids) saved inside its forward, made there and used
-            only by its own backward steps: the bytes recomputing it would not keep.
-        input_vids: vTensors saved inside its forward that are its inputs: a recomputed unit
-            holds them from its forward to its backward, where no swap can take them.
-        safe: its forward reproduced its outputs bit for bit when run again, and it modified no
-            input in place, called no custom autograd Function and changed no module attribute
-            (NOTE [safe to recompute]); an unsafe unit is never recomputed.
+        inner_vids: vTensors saved inside its forward and used only by its own backward: the
+            bytes recomputing it would not keep.
+        input_vids: vTensors saved inside its forward that are its inputs: recomputed, it holds
+            them from its forward to its backward.
+        safe: running it again reproduced its outputs bit for bit, with no in-place input
+            change, custom autograd Function or attribute change (NOTE [safe to recompute]).
         why_unsafe: the first reason it is not safe ("" when safe).
-        working_bytes: how far its forward took the bytes it made, the tensors it saved
-            included: what running it again holds at its peak (NOTE [recomputation's working
-            set] in ``activations/runtime/recorder.py``).
-        overhead_s: what recomputing it costs beyond its forward: torch's checkpointing's
-            own work, measured once per process (NOTE [mechanism cost] in
-            ``activations/recompute/profile/cost.py``).
+        working_bytes: the most its forward held of what it made, saved tensors included
+            (NOTE [recomputation's working set] in ``activations/runtime/recorder.py``).
+        overhead_s: checkpointing's own work beyond the forward, measured once per process
+            (NOTE [mechanism cost] in ``activations/recompute/profile/cost.py``).
     """
 
     name: str
@@ -164,12 +149,10 @@ class Trace:
         chunk_bytes: chunk size (None: whole tensors).
         device: device type, "cpu" or "cuda".
         schema_version: bumped when fields change meaning.
-        incomplete: not a steady-state iteration (its first update created optimizer state):
-            a plan is made from a later one.
-        units: the modules that could be recomputed, outermost first (profiled with
-            ``recompute=True`` only; empty otherwise).
+        incomplete: not a steady-state iteration (its first update created optimizer state).
+        units: the modules that could be recomputed, outermost first (``recompute=True`` only).
         recomputed: the modules recomputed while this iteration ran.
-        encoded: its clamps saved bits, not their inputs (NOTE [mask encoding]).
+        encoded: its clamps saved their output, not their input (NOTE [mask encoding]).
     """
 
     steps: tuple[TraceStep, ...]
@@ -189,12 +172,10 @@ class Trace:
         """This iteration as it would run with ``state_bytes`` more held throughout.
 
         NOTE [state to come]
-        A model's first iteration runs before its first update makes the optimizer's state
-        (momentum, Adam's moments), which every later iteration holds throughout. Its trace is
-        planned as those iterations will run, with that state added to every step, as the
-        stated minimum adds it. A plan short of that state would leave the guard evicting beside
-        it at every replay, and a budget between the floor and the floor with the state would
-        look feasible only to break when the state appears.
+        A model's first iteration runs before its first update makes the optimizer's state,
+        which every later iteration holds throughout. So its trace is planned with that state
+        added to every step, as the stated minimum adds it: otherwise the guard would evict at
+        every replay, and a budget under the floor with the state would break once it appears.
         """
         if state_bytes == 0:
             return self
@@ -218,11 +199,10 @@ class Trace:
         return [(s.index, s.peak_live_bytes) for s in self.steps]
 
     def to_json(self) -> str:
-        """Serialize to JSON text: that of ``dataclasses.asdict``, field by field.
+        """Serialize to JSON text: that of ``dataclasses.asdict``, built field by field.
 
-        ``asdict`` deep-copies every leaf, which is slow for a large trace. Steps, tensors and
-        units hold only numbers, strings, string enums and tuples of them, which JSON writes the
-        same way either way.
+        ``asdict`` deep-copies every leaf, slow for a large trace; the leaves are plain values
+        that JSON writes the same way.
         """
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("steps", "tensors", "units"):

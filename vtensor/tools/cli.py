@@ -1,16 +1,13 @@
 """Command line of vtensor: ``python -m vtensor demo|plan``; ``plan`` profiles, plans and replays.
 
-``plan MODEL`` builds a model (a name of the edgefl zoo, or ``package.module:factory``) and
-trains it on one random batch: ``--steps`` plain steps (reference time and weights; they also
-warm the kernels up), one step at a 1 TiB budget (the unmanaged peak and trace), then ``--steps``
-iterations under a ``MemoryManager`` at the budget (the first is profiled and planned, the next
-ones replay the plan). It prints the figures, writes a plot of the unmanaged, profiled and
-planned iterations, and optionally the figures as JSON. Progress goes to stderr.
-
-Loss: cross-entropy when the output holds logits over the targets (``(N, C)`` for targets
-``(N,)``, ``(N, T, V)`` for token targets ``(N, T)``, flattened), else ``output.square().mean()``.
-Exit status: 0 done (1 if the managed weights differ from the plain ones), 2 usage error,
-3 infeasible budget.
+``plan MODEL`` builds a model (an edgefl zoo name, or ``package.module:factory``) and trains it on
+one random batch: ``--steps`` plain steps (reference time and weights; they warm the kernels), one
+step at a 1 TiB budget (the unmanaged peak and trace), then ``--steps`` iterations under a
+``MemoryManager`` at the budget, which profiles, plans and replays. It prints the figures, plots
+the unmanaged and managed iterations, and optionally writes the figures as JSON; progress goes to
+stderr. Loss: cross-entropy where the output holds logits over the targets (``(N, C)`` for
+``(N,)``, ``(N, T, V)`` for ``(N, T)``), else ``output.square().mean()``. Exit status: 0 done (1
+if the managed weights differ from the plain ones), 2 usage error, 3 infeasible budget.
 """
 
 import argparse

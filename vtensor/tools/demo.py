@@ -1,10 +1,9 @@
 """Demo: train a small CNN under a memory budget below its unmanaged peak, and check the result.
 
-Run with ``python -m vtensor`` (``--help`` for options). It measures the unmanaged peak,
-trains the same model from the same seed with and without the manager at a fraction of that
-peak, and prints per-iteration memory and transfer figures and whether the weights match bit
-for bit. Exit status: 0 done (1 if the weights differ), 2 usage error, 3 infeasible budget (as
-``python -m vtensor plan``).
+Run with ``python -m vtensor`` (``--help`` for options). It trains the same model from the same
+seed with and without the manager at a fraction of the unmanaged peak, prints per-iteration
+memory and transfer figures, and whether the weights match bit for bit. Exit status as for
+``python -m vtensor plan``: 0 done (1 if the weights differ), 2 usage error, 3 infeasible budget.
 """
 
 import argparse

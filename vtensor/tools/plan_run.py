@@ -142,8 +142,8 @@ class PlanRequest:
 def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome:
     """Run the plain, unmanaged and managed iterations; raises ``InfeasibleBudgetError``."""
     batch, classes = request.batch()
-    # The plain steps go first: a process's first iteration also allocates what the kernels
-    # keep for later (docs/vtensor.md, Limits), which would inflate the unmanaged peak.
+    # Plain steps first: a process's first iteration allocates what kernels keep for later,
+    # which would inflate the unmanaged peak (docs/vtensor.md, Limits).
     progress(f"{request.steps} plain steps (no manager): reference time and weights")
     reference, plain_s = train(build, batch, classes, request.steps, None)
     with tempfile.TemporaryDirectory(prefix="vtensor-plan-") as scratch:
@@ -196,10 +196,7 @@ def _train_managed(
     progress: Progress,
     offload_params: bool = False,
 ) -> tuple[nn.Module, InfeasibleBudgetError | None, Plan | None]:
-    """Train under ``mm``; stops at the first iteration that breaks the budget and returns why.
-
-    Also returns the plan the last iterations replayed (None if none).
-    """
+    """Train under ``mm`` until it breaks the budget; the model, why, and the plan replayed."""
     model = build().to(batch[0].device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     with contextlib.ExitStack() as stack:

@@ -1,10 +1,8 @@
 """Plot of device bytes and swap traffic per step of managed iterations, written as a PNG.
 
-``plot_timeline`` draws one line per run (for example the unmanaged, profiled and planned
-iterations) against the budget, the phases of the iteration as shaded regions, the planner's
-predicted resident bytes when a plan and its trace are given, and in a lower panel the bytes each
-run moved out (up) and in (down) per step. matplotlib is imported only when a plot is drawn, so
-the rest of vtensor does not need it.
+One line per run against the budget, the phases shaded, the planner's prediction where a plan
+and its trace are given, and below, the bytes each run moved out (up) and in (down) per step.
+matplotlib is imported only to draw, so the rest of vtensor does not need it.
 """
 
 from collections.abc import Mapping, Sequence
@@ -47,9 +45,8 @@ def plot_timeline(
         runs: label -> report of one iteration; each becomes a line (MiB per step).
         budget_bytes: drawn as a horizontal line.
         path: where the PNG goes (parent directories are created).
-        trace: the profiled iteration the plan was made from; with ``plan``, the planner's
-            predicted resident bytes per step (``simulate(plan, trace)``) are drawn dashed.
-        plan: the swap plan (ignored without ``trace``).
+        trace: the profiled iteration the plan was made from.
+        plan: its plan; with both, the predicted bytes per step are drawn dashed.
         title: figure title, e.g. the model and the budget.
 
     Returns:

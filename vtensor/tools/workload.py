@@ -58,9 +58,9 @@ def _zoo_factory(
 ) -> Callable[[], object]:
     """The builder of ``name`` from the first installed zoo that has it.
 
-    A zoo is an entry point of group ``vtensor.model_zoo`` (edgefl installs its own): a function
-    ``(name, batch_shape, vocab) -> builder`` that raises ``LookupError`` for a name it does not
-    have and ``ValueError`` for a shape its models cannot take. vtensor imports no zoo itself.
+    A zoo is an entry point of group ``vtensor.model_zoo`` (edgefl installs one): ``(name,
+    batch_shape, vocab) -> builder``, raising ``LookupError`` for an unknown name and
+    ``ValueError`` for a shape its models cannot take.
     """
     zoos = sorted(importlib.metadata.entry_points(group=ZOO_GROUP), key=lambda e: e.name)
     if not zoos:
@@ -86,10 +86,10 @@ def make_batch(
     vocab: int | None,
     device: str | torch.device,
 ) -> tuple[Batch, int]:
-    """A random batch of the requested shapes and the number of target classes.
+    """A random batch and its number of target classes.
 
-    ``input_dtype`` ``"long"`` makes token ids below ``vocab`` (targets: the inputs' shape),
-    else floats (targets: one class per example).
+    ``input_dtype`` ``"long"``: token ids below ``vocab``, targets of the inputs' shape; else
+    floats, one target class per example.
     """
     gen = torch.Generator().manual_seed(1)
     tokens = input_dtype == "long"
