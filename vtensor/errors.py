@@ -33,6 +33,8 @@ class FloorBreakdown:
         offloaded_floor_bytes: about the floor with the parameters, gradients and optimizer
             state offloaded (0: not estimated).
         offload_needed: the minimum is the one with the parameter side offloaded.
+        offloaded_held: with the parameter side offloaded, its bytes in memory at that step
+            (the layers in use, their gradients and optimizer state).
     """
 
     parameters: int
@@ -43,6 +45,7 @@ class FloorBreakdown:
     kept_activations: int
     offloaded_floor_bytes: int = 0
     offload_needed: bool = False
+    offloaded_held: int = 0
 
     @property
     def state(self) -> int:
@@ -58,6 +61,7 @@ class FloorBreakdown:
             "inputs": self.inputs,
             "the step's working set": self.working_set,
             "activations that cannot leave": self.kept_activations,
+            "offloaded parameters, gradients and optimizer state in use": self.offloaded_held,
         }
         ranked = sorted(parts.items(), key=lambda kv: -kv[1])
         return ", ".join(f"{name} {_mib(n)}" for name, n in ranked if n)
@@ -67,6 +71,11 @@ class FloorBreakdown:
         raise_to = (
             f"Raise the budget to at least {min_budget_bytes} bytes ({_mib(min_budget_bytes)})"
         )
+        if self.offloaded_held > self.working_set + self.kept_activations:
+            return (
+                f"{raise_to}: the layers in use hold the floor with their gradients and "
+                "optimizer state, even offloaded."
+            )
         if self.offload_needed:
             return (
                 f"{raise_to}, with the parameters, gradients and optimizer state offloaded "

@@ -181,3 +181,21 @@ def test_the_error_breaks_the_minimum_down_and_advises_by_what_holds_it(tmp_path
         with vtensor.MemoryManager("1MiB", chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
             with mm.step(model, opt, inputs=(x, y)):
                 nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_an_offloaded_models_weights_read_between_steps_are_its_weights(tmp_path: Path) -> None:
+    # NOTE [weights between steps]: state_dict() copies each offloaded parameter in, one at a time.
+    reference, _ = _train(None)
+    budget = int(0.45 * _peak(tmp_path))
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        model, _ = _train(mm)
+        assert mm.params_offloaded
+        between = model.state_dict()
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(reference.state_dict().values(), between.values(), strict=True)
+        )
+        with pytest.raises(vtensor.ParamOffloadError, match="load_state_dict"):
+            model.load_state_dict(reference.state_dict())
+    model.load_state_dict(between)  # closed: the parameters are the model's own again
+    assert _same(reference, model)

@@ -12,9 +12,11 @@ streamed clip-and-update pass of ``step()``. Reads for the next ``lookahead`` us
 """
 
 import contextlib
+import functools
 import logging
 from os import PathLike
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -151,6 +153,11 @@ class ParamOffload:
                 model, self.units, list(self._params.values()), self._passes
             )
             self._hooks += handles
+            # NOTE [weights between steps]
+            post, pre = model.register_state_dict_post_hook, model.register_load_state_dict_pre_hook
+            # Functions, not bound methods: torch marks the hooks it is given.
+            self._hooks.append(post(functools.partial(ParamOffload._copied_in, self)))  # type: ignore[no-untyped-call]
+            self._hooks.append(pre(functools.partial(ParamOffload._refuse_load, self)))  # type: ignore[no-untyped-call]
         except BaseException:
             self.close()
             raise
@@ -170,6 +177,37 @@ class ParamOffload:
             if not self.pool.is_fixed(entry):
                 entry.start_write()
         self.pool.reap(block=True)
+
+    # -- between steps ------------------------------------------------------------------------
+    def _copied_in(
+        self, _module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any
+    ) -> None:
+        """Fill ``state_dict()`` with copies of the offloaded parameters' values.
+
+        NOTE [weights between steps]
+        Between its uses an offloaded parameter's storage holds no bytes, so the tensors
+        ``state_dict()`` collects would read freed memory. Each one is brought in, copied and
+        let go, one at a time, within the budget; the copies are the caller's. Loading weights
+        into offloaded parameters is refused (``_refuse_load``): load them before the first
+        step, or after ``close()``.
+        """
+        for record in self._params.values():
+            key = prefix + record.name
+            if key not in state or record.fixed:
+                continue
+            self.pool.acquire([record.entry], f"state_dict {record.name}")
+            try:
+                state[key] = record.param.detach().clone()
+            finally:
+                self.pool.release(record.entry)
+        self.pool.reap(block=True)
+
+    def _refuse_load(self, *_args: Any, **_kwargs: Any) -> None:
+        if not self._closed:
+            raise ParamOffloadError(
+                "load_state_dict into a model whose parameters are offloaded: load the weights "
+                "before its first managed step, or after the manager (or ParamOffload) is closed"
+            )
 
     # -- update -------------------------------------------------------------------------------
     def step(self) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from vtensor.activations.runtime.param_side import ResidentParams
 from vtensor.activations.runtime.recorder import IterationBooks
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import FloorBreakdown, VTensorError
@@ -17,10 +18,17 @@ MIN_BUDGET_MARGIN_BYTES = 64 * 1024
 class BudgetFloor:
     """Keeps ``books.min_budget_bytes`` (NOTE [minimum budget]) and whether the budget broke."""
 
-    def __init__(self, store: ChunkStore, books: IterationBooks, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        store: ChunkStore,
+        books: IterationBooks,
+        budget_bytes: int,
+        params: ResidentParams | None = None,
+    ) -> None:
         self.store = store
         self.books = books
         self.budget_bytes = budget_bytes
+        self.params = params  # an offloaded parameter side sharing the budget
         self._prev_evictable = 0
 
     def note_broken(self, live: int, step_name: str) -> None:
@@ -65,6 +73,8 @@ class BudgetFloor:
             self.books.min_budget_bytes = floor
             self.books.min_budget_step = step_name
             self.books.min_budget_kept_bytes = max(0, self.store.device_bytes() - evictable)
+            if self.params is not None:
+                self.books.min_budget_param_bytes = self.params.resident_bytes()
         if strict and need > self.budget_bytes:
             self.books.violated = True
 
@@ -87,8 +97,10 @@ def floor_breakdown(
     the floor with the parameter side offloaded (less the state, plus twice the offloading's
     least holding).
     """
-    params = grads = state = 0
-    if not offloaded:
+    params = grads = state = held = 0
+    if offloaded:
+        held = books.min_budget_param_bytes
+    else:
         params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
         late = not books.min_budget_step.startswith(("forward:", "other:start"))
         grads = sum(
@@ -98,8 +110,8 @@ def floor_breakdown(
         state -= sum(p.nbytes for p in model.parameters() if p.requires_grad)
     given = sum(t.nbytes for t in inputs)
     kept = books.min_budget_kept_bytes
-    working = max(0, min_budget_bytes - params - grads - state - given - kept)
-    breakdown = FloorBreakdown(params, grads, state, given, working, kept)
+    working = max(0, min_budget_bytes - params - grads - state - given - kept - held)
+    breakdown = FloorBreakdown(params, grads, state, given, working, kept, offloaded_held=held)
     if optimizer is None or offloaded:
         return breakdown
     try:

@@ -68,7 +68,7 @@ class Iteration:
         self._entry_pool = tracker.pool_bytes()
         self.one_time_bytes = 0  # NOTE [MKL buffer pool]: measured when the iteration ends
         self.books = IterationBooks()
-        self.floor = BudgetFloor(store, self.books, policy.budget_bytes)
+        self.floor = BudgetFloor(store, self.books, policy.budget_bytes, params)
         self.step_index = -1
         self._event = 0  # hook events of the open step so far (NOTE [step reserve])
         self._guarded_at: tuple[int, int] | None = None  # (step, event) the guard last acted at

@@ -105,6 +105,7 @@ class IterationBooks:
     min_budget_bytes: int = 0
     min_budget_step: str = ""
     min_budget_kept_bytes: int = 0  # saved bytes that could not leave where the floor is
+    min_budget_param_bytes: int = 0  # an offloaded parameter side's bytes in memory there
     violated: bool = False
     # per (step, hook event) the guard acted at: the largest rise after it (NOTE [step reserve])
     growth: dict[tuple[int, int], int] = field(default_factory=dict)
