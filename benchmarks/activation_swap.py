@@ -14,12 +14,13 @@ fractions of each model's unmanaged tracked peak, with these variants:
 - ``lgm-tensor``: the same planner at ``granularity="tensor"`` (whole tensors, the prior-work
   baseline);
 - ``lgm-hybrid``: ``lgm-chunk`` with ``recompute=True``: the plan may also recompute modules
-  (NOTE [hybrid plan]); each candidate recomputation is tried in an iteration of its own, then
-  the candidates' plans and the swap-only one race (NOTE [plan race]) and the fastest is kept;
+  (NOTE [hybrid plan]); the profile's calibrated model predicts each candidate recomputation's
+  step against swapping alone and the least is kept, in at most three iterations (NOTE [one
+  decision]);
 - ``reactive-chunk``: ``MemoryManager(policy="reactive")``, no planning;
 - ``lgm-chunk+masks``, ``lgm-hybrid+masks``: those with ``encode_masks=True`` (clamps save
   their output instead of their input; NOTE [mask encoding]); ``lgm-chunk+auto``,
-  ``lgm-hybrid+auto``: with ``encode_masks="auto"`` (the race decides; NOTE [encoding decided]);
+  ``lgm-hybrid+auto``: with ``encode_masks="auto"`` (encoded where the plan moves bytes);
 - ``unbound``: ``lgm-chunk`` with a budget that never binds: the manager's own cost;
 - ``micro-2``, ``micro-4``: the batch in 2 or 4 micro-batches with gradient accumulation (the
   same mean loss; not bit-identical: BatchNorm sees smaller batches and the gradient sums in
@@ -90,14 +91,16 @@ from benchmarks.common import (
 )
 from benchmarks.compiled import compile_under_budget, rss_step_peak
 from benchmarks.zoo import Workload, workloads
+from vtensor.activations.plan.keys import planner_version
 from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.measure.rss import rss_is_honest
 from vtensor.measure.trackers import MallocTracker
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.cache import PlanCache
 from vtensor.planner.keys import plan_key
-from vtensor.planner.lgm import PLANNER_VERSION, build_lgm, min_budget
+from vtensor.planner.lgm import build_lgm, min_budget
 from vtensor.planner.memory_model import simulate
+from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
 
 MIB = 1 << 20
@@ -146,9 +149,9 @@ class Variant:
     dispatch_peak: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     micro: int = 1  # micro-batches with gradient accumulation (a baseline)
-    # Unit name -> (forward alone, selective cost), from the first profile that measured them
-    # (a hybrid's later trials profile again, without the units).
-    units: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Unit name -> its cost recomputed whole, from the first profile that measured them
+    # (a hybrid's reprofile runs without the units).
+    units: dict[str, float] = field(default_factory=dict)
 
 
 class HeapReads:
@@ -371,6 +374,7 @@ def _make_variants(
                 encode_masks=masks,
                 plan_cache_dir=v.cache_dir,
                 measure_peaks=True,  # the RSS column (resets VmHWM: a benchmark may)
+                offload_params=False,  # activations only: parameters stay (``param_offload``)
             )
             variants.append(v)
         if "compile" in args.variants:
@@ -418,9 +422,9 @@ def _timed_round(variants: list[Variant], w: Workload, r: int) -> None:
             v.reports.append(v.manager.report())
             trace = v.manager.trace
             if not v.units and trace is not None and trace.units:
-                v.units = {u.name: (u.forward_s, u.selective_s) for u in trace.units}
-            # A hybrid's trial round is profiled too; its race rounds alternate two plans.
-            profiled = v.reports[-1].plan_source in ("profiled", "raced")
+                v.units = {u.name: whole_s(u) for u in trace.units}
+            # A hybrid's reprofile is profiled too.
+            profiled = v.reports[-1].plan_source == "profiled"
         if r > 0 and not profiled:
             v.step_s.append(dt)
             v.cpu_s.append(dc)
@@ -456,7 +460,7 @@ def _after_rounds(
                 (x, y),
                 budget_bytes=v.manager.budget_bytes,
                 chunk_bytes=v.manager.chunk_size,
-                planner_version=PLANNER_VERSION,
+                planner_version=planner_version(False, *MANAGED[v.name][2:]),
             )
             cache = PlanCache(v.cache_dir)
             loads, hit = [], True
@@ -470,9 +474,7 @@ def _after_rounds(
         v.extra["recomputed_modules"] = len(v.reports[-1].recomputed) if v.reports else 0
         if v.reports:
             last = v.reports[-1]
-            v.extra["recomputed_s"] = recomputed_seconds(
-                v.units, list(last.recomputed), list(last.selective)
-            )
+            v.extra["recomputed_s"] = recomputed_seconds(v.units, list(last.recomputed))
         if v.manager.trace is not None:
             v.extra["trace_steps"] = len(v.manager.trace.steps)
             v.extra["trace_tensors"] = len(v.manager.trace.tensors)
@@ -509,7 +511,7 @@ def run_model(
     )
     variants = _make_variants(w, base, p0, args, storage_dir, cache_root)
     # Round 0 profiles; then --steps rounds, and more (at most twice as many) while a live
-    # variant has fewer than --min-timed timed rounds: a hybrid's trials and race are not timed.
+    # variant has fewer than --min-timed timed rounds: a hybrid's reprofile is not timed.
     r, last = 0, args.steps * (3 if args.min_timed else 1)
     while r <= args.steps or (r <= last and _short_of_timed(variants, args.min_timed)):
         _timed_round(variants, w, r)
@@ -539,7 +541,7 @@ def _row(
     machine: dict[str, Any],
     unmanaged_s: float,
 ) -> dict[str, Any]:
-    timed = [rep for rep in v.reports[1:] if rep.plan_source not in ("profiled", "raced")]
+    timed = [rep for rep in v.reports[1:] if rep.plan_source != "profiled"]
     row: dict[str, Any] = {
         "model": w.name,
         "model_description": w.describe,
@@ -559,8 +561,8 @@ def _row(
         "heap_reads_median": median_or_none([float(n) for n in v.heap_reads]),
         "heap_read_s_median": median_or_none(v.heap_read_s),
         "steps_timed": len(v.step_s),
-        # The decision's rounds: the profile, the trials of recomputation and the race.
-        "decision_steps": sum(rep.plan_source in ("profiled", "raced") for rep in v.reports),
+        # The decision's profiled rounds: the profile and the reprofile.
+        "decision_steps": sum(rep.plan_source == "profiled" for rep in v.reports),
         "vs_unmanaged": None if not v.step_s else statistics.median(v.step_s) / unmanaged_s,
         "grads_identical": True
         if v.name == "unmanaged"
@@ -637,7 +639,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="after --steps rounds, run more (at most twice --steps) until every variant has "
-        "this many timed rounds (a hybrid's trial and race rounds are not timed); default 0",
+        "this many timed rounds (a hybrid's reprofile is not timed); default 0",
     )
     p.add_argument("--batch-scale", type=float, default=1.0, help="scale every batch size")
     p.add_argument(

@@ -34,15 +34,13 @@ def _num(n: float | None, fmt: str) -> str:
     return "-" if n is None else format(n, fmt)
 
 
-def recomputed_seconds(
-    units: dict[str, tuple[float, float]], whole: list[str], selective: list[str]
-) -> float:
+def recomputed_seconds(units: dict[str, float], names: list[str]) -> float:
     """What the kept plan's recomputation costs a step, as the profile measured it.
 
-    ``units``: unit name -> (forward alone, selective recomputation's cost), from the trace;
-    ``whole`` and ``selective``: the units the plan recomputes, and those of them selectively.
+    ``units``: unit name -> its cost recomputed whole (``whole_s``), from the trace; ``names``:
+    the units the plan recomputes.
     """
-    return sum(units[n][1] if n in selective else units[n][0] for n in whole if n in units)
+    return sum(units[n] for n in names if n in units)
 
 
 def _replayed(r: dict[str, Any]) -> str:

@@ -166,7 +166,9 @@ def _managed(
     """N managed steps from ``init``; tells the parent when step 0 (profiling) is done."""
     model = copy.deepcopy(init)
     opt, times, row["first_grad_diff_step"] = _sgd(model), [], None
-    with vtensor.MemoryManager(budget, storage_dir=tmp, count_workspaces=workspaces) as mm:
+    with vtensor.MemoryManager(
+        budget, storage_dir=tmp, count_workspaces=workspaces, offload_params=False
+    ) as mm:
         for step, batch in enumerate(batches):
             row.update(budget_bytes=budget, at_step=step)
             if step == 1:  # from here the parent samples the RSS

@@ -179,6 +179,7 @@ def step_time(w: Workload, args: argparse.Namespace, storage_dir: str) -> list[d
                 storage_dir=storage_dir,
                 encrypt_storage=encrypt,
                 drop_page_cache=drop,
+                offload_params=False,  # the activations' swap file, as the figures were taken
             )
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             variants.append(Variant(name, encrypt, drop, model, opt, manager))

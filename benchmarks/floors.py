@@ -2,14 +2,14 @@
 
 One workload is profiled on this machine under a manager with recomputation at each budget (a
 fraction of its unmanaged peak), and its trace is planned two ways: as recorded, each backward step
-in parts (NOTE [backward parts] in ``vtensor/planner/memory_model.py``), and with the parts
-removed, as a step-level model sees it. Per budget and way: the smallest budget the model states
-for swapping alone and for every outermost unit recomputed whole (what checkpointing every block
-does), the latter also without the units' working sets (NOTE [recomputation's working set] in
-``vtensor/activations/runtime/recorder.py``), and how many recomputation candidates the planner finds at
-the budget, where it judges them. Bytes, not times: the figures are the same on any machine for the
-same batch, so the GPU benchmark's batch (``--batch-scale 4``) can be profiled here. Run from the
-repository root::
+in parts (NOTE [backward parts] in ``vtensor/planner/memory_model.py``), and with the parts removed,
+as a step-level model sees it. Per budget and way: the smallest budget the model states for swapping
+alone and for every outermost unit recomputed whole (what checkpointing every block does), the
+latter also without the units' working sets (NOTE [recomputation's working set] in
+``vtensor/activations/runtime/recorder.py``), and how many recomputation candidates the planner
+finds at the budget, where it judges them. Bytes, not times: the figures are the same on any machine
+for the same batch, so the GPU benchmark's batch (``--batch-scale 4``) can be profiled here. Run
+from the repository root::
 
     python -m benchmarks.floors --model gpt --batch-scale 0.5 --budgets 0.5 0.4
     python -m benchmarks.floors --quick    # CI-sized; its rows are not results
@@ -51,7 +51,7 @@ def _floor(trace: Trace) -> int:
 
 def rows_for(trace: Trace, budget: int) -> list[dict[str, Any]]:
     """One row per way of modelling ``trace``'s backward steps."""
-    blocks = recompute_outermost(trace, 1 << 62, whole=True)[0]  # every outermost unit
+    blocks = recompute_outermost(trace, 1 << 62)  # every outermost unit
     rows = []
     for way, modelled in (("parts", trace), ("whole steps", without_parts(trace))):
         rows.append(
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for fraction in args.budgets or ([0.9] if args.quick else [0.5, 0.4]):
         budget = int(peak * fraction)
-        with vtensor.MemoryManager(budget, recompute=True) as mm:
+        with vtensor.MemoryManager(budget, recompute=True, offload_params=False) as mm:
             opt.zero_grad()
             with mm.step(model, opt, inputs=(x, y)):
                 w.loss(model, x, y).backward()  # type: ignore[no-untyped-call]

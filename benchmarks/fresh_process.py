@@ -60,7 +60,7 @@ y = torch.randint(0, 10, (x.shape[0],))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 rows, error, minimum = [], None, None
 try:
-    with vtensor.MemoryManager(int(budget), storage_dir=storage) as mm:
+    with vtensor.MemoryManager(int(budget), storage_dir=storage, offload_params=False) as mm:
         for _ in range(int(steps)):
             optimizer.zero_grad()
             with mm.step(model, optimizer, inputs=(x, y)):

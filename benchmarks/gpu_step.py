@@ -15,9 +15,9 @@ On CUDA the script turns on torch's deterministic algorithms (``CUBLAS_WORKSPACE
 ``torch.use_deterministic_algorithms``, no cuDNN autotuning): without them two unmanaged runs
 of the same step differ in their last bits, and no variant can be bit-identical to another.
 Rounds are interleaved round-robin; each step is timed between two ``torch.cuda.synchronize``
-calls (forward and backward; the optimizer step is untimed). Profiled and raced rounds are not
+calls (forward and backward; the optimizer step is untimed). Profiled rounds are not
 timed. Per row: median step time and its ratio to unmanaged; the tracked peak over every
-round, profiling and trials included (the manager's reading: ``torch.cuda.memory_allocated``'s
+round, profiling included (the manager's reading: ``torch.cuda.memory_allocated``'s
 rise over the step's entry, on top of the state known at entry) and the allocator's peak over
 the timed rounds (``torch.cuda.max_memory_allocated``, the manager's independent figure, which
 also sees the memory inside ops), both as fractions of the budget; bytes moved per step; the
@@ -139,6 +139,7 @@ def _runs(w: Workload, base: nn.Module, p0: int, args: argparse.Namespace) -> li
                 host_capacity_bytes=max(p0, 64 * MIB),
                 tier=args.tier,
                 measure_peaks=True,  # the allocator's peak (resets it: a benchmark may)
+                offload_params=False,  # activations only, on --device cpu too
             )
             runs.append(Run(name, frac, model, _make_opt(model), manager=manager))
     return runs
@@ -168,7 +169,7 @@ def _round(runs: list[Run], w: Workload, r: int) -> None:
         timed = r > 0
         if run.manager is not None:
             run.reports.append(run.manager.report())
-            timed = timed and run.reports[-1].plan_source not in ("profiled", "raced")
+            timed = timed and run.reports[-1].plan_source != "profiled"
         if timed:
             run.step_s.append(dt)
             run.timed_reports += run.reports[-1:]
@@ -196,7 +197,7 @@ def _row(run: Run, w: Workload, p0: int, unmanaged_s: float | None) -> dict[str,
         row |= {
             "plan_source": str(last.plan_source),
             "tracked_peak_bytes": tracked,
-            "allocator_peak_bytes": allocator,  # every round's, profiling and trials included
+            "allocator_peak_bytes": allocator,  # every round's, profiling included
             "timed_allocator_peak_bytes": timed_alloc or None,  # the timed rounds'
             "sources": [str(rep.plan_source) for rep in run.reports],
             "recomputed_per_round": [len(rep.recomputed) for rep in run.reports],
@@ -267,7 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_out(parser)
     parser.add_argument("--device", default="cuda", help="cpu: check the script without a GPU")
-    parser.add_argument("--log-level", default="WARNING", help="vtensor's log level (INFO: races)")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="vtensor's log level (INFO: the decisions)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(format="#   %(name)s: %(message)s")
     logging.getLogger("vtensor").setLevel(args.log_level)

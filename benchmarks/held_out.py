@@ -5,12 +5,13 @@ a DenseNet, squeeze-and-excitation gating, a ConvNeXt, a ViT with ``nn.Multihead
 GRU language model, a U-Net, a ResNet of basic blocks, a transformer of
 ``nn.TransformerEncoderLayer`` and an MLP-Mixer), each with a pattern the test zoo lacks.
 Per model, in one process and in turns step by step from the same weights:
-unmanaged; ``MemoryManager(budget, recompute=True, encode_masks="auto")`` at the fraction of
-the model's peak (tracked bytes, measured by a manager whose budget never binds); and
+unmanaged; ``MemoryManager(budget, recompute=True, encode_masks="auto",
+offload_params=False)`` at the fraction of the model's peak (parameters stay, as they do under
+checkpointing) (tracked bytes, measured by a manager whose budget never binds); and
 ``torch.utils.checkpoint`` (non-reentrant) on every block, one line of code a user would write
 instead. Per model: the budget, the managed iteration's highest tracked peak against it,
 whether every gradient is bit-identical to the unmanaged one, the median managed step over the
-steps that replayed the kept plan (profiling, trials and races left out) against the unmanaged
+steps that replayed a plan (the profiled iterations of its decision left out) against the unmanaged
 median over the same steps, checkpointing's the same way with its tracked peak against the
 budget (a checkpointed copy under a budget that never binds), and the modules recomputed and
 MiB moved by the last managed step. A budget below the model's floor is reported with the
@@ -110,7 +111,11 @@ def run_model(name: str, steps: int, fraction: float, batch: int, size: int) -> 
     times: dict[str, list[float]] = {"unmanaged": [], "managed": [], "checkpoint": []}
     identical, worst = True, 0
     mm = vtensor.MemoryManager(
-        budget, storage_dir=tempfile.mkdtemp(), recompute=True, encode_masks="auto"
+        budget,
+        storage_dir=tempfile.mkdtemp(),
+        recompute=True,
+        encode_masks="auto",
+        offload_params=False,
     )
     try:
         for step in range(steps):
@@ -143,7 +148,7 @@ def run_model(name: str, steps: int, fraction: float, batch: int, size: int) -> 
     finally:
         mm.close()
     last = mm.reports[-1]
-    # Steady steps only: the profiled, trial and race iterations are the decision's, not the plan's.
+    # Steady steps only: the profiled iterations are the decision's, not the plan's.
     steady = [i for i, r in enumerate(mm.reports) if r.plan_source.value in ("planned", "cached")]
     if not steady:
         row["error"] = "no steady step: raise --steps"

@@ -227,10 +227,10 @@ def _print_tables(results: Sequence[dict[str, Any]], check: dict[str, Any]) -> N
         f"{first['starved_only_labels']} ({first['starved_only_test_images']} test images)"
     )
     print(
-        "| variant | round | central acc | starved-only acc | wall s | fleet s | trained "
-        "| failed | width ratios | swapped MiB |"
+        "| variant | round | central acc | starved-only acc | starved-only acc, sub-model "
+        "| wall s | fleet s | trained | failed | width ratios | swapped MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for row in r["rounds"]:
             ratios = ",".join(f"{x:g}" for x in row["width_ratios"])

@@ -7,20 +7,21 @@ vtensor on (the main job's settings) and with vtensor off (``vtensor=disabled``:
 trains unmanaged, as a fleet with ample memory would), ``--pairs`` times each, alternating
 (on, off, off, on, ...), each in a fresh process as a user's run is: Ray's start, the data, the
 peak measurement and the reference round, and for vtensor an empty plan cache, so round 1
-profiles, tries and races each class's plans. Each pair then runs vtensor on once more
+decides each class's plan (NOTE [one decision] in ``vtensor/activations/plan/decision.py``:
+profile, maybe a reprofile, a validating replay). Each pair then runs vtensor on once more
 (``cached``) on the plan cache the pair's ``on`` run left: what a device that decided its plans
 in an earlier run pays, as a deployed node keeps them in its ``--plan-cache``.
 
 Both variants run the clients two at a time on the machine's two cores: the same load, which
 the per-class table of a single run cannot give (its reference round is timed alone, NOTE
 [reference round] in ``edgefl/reference.py``). A client round of vtensor whose plan came from
-its class's plan cache (plan source ``cached``) ran the decided plan; the others profiled,
-tried or raced plans (round 1, and round 2 where a class's decision went on).
+its class's plan cache (plan source ``cached``) ran the decided plan; the others profiled or
+replayed a plan being decided (round 1, and round 2 where a class's decision went on).
 
 Per round: the round's wall time as the ServerApp measures it (from sending the training
 instructions to the evaluated global model), the median over each variant's runs, its ratio,
 each pair's ratio (on and cached against the same pair's off run), and the plan sources of the
-vtensor-on runs' client rounds (profiled, shared, raced, cached); round 1 apart (the plan
+vtensor-on runs' client rounds (profiled, planned, cached, ...); round 1 apart (the plan
 decisions), rounds 2 to N together, and the whole run. Per device class: the clients' local
 training time per round (``train-s``), rounds 2 to N and round 1.
 Bit-identity: the central accuracy and loss of every round must be equal in every run (training

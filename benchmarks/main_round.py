@@ -6,13 +6,16 @@ Hydra overrides after ``--``), trained in this one process unmanaged and under e
 class's budget, swap-only (``vtensor.recompute=false``) and with recomputation (the main job's
 setting). The variants take turns round by round, each round from the same
 starting weights, so every managed round is set against an unmanaged one run under the same
-load. Round 1 of a variant profiles (with recomputation, also tries candidates and races them)
-and fills the plan cache its class shares, as in a simulation; it is reported apart. Every later
+load. Round 1 of a variant decides its plan (NOTE [one decision] in
+``vtensor/activations/plan/decision.py``: a profile, with recomputation or newly encoded clamps a
+reprofile, and a validating replay) and fills the plan cache its class shares, as in a
+simulation; it is reported apart. Every later
 round opens a fresh manager that loads the cached plan, as each round of a simulated client does.
 
 Beside them, what a user would do instead, unmanaged: ``torch.utils.checkpoint``
 (``use_reentrant=False``) on every stage of the model's ``features``, whole (``checkpoint``) or
-keeping the convolutions' outputs (``selective``, the policy of the manager's selective units),
+keeping the convolutions' and matrix products' outputs (``selective``: torch's selective
+activation checkpointing with ``benchmarks.zoo.blocks.save_products``),
 and, per device class, checkpointing exactly the modules the main job's plan for that class
 recomputes (``checkpoint-<class>``: the manager's choice made by torch's own mechanism, from the
 round after the plan is decided). Their peaks are measured as the unmanaged one's (the
@@ -62,6 +65,7 @@ from benchmarks.common import (
     tagged,
     write_json_lines,
 )
+from benchmarks.zoo.blocks import save_products
 from edgefl.config import load_run_settings
 from edgefl.peak import measure_unmanaged_peak
 from edgefl.settings import RunSettings, VTensorSettings
@@ -74,7 +78,6 @@ from edgefl.train import (
     train_local,
     train_within_budget,
 )
-from vtensor.activations.selective import save_products
 from vtensor.measure.dispatch import LiveStorageTracker
 from vtensor.planner.plan import Plan
 
@@ -92,7 +95,7 @@ class Variant:
     # Unmanaged, with these modules under torch.utils.checkpoint (by qualified name); None:
     # none. ``follows``: the managed variant whose decided plan names them (filled once it is).
     checkpointed: tuple[str, ...] | None = None
-    selective: tuple[str, ...] = ()  # of those, the ones checkpointed selectively
+    selective: tuple[str, ...] = ()  # of those, the ones under selective checkpointing (SAC)
     follows: "Variant | None" = None
     peak_bytes: int | None = None  # a baseline's peak (``_baseline_peak``)
     first: int = -1  # the first round it ran (0-based): baselines that follow a plan start late
@@ -107,8 +110,8 @@ def checkpointed_modules(
 ) -> nn.Module:
     """``model`` with each module named in ``names`` run under ``torch.utils.checkpoint``.
 
-    Those also in ``selective`` keep their convolutions' and matrix products' outputs (the
-    manager's selective policy, NOTE [selective recompute]).
+    Those also in ``selective`` keep their convolutions' and matrix products' outputs (torch's
+    selective activation checkpointing, ``save_products``).
     """
     context = functools.partial(create_selective_checkpoint_contexts, save_products)
     for name in names:
@@ -225,7 +228,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                 plan = decided_plan(v.follows.cache_dir)
                 if plan is None:
                     continue  # the plan it follows is still undecided
-                v.checkpointed, v.selective = plan.recompute, plan.selective
+                v.checkpointed = plan.recompute
                 v.peak_bytes = _baseline_peak(start, v, data, c.train.batch_size)
             model = copy.deepcopy(start)
             v.first = r if v.first < 0 else v.first

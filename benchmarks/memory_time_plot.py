@@ -32,8 +32,8 @@ import matplotlib.pyplot as plt  # after choosing the backend
 
 def load_rows(path: str) -> list[dict[str, Any]]:
     """The result rows (not the environment record) of a JSON-lines file; a variant that ended
-    in an error is left out, even where it had timed steps before it (a hybrid trying candidates
-    below its floor)."""
+    in an error is left out, even where it had timed steps before it (a budget found infeasible
+    after its profile)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [

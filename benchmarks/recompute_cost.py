@@ -1,25 +1,19 @@
 """What recomputing a block costs: the profile's prediction against the measured cost.
 
-The planner ranks what to recompute by what the profiled iteration measured of each unit: its
-forward time (recomputing it whole, NOTE [unit time] in ``vtensor/activations/recompute/profile/units.py``) and
-the cost of recomputing it selectively (NOTE [dispatch cost] in
-``vtensor/activations/selective_profile.py``). This script checks both against what recomputing
-each block really adds to a training step. Per model (the main job's CNN from
+The planner prices recomputing a unit by what the profiled iteration measured of it: its forward
+time and checkpointing's own cost (``whole_s``; NOTE [unit time] in
+``vtensor/activations/recompute/profile/units.py``, NOTE [mechanism cost] in
+``vtensor/activations/recompute/profile/cost.py``). This script checks that price against what
+recomputing each block really adds to a training step. Per model (the main job's CNN from
 ``conf/config.yaml``, and the benchmarks' MobileNetV2 and char GPT at half batch): one
 iteration is profiled under a manager whose budget never binds, with recomputation on; then,
 in this one process, the model trains without a manager, unchanged and with one block at a
 time recomputed through the manager's own mechanism (``recompute_modules``: torch's
-checkpointing, whole or selectively, whole through one autograd node where the profile allows
-it, NOTE [one-node recomputation] in ``vtensor/activations/rebuild.py``, and selectively
-through one node with its product leaves' outputs kept where it allows that, NOTE [cached
-products] in ``vtensor/activations/product_cache.py``), the variants taking turns step by
-step from the same weights. Per block: predicted and measured cost in ms (measured: the median
-step with it recomputed, less the median unchanged step), and the bytes each way frees
-(selectively, the way the profile prices: behind one node only its product leaves' outputs
-are kept, where SAC keeps every product op's). The profile prices a unit's selective
-recomputation the way a plan would run it: behind one node where it can, else through torch's
-selective checkpointing (SAC). The blocks are the largest group of sibling units (the model's
-feature stack); a last row recomputes every block at once, each way. Run from the repository root::
+checkpointing of the whole block), the variants taking turns step by step from the same
+weights. Per block: predicted and measured cost in ms (measured: the median step with it
+recomputed, less the median unchanged step), and the bytes it frees. The blocks are the largest
+group of sibling units (the model's feature stack); a last row recomputes every block at once.
+Run from the repository root::
 
     python -m benchmarks.recompute_cost --out recompute_cost.jsonl
     python -m benchmarks.recompute_cost --models main --repeats 30    # the main job's CNN alone
@@ -52,7 +46,7 @@ from benchmarks.common import (
 from benchmarks.zoo import workloads
 from vtensor.activations.recompute.checkpointed import recompute_modules
 from vtensor.activations.recompute.profile.cost import PlainHost
-from vtensor.planner.recompute import inner_bytes, selective_bytes
+from vtensor.planner.recompute import inner_bytes
 from vtensor.planner.recomputed import whole_s
 from vtensor.planner.trace import Trace, TraceUnit
 
@@ -100,34 +94,20 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Loss) -> flo
 def measure(
     describe_model: str, model: nn.Module, batch: Batch, steps: int, loss: Loss = _cross_entropy
 ) -> list[dict[str, Any]]:
-    """Per block: predicted and measured cost of recomputing it whole and selectively."""
+    """Per block: predicted and measured cost of recomputing it whole (checkpointing)."""
     trace = _profiled(model, batch, loss)
     blocks = _blocks(trace)
     host = PlainHost(torch.device("cpu"))
-    # (name, recomputed, selectively, through one node)
-    variants: list[tuple[str, list[str], list[str], list[str]]] = [("unchanged", [], [], [])]
-    for u in blocks:
-        variants.append((f"{u.name} whole", [u.name], [], []))
-        if u.one_node:
-            variants.append((f"{u.name} one node", [u.name], [], [u.name]))
-        if u.selective_safe:
-            variants.append((f"{u.name} selective", [u.name], [u.name], []))
-        if u.cached_products:
-            variants.append((f"{u.name} cached", [u.name], [u.name], [u.name]))
-    # Every block at once: the mechanisms' differences summed over the stack.
-    every = [u.name for u in blocks]
-    units = {u.name: u for u in blocks}
-    partial = [u.name for u in blocks if u.selective_safe]
-    cached = [u.name for u in blocks if u.cached_products]
-    variants.append(("every block whole", every, [], []))
-    variants.append(("every block one node", every, [], [u.name for u in blocks if u.one_node]))
-    variants.append(("every block selective", partial, partial, []))
-    variants.append(("every block cached", partial, partial, cached))
+    # (name, recomputed)
+    variants: list[tuple[str, list[str]]] = [("unchanged", [])]
+    variants += [(f"{u.name} whole", [u.name]) for u in blocks]
+    # Every block at once: the costs summed over the stack.
+    variants.append(("every block whole", [u.name for u in blocks]))
     times: dict[str, list[float]] = {v[0]: [] for v in variants}
     x, y = batch(1)
     for i in range(steps + 1):
-        for name, names, selective, one_node in variants:
-            with recompute_modules(model, names, host, selective, one_node=one_node):
+        for name, names in variants:
+            with recompute_modules(model, names, host):
                 took = _step(model, x, y, loss)
             if i:  # the first round warms each variant up
                 times[name].append(took)
@@ -141,21 +121,6 @@ def measure(
             "whole_measured_ms": (statistics.median(times[f"{u.name} whole"]) - base) * 1e3,
             "whole_frees_mib": inner_bytes(trace, u) / MIB,
         }
-        if u.one_node:
-            measured = statistics.median(times[f"{u.name} one node"]) - base
-            row["one_node_measured_ms"] = measured * 1e3
-        if u.selective_safe:
-            measured = statistics.median(times[f"{u.name} selective"]) - base
-            row |= {
-                "selective_measured_ms": measured * 1e3,
-                "selective_frees_mib": selective_bytes(trace, u) / MIB,
-            }
-            # The profile prices a unit one way: behind one node where it can be, else SAC.
-            way = "cached" if u.cached_products else "selective"
-            row[f"{way}_predicted_ms"] = u.selective_s * 1e3
-        if u.cached_products:
-            measured = statistics.median(times[f"{u.name} cached"]) - base
-            row["cached_measured_ms"] = measured * 1e3
         rows.append(row | {"unchanged_step_ms": base * 1e3, "steps": steps})
     rows.append(
         {
@@ -163,14 +128,7 @@ def measure(
             "block": "every block",
             "whole_predicted_ms": sum(whole_s(u) for u in blocks) * 1e3,
             "whole_measured_ms": (statistics.median(times["every block whole"]) - base) * 1e3,
-            "one_node_measured_ms": (statistics.median(times["every block one node"]) - base) * 1e3,
             "whole_frees_mib": sum(inner_bytes(trace, u) for u in blocks) / MIB,
-            "one_node_blocks": sum(u.one_node for u in blocks),
-            "selective_measured_ms": (statistics.median(times["every block selective"]) - base)
-            * 1e3,
-            "selective_frees_mib": sum(selective_bytes(trace, units[n]) for n in partial) / MIB,
-            "cached_measured_ms": (statistics.median(times["every block cached"]) - base) * 1e3,
-            "cached_blocks": len(cached),
             "unchanged_step_ms": base * 1e3,
             "steps": steps,
         }
@@ -209,15 +167,9 @@ def main() -> None:
             w = workloads(args.quick, 0.5)[name]
             describe_model, model, batch, loss = w.describe, w.build(), w.batch, w.loss
         rows += measure(describe_model, model, batch, repeats(args, 15, 2), loss)
-    keys = [f"{way}_{what}" for way in ("whole", "selective") for what in COLUMNS]
-    keys.insert(2, "one_node_measured_ms")
-    keys += ["cached_predicted_ms", "cached_measured_ms"]
-    print(
-        "\n| model | block | whole: predicted ms | measured ms | one node: measured ms "
-        "| frees MiB | selective (SAC): predicted ms | measured ms | frees MiB "
-        "| cached: predicted ms | measured ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    keys = [f"whole_{what}" for what in COLUMNS]
+    print("\n| model | block | predicted ms | measured ms | frees MiB |")
+    print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['block']} | " + " | ".join(_cell(r, k) for k in keys) + " |")
     write_json_lines(args.out, env, tagged("recompute_cost", rows))

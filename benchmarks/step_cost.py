@@ -1,20 +1,20 @@
 """Where a managed step of the main job's model spends its time, phase by phase, against unmanaged.
 
 The main job's model, client 0's data and batch size (``conf/config.yaml``; Hydra overrides after
-``--``), trained in this one process unmanaged and under each device class's budget, swap-only,
-with recomputation, and with recomputation and clamps saving their output (``+recompute+masks``,
-the main job's setting), the variants taking turns round by round from the same weights. Every
-round opens a fresh manager on the class's plan cache, as a round of the main job does; round 1
-profiles (and with recomputation tries and races candidates) and is left out. Each step is timed
-in five phases with ``time.perf_counter``: entering ``mm.step`` (the plan key, the model's state,
-the hooks), forward with the loss, backward, leaving ``mm.step`` (the report, the hooks off),
-and the optimizer's update. Beside them, per class, unmanaged, ``torch.utils.checkpoint`` of
-exactly the modules the main job's setting's plan recomputes (``checkpoint-<class>``, from the
-round after that plan is decided; ``main_round`` does the same): what the manager adds to the
-forward and backward of its recomputation is the difference. Per variant: the median of each
-phase over every step of rounds 2 to N (of a ``checkpoint-`` variant, of every round it ran),
-in milliseconds, the median round, and the median MiB a step moves out. Run from the
-repository root::
+``--``), trained in this one process unmanaged and under each device class's budget, swap-only, with
+recomputation, and with recomputation and clamps saving their output (``+recompute+masks``, the main
+job's setting), the variants taking turns round by round from the same weights. Every round opens a
+fresh manager on the class's plan cache, as a round of the main job does; round 1 decides the plan
+(NOTE [one decision] in ``vtensor/activations/plan/decision.py``) and is left out. Parameters are
+offloaded where the main job's rule would (``offload_setting``). Each step is timed in five phases
+with ``time.perf_counter``: entering ``mm.step`` (the plan key, the model's state, the hooks),
+forward with the loss, backward, leaving ``mm.step`` (the report, the hooks off), and the
+optimizer's update. Beside them, per class, unmanaged, ``torch.utils.checkpoint`` of exactly the
+modules the main job's setting's plan recomputes (``checkpoint-<class>``, from the round after that
+plan is decided; ``main_round`` does the same): what the manager adds to the forward and backward of
+its recomputation is the difference. Per variant: the median of each phase over every step of rounds
+2 to N (of a ``checkpoint-`` variant, of every round it ran), in milliseconds, the median round, and
+the median MiB a step moves out. Run from the repository root::
 
     python -m benchmarks.step_cost --rounds 7 --out step_cost.jsonl
     python -m benchmarks.step_cost --quick    # CI-sized; its rows are not results
@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from benchmarks.common import (
 from benchmarks.main_round import checkpointed_modules, decided_plan
 from edgefl.config import load_run_settings
 from edgefl.settings import RunSettings
-from edgefl.train import _batches, seed_everything
+from edgefl.train import _batches, offload_setting, seed_everything
 
 PHASES = ("enter", "forward", "backward", "exit", "update")
 
@@ -78,8 +79,10 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     times: dict[str, dict[str, list[float]]] = {v[0]: {p: [] for p in PHASES} for v in variants}
     rounds: dict[str, list[float]] = {v[0]: [] for v in variants}
     moved: dict[str, list[int]] = {v[0]: [] for v in variants}
-    checkpointed: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    checkpointed: dict[str, tuple[str, ...]] = {}
     loss_fn = torch.nn.CrossEntropyLoss()
+    # The main job's rule for its clients (plain SGD here: no proximal term).
+    offload = offload_setting(replace(c.vtensor, enabled=True), 0.0)
     for r in range(args.rounds):
         for name, budget, recompute, masks in variants:
             model = copy.deepcopy(start)
@@ -88,8 +91,8 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                     plan = decided_plan(root / follows[name])
                     if plan is None:
                         continue  # the plan it follows is still undecided
-                    checkpointed[name] = (plan.recompute, plan.selective)
-                model = checkpointed_modules(model, *checkpointed[name])
+                    checkpointed[name] = plan.recompute
+                model = checkpointed_modules(model, checkpointed[name], ())
             seed_everything(c.seed, c.train.torch_threads)
             opt = torch.optim.SGD(model.parameters(), lr=c.train.lr, momentum=c.train.momentum)
             mm = None
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
                     plan_cache_dir=root / name,
                     recompute=recompute,
                     encode_masks=masks,
+                    offload_params=offload,
                 )
             rng = np.random.default_rng(c.seed + r)
             begun = time.perf_counter()
@@ -134,7 +138,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
             "round_s_median": statistics.median(rounds[name]),
             "mib_out_per_step": statistics.median(moved[name]) / (1 << 20),
             "steps": len(times[name]["enter"]),
-            "checkpointed": list(checkpointed[name][0]) if name in checkpointed else None,
+            "checkpointed": list(checkpointed[name]) if name in checkpointed else None,
         }
         for name, budget, _, _ in variants
         if rounds[name]

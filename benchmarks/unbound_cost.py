@@ -5,8 +5,8 @@ GPU, and the manager's per-step and per-tensor Python work shows. MobileNetV2 an
 have every module of their full sizes (narrower), the char GPT two of its four layers. Two
 copies of each model from the same weights train side by side in one process: one unmanaged,
 one under a manager whose budget is far above its peak (its plan moves nothing and replays
-lean, without module hooks: NOTE [hookless replay] in ``vtensor/activations/replay/lean.py``; seven
-replays in eight without saved-tensor hooks: NOTE [quiet replay] in ``quiet.py``). After
+lean, without module hooks: NOTE [lean replay] and NOTE [hookless replay] in
+``vtensor/activations/replay/lean.py``). After
 the warm-up rounds (profiling and the first replays), the two take turns, each round in the
 other order, and every round checks that their gradients are bit-identical. Per model: the
 median step (forward and backward, ``time.perf_counter``; on CUDA after waiting for the
