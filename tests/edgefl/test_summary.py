@@ -75,18 +75,18 @@ def _reply(server_round: int, source: vtensor.PlanSource, train_s: float) -> Cli
 
 
 def test_class_table_states_deciding_rounds_apart() -> None:
-    """Rounds that profiled, tried or raced plans are timed apart from those on a decided plan."""
+    """Rounds that profiled or made a plan are timed apart from those on a cached plan."""
     history = RunHistory()
     history.clients += [
         _reply(1, vtensor.PlanSource.PROFILED, 9.0),
-        _reply(2, vtensor.PlanSource.RACED, 5.0),
-        _reply(2, vtensor.PlanSource.SHARED, 4.0),  # followed another client's decision
+        _reply(2, vtensor.PlanSource.PLANNED, 5.0),  # its plan made in this round's process
+        _reply(2, vtensor.PlanSource.PROFILED, 4.0),  # another client of the class, profiling
         _reply(3, vtensor.PlanSource.CACHED, 3.0),
         _reply(4, vtensor.PlanSource.CACHED, 2.0),
     ]
     table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
     # round s: the cached rounds' mean; x unmanaged: 2.5 s per 100 examples against 2 s per 100;
-    # deciding s: the profiled, raced and shared rounds' mean
+    # deciding s: the profiled and planned rounds' mean
     assert _times(table, "micro") == ["2.5", "1.25x", "6.0"]
 
 

@@ -18,7 +18,7 @@ from vtensor.activations.plan.decision import PlanBook
 from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.runtime.budgeting import ManagerBudget
-from vtensor.activations.runtime.floor import floor_breakdown
+from vtensor.activations.runtime.floor import MIN_BUDGET_MARGIN_BYTES, floor_breakdown
 from vtensor.activations.runtime.iteration import Iteration
 from vtensor.activations.runtime.model_state import ScanCache, StateStorages, device_of
 from vtensor.activations.runtime.policy import ReactivePolicy
@@ -33,7 +33,13 @@ from vtensor.measure.counter import cpu_counter, make_device_tracker
 from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, quiet_heap
-from vtensor.offload.joint import JointStep, check_joint, held_outside
+from vtensor.offload.joint import (
+    AUTO_OFFLOAD_SHARE,
+    JointStep,
+    check_joint,
+    held_outside,
+    state_bytes,
+)
 from vtensor.offload.report import ParamOffloadReport
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
@@ -307,18 +313,15 @@ class MemoryManager:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
         scan = self._scans.of(model)
         device = self.device or device_of(scan)
-        owned, side_floor = None, 0
+        owned, probing = None, False
         cpu_chunks = device.type == "cpu" and self.granularity is Granularity.CHUNK
         plannable = "" if cpu_chunks else "parameters are offloaded on the CPU at chunk granularity"
-        try:
-            if params is None:
-                pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
-                owned = self._offloads.for_step(
-                    model, optimizer, self.budget_bytes, pending_bytes=pending, plannable=plannable
-                )
-        except InfeasibleBudgetError as refused:
-            # Run without it, to state the whole iteration's minimum (NOTE [minimum budget]).
-            side_floor = refused.min_budget_bytes
+        if params is None:
+            pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
+            owned, probing = self._offloads.for_step(
+                model, optimizer, self.budget_bytes, pending_bytes=pending, plannable=plannable
+            )
+        user_optimizer = optimizer
         if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
             params, optimizer = owned, None
         if params is not None:
@@ -326,7 +329,7 @@ class MemoryManager:
                 params,
                 model,
                 optimizer,
-                self.budget_bytes,
+                params.budget_bytes if probing else self.budget_bytes,  # NOTE [offload probe]
                 device,
                 f"granularity {self.granularity.value}",
                 chunked=self.granularity is Granularity.CHUNK,
@@ -392,15 +395,23 @@ class MemoryManager:
         books = iteration.books
         need = books.min_budget_bytes + pending
         excused = books.violated and self._plans.excuse(chosen, iteration.was_lean)
-        if books.violated and not excused:
+        if probing or (books.violated and not excused):
             offloaded = params is not None
             breakdown = floor_breakdown(
                 books, need, model, optimizer, inputs, pending, offloaded=offloaded
             )
-            with_offload = max(side_floor, breakdown.offloaded_floor_bytes)
-            if side_floor and with_offload < need:  # offloading lowers it, needing this much
-                need = with_offload
-                breakdown = dataclasses.replace(breakdown, offload_needed=True)
+            if owned is not None and probing:  # NOTE [offload probe]: measured with it
+                # Everything evictable was evicted at every point: its peak is what it needs, and
+                # a budget that lets activations stay until a unit's backward begins must hold
+                # that backward's own allocations then: its weight's gradient and its input's,
+                # each at most the largest parameter (the probe's pool held no more than a unit).
+                peak = books.peak_bytes + pending
+                need = max(need, owned.budget_bytes, peak + MIN_BUDGET_MARGIN_BYTES + peak // 100)
+                need += 2 * max((e.nbytes for e in owned.pool.tensors), default=0)
+                side = state_bytes(model, user_optimizer, pending) if user_optimizer else 0
+                needed = side > AUTO_OFFLOAD_SHARE * need  # offloaded at that budget too
+                breakdown = dataclasses.replace(breakdown, offload_needed=needed)
+                self._offloads.discard(owned)
             raise InfeasibleBudgetError(
                 self.budget_bytes, need, books.min_budget_step, breakdown=breakdown
             )

@@ -6,7 +6,7 @@ from os import PathLike
 import torch
 from torch import nn
 
-from vtensor.errors import VTensorError
+from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.offload.joint import AUTO_OFFLOAD_SHARE, offload_for, state_bytes
 from vtensor.offload.param_offload import ParamOffload
 from vtensor.offload.report import ParamOffloadReport
@@ -55,34 +55,47 @@ class Offloads:
         *,
         pending_bytes: int,
         plannable: str,
-    ) -> ParamOffload | None:
-        """The offloading ``model``'s step runs with, if any.
+    ) -> tuple[ParamOffload | None, bool]:
+        """The offloading ``model``'s step runs with, if any, and whether it only measures.
 
         ``pending_bytes``: state the optimizer's first step creates; ``plannable``: why a joint
         plan cannot run here ("" where it can).
 
-        Raises:
-            InfeasibleBudgetError: the budget is below what offloading needs.
+        NOTE [offload probe]
+        Below what offloading needs at least (its largest layer with gradient and state), the
+        offloading is made at that least instead, and the step runs with it only to measure:
+        the minimum it states is then the whole iteration's with the parameters offloaded,
+        measured, not estimated. The probe is let go with the error (``discard``).
         """
         if optimizer is None or self.setting is False or not budget_bytes:
-            return None
+            return None, False
         key = (id(model), id(optimizer))
         if key in self._made:
-            return self._made[key]
+            return self._made[key], False
         if plannable:
             if self.setting is True:
                 raise VTensorError(f"offload_params=True: {plannable}")
-            return None
+            return None, False
         side = state_bytes(model, optimizer, pending_bytes)
         if self.setting == "auto" and side <= AUTO_OFFLOAD_SHARE * budget_bytes:
-            return None
-        offload = offload_for(model, optimizer, budget_bytes, **self._settings)
+            return None, False
+        probing = False
+        try:
+            offload = offload_for(model, optimizer, budget_bytes, **self._settings)
+        except InfeasibleBudgetError as below:  # NOTE [offload probe]
+            offload = offload_for(model, optimizer, below.min_budget_bytes, **self._settings)
+            probing = True
         logger.info(
             "parameters, gradients and optimizer state (%s) offloaded under the budget",
             format_bytes(side),
         )
         self._made[key] = offload
-        return offload
+        return offload, probing
+
+    def discard(self, offload: ParamOffload) -> None:
+        """Close ``offload`` and forget it: its parameters are the model's own again."""
+        self._made = {k: v for k, v in self._made.items() if v is not offload}
+        offload.close()
 
     def reports(self) -> tuple[ParamOffloadReport, ...]:
         """What each offloading held and moved since it was made."""

@@ -79,7 +79,9 @@ class JointStep:
         """Connect the pool to ``room`` for the block; disconnect afterwards, even on error."""
         pool = self.params.pool
         pool.connect(self.side, room.make_room)
-        self.params.begin_joint(plan_driven=self.replays)
+        # No lookahead in a shared budget: it would read ahead as far as the whole budget allows,
+        # blind to the activations beside it. A replayed plan reads ahead where it planned to.
+        self.params.begin_joint(plan_driven=True)
         try:
             yield
         finally:

@@ -92,6 +92,26 @@ class ParamRecorder:
         """Bytes of movable parameter-side tensors in memory (the trace plans them)."""
         return self.pool.meter.resident_bytes - self.pool.fixed_bytes
 
+    def shed(self, nbytes: int) -> None:
+        """Nothing is held while profiling: wait for the writes in flight."""
+        self.pool.reap(block=True)
+
+    def settle(self) -> None:
+        """Wait for the pool's writes in flight, which hold their bytes until done."""
+        self.pool.reap(block=True)
+
+    def largest_bytes(self) -> int:
+        """Bytes of its largest movable tensor: it moves whole."""
+        return max((e.nbytes for e in self.pool.tensors if not self.pool.is_fixed(e)), default=0)
+
+    def pinned_bytes(self) -> int:
+        """Bytes of movable parameter-side tensors that a use holds in memory now."""
+        return sum(
+            e.nbytes
+            for e in self.pool.tensors
+            if e.in_memory and e.pins and not self.pool.is_fixed(e)
+        )
+
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """The recorded tensors as trace tensors, by name, numbered from ``first_vid``."""
         tensors: list[TraceTensor] = []

@@ -22,6 +22,7 @@ class ParamPlanExecutor:
         self.missed = 0
         n = len(plan.step_names)
         self._vids = {name: vid for vid, name in enumerate(plan.tensor_names) if name}
+        self._shed: set[str] = set()  # let go where the budget needed them gone
         self._windows: dict[str, list[tuple[int, int]]] = {}
         self._evict: dict[int, list[str]] = {}
         self._fetch: dict[int, list[str]] = {}
@@ -55,7 +56,7 @@ class ParamPlanExecutor:
 
     def holds(self, entry: OffloadedTensor) -> bool:
         """Keep ``entry`` in memory while the plan has it resident."""
-        if not self._active() or entry.name not in self._vids:
+        if not self._active() or entry.name not in self._vids or entry.name in self._shed:
             return False
         return not self._away(entry.name, self.step)
 
@@ -92,6 +93,34 @@ class ParamPlanExecutor:
     def resident_bytes(self) -> int:
         """Bytes of movable parameter-side tensors in memory."""
         return self.pool.meter.resident_bytes - self.pool.fixed_bytes
+
+    def shed(self, nbytes: int) -> None:
+        """Let go of held, unused tensors until ``nbytes`` left: the plan kept too much."""
+        freed = 0
+        for entry in self.pool.tensors:
+            if freed >= nbytes:
+                break
+            if entry.in_memory and not entry.pins and self.holds(entry):
+                self._shed.add(entry.name)
+                self.pool.let_go(entry)
+                freed += entry.nbytes
+        self.pool.reap(block=True)
+
+    def settle(self) -> None:
+        """Wait for the pool's writes in flight, which hold their bytes until done."""
+        self.pool.reap(block=True)
+
+    def largest_bytes(self) -> int:
+        """Bytes of its largest movable tensor: it moves whole."""
+        return max((e.nbytes for e in self.pool.tensors if not self.pool.is_fixed(e)), default=0)
+
+    def pinned_bytes(self) -> int:
+        """Bytes of movable parameter-side tensors that a use holds in memory now."""
+        return sum(
+            e.nbytes
+            for e in self.pool.tensors
+            if e.in_memory and e.pins and not self.pool.is_fixed(e)
+        )
 
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """Nothing: a replayed iteration is not traced."""

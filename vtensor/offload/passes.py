@@ -201,6 +201,10 @@ class OffloadPasses:
         self._keep_gradient(record, grad)
         for entry in pins:  # after the update: the parameter must not leave before it
             self.pool.release(entry)
+        if self._joint_step:
+            # Sharing a budget, the bytes its write-backs hold are no activation the guard could
+            # evict: they leave before backward allocates more.
+            self.pool.reap(block=True)
 
     def _keep_gradient(self, record: ParamRecord, grad: torch.Tensor) -> None:
         # Pinned from here on: making room for what follows must not take the gradient away.

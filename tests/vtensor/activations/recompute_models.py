@@ -1,13 +1,19 @@
 """Models and helpers of the recomputation and hybrid-plan tests (a block, its unsafe kinds)."""
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import vtensor
+from vtensor.activations.plan.decision import PlanBook, Profile, Stage
+from vtensor.activations.plan.iteration_plan import NO_RECOMPUTATION, Recomputation
+from vtensor.planner.plan import Plan
+from vtensor.planner.recompute import recompute_candidates
 from vtensor.planner.trace import Trace
 
 MIB = 1 << 20
@@ -66,37 +72,6 @@ class InputBranch(Block):
         y = super().forward(x)
         return y * 2 if bool(x.sum() > 0) else y  # control flow the inputs decide: safe
 
-
-class ProductInPlace(Block):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        h.add_(1.0)  # modifies a product output in place: SAC's cached copy would be wrong
-        return x + self.drop(torch.tanh(self.norm(h)))
-
-
-class ProductOut(Block):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.tanh(self.norm(x)))  # a product output leaves it
-
-
-class Inverted(Block):
-    """An inverted residual, as MobileNetV2's: an expansion, an in-place ReLU6, a projection."""
-
-    def __init__(self, width: int, dropout: float = 0.0) -> None:
-        super().__init__(width, dropout)
-        self.expand = nn.Sequential(
-            nn.Linear(width, 2 * width), nn.BatchNorm1d(2 * width), nn.ReLU6(inplace=True)
-        )
-        self.project = nn.Sequential(nn.Linear(2 * width, width), nn.BatchNorm1d(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.project(self.expand(x))
-
-
-NOT_SELECTIVE = {
-    ProductInPlace: "modifies a product output in place",
-    ProductOut: "a product output leaves it",
-}
 
 UNSAFE = {
     InPlaceInput: "modifies an input in place",
@@ -169,9 +144,16 @@ def peak_bytes(kind: type[Block], tmp_path: Path) -> int:
         return max(r.peak_device_bytes for r in probe.reports)
 
 
+# At half their peak these models' parameters, gradients and momentum take more than half the
+# budget, where a manager would offload them (NOTE [offload auto] in ``offload/joint.py``) and
+# plan them jointly, which recomputes nothing: the recomputation tests keep them in memory.
+KEEP_PARAMS = False
+
+
 def hybrid_run(kind: type[Block], fraction: float, tmp_path: Path, **kw: object) -> tuple:
     budget = int(peak_bytes(kind, tmp_path) * fraction)
     model = model_with(kind)
+    kw.setdefault("offload_params", KEEP_PARAMS)
     with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True, **kw) as mm:
         grads = train(model, mm)
         return model, grads, mm.reports, [u for u in (mm.trace.units if mm.trace else ())]
@@ -187,15 +169,35 @@ def assert_same(kind: type[Block], model: nn.Module, grads: list[list[torch.Tens
 
 
 Names = tuple[str, ...]
-Choice = Callable[[Trace, int], tuple[Names, Names]]
+Choice = Callable[[Trace, int], Names]
 
 
-def all_selective(trace: Trace, _budget_bytes: int) -> tuple[Names, Names]:
-    """A choice that recomputes every unit it may selectively (the top-level blocks)."""
-    names = tuple(sorted(u.name for u in trace.units if u.selective_safe and "." not in u.name))
-    return names, names
+def first_candidate(trace: Trace, budget_bytes: int) -> Names:
+    """The planner's first candidate recomputation at ``budget_bytes`` (none: nothing)."""
+    candidates = recompute_candidates(trace, budget_bytes)
+    return candidates[0] if candidates else ()
 
 
-def only(choice: Choice) -> Callable[[Trace, int], tuple[tuple[Names, Names], ...]]:
-    """Candidates for the race: ``choice`` alone."""
-    return lambda trace, budget_bytes: (choice(trace, budget_bytes),)
+def recomputing(
+    monkeypatch: pytest.MonkeyPatch, choice: Choice = first_candidate, keep: bool = False
+) -> None:
+    """Make every decision's solver pick ``choice`` (NOTE [one decision] in plan/decision.py).
+
+    The profile's choice is what its reprofile recomputes; with ``keep``, the validating
+    replay keeps the plan it replayed (else the corrected model may plan swapping alone).
+    """
+
+    def solve(book: PlanBook, profile: Profile, _plan: Plan | None) -> Recomputation:
+        trace = profile[0]
+        if not trace.units:
+            return NO_RECOMPUTATION
+        names = choice(trace, book.budget_bytes)
+        return Recomputation.of(trace, names) if names else NO_RECOMPUTATION
+
+    monkeypatch.setattr(PlanBook, "_solve", solve)
+    if keep:
+        monkeypatch.setattr(
+            PlanBook,
+            "_validated",
+            lambda _book, decision, *_: dataclasses.replace(decision, stage=Stage.DECIDED),
+        )

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from recompute_models import Block, assert_same, hybrid_run, only
+from recompute_models import Block, assert_same, hybrid_run, recomputing
 
-import vtensor.activations.planning
 from vtensor.planner.trace import Trace, TraceUnit
 
 
@@ -104,11 +103,11 @@ def test_a_recomputed_unit_runs_from_its_call_as_it_was(
 ) -> None:
     profiled: list[TraceUnit] = []
 
-    def the_inner_unit(trace: Trace, _budget_bytes: int) -> tuple[tuple[str, ...], tuple[()]]:
+    def the_inner_unit(trace: Trace, _budget_bytes: int) -> tuple[str, ...]:
         profiled.extend(trace.units)
-        return ("3.inner",), ()
+        return ("3.inner",)
 
-    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(the_inner_unit))
+    recomputing(monkeypatch, the_inner_unit, keep=True)
     model, grads, reports, _ = hybrid_run(kind, 0.5, tmp_path)
     inner = next(u for u in profiled if u.name == "3.inner")
     assert inner.safe, inner.why_unsafe

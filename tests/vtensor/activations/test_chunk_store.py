@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import vtensor
-from vtensor.activations.hooks import SavedHandle
-from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.store import ChunkStore
+from vtensor.activations.runtime.hooks import SavedHandle
+from vtensor.activations.runtime.policy import ReactivePolicy
+from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.io.chunk import LEGAL_MOVES, Chunk, ChunkState, split_into_chunks
 from vtensor.io.pages import PAGE_BYTES
 from vtensor.io.tiers import ExtentAllocator, StorageTier

@@ -18,8 +18,8 @@ from recompute_models import (
 )
 
 import vtensor
-from vtensor.activations.iteration_plan import IterationPlan, Recomputation
-from vtensor.activations.planning import Decision, PlanBook, Profile, Stage
+from vtensor.activations.plan.decision import Decision, PlanBook, Profile, Stage
+from vtensor.activations.plan.iteration_plan import IterationPlan, Recomputation
 from vtensor.activations.report import PlanSource
 from vtensor.planner.costs import Costs
 from vtensor.planner.plan import Plan

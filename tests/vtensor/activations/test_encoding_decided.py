@@ -1,31 +1,37 @@
-"""``encode_masks="auto"``: the plan decides whether clamps save bits (NOTE [encoding decided])."""
+"""``encode_masks="auto"``: the plan decides whether clamps save bits (NOTE [one decision] in
+``vtensor/activations/plan/decision.py``): where it moves bytes, the next iteration is profiled
+with them encoded."""
 
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 import torch
-from clamp_models import bits_of, clamp_model, clamp_steps, train_clamps
+from clamp_models import bits_of, clamp_model, train_clamps
 from recompute_models import Block, model_with
 
 import vtensor
-import vtensor.activations.planning
-from vtensor.activations.race import PlanRace
-from vtensor.planner.plan import Plan
+from vtensor.activations.plan.decision import PlanBook
+from vtensor.activations.plan.iteration_plan import IterationPlan
 
 
-class _Seen(PlanRace):
-    races: ClassVar[list[PlanRace]] = []
+def _chosen(monkeypatch: pytest.MonkeyPatch) -> list[IterationPlan]:
+    """What each iteration runs with, in order (its encoding among it)."""
+    chosen: list[IterationPlan] = []
+    for_iteration = PlanBook.for_iteration
 
-    def __init__(self, plans: list[Plan], **race: Any) -> None:
-        super().__init__(plans, **race)
-        _Seen.races.append(self)
+    def seen(book: PlanBook, *args: object, **kwargs: object) -> IterationPlan:
+        plan = for_iteration(book, *args, **kwargs)  # type: ignore[arg-type]
+        chosen.append(plan)
+        return plan
+
+    monkeypatch.setattr(PlanBook, "for_iteration", seen)
+    return chosen
 
 
 def _binding_budget(tmp_path: Path) -> int:
     """Under the bytes it saves even encoded; not so far under that swapping alone has no plan.
 
-    At 0.75 of them the plan without encoding was infeasible in some processes: nothing raced.
+    At 0.75 of them the plan without encoding was infeasible in some processes.
     """
     with vtensor.MemoryManager(1 << 30, storage_dir=tmp_path, encode_masks=True) as mm:
         train_clamps(clamp_model(), mm, 3)
@@ -34,7 +40,10 @@ def _binding_budget(tmp_path: Path) -> int:
         return mm.trace.baseline_bytes + int(saved * 0.9)
 
 
-def test_where_the_budget_never_binds_nothing_is_encoded(tmp_path: Path) -> None:
+def test_where_the_budget_never_binds_nothing_is_encoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen = _chosen(monkeypatch)
     model = clamp_model()
     with vtensor.MemoryManager(1 << 30, storage_dir=tmp_path, encode_masks="auto") as mm:
         train_clamps(model, mm, 3)
@@ -42,38 +51,34 @@ def test_where_the_budget_never_binds_nothing_is_encoded(tmp_path: Path) -> None
         assert mm.trace is not None and not mm.trace.encoded
         moved = sum(r.bytes_out for r in mm.reports)
     assert sources == ["profiled", "planned", "planned"] and moved == 0  # profiled once
+    assert not any(c.encode for c in chosen)  # its plan moves nothing: no iteration encodes
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["swap", "hybrid"])
-def test_where_it_binds_both_plans_race_and_training_stays_bit_identical(
+def test_where_it_binds_the_next_iteration_is_profiled_encoded_and_its_plan_validated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recompute: bool
 ) -> None:
-    monkeypatch.setattr(vtensor.activations.planning, "PlanRace", _Seen)
-    monkeypatch.setattr(_Seen, "races", [])
+    # NOTE [one decision]: the profile runs unencoded; its plan moves bytes and the model has
+    # clamps, so the next iteration is profiled encoded (the reprofile, which also recomputes
+    # what the solver chose), and the encoded plan is the one the full replay validates.
     budget = _binding_budget(tmp_path)
+    chosen = _chosen(monkeypatch)
     model = clamp_model()
+    steps = 6
     with vtensor.MemoryManager(
         budget, storage_dir=tmp_path, recompute=recompute, encode_masks="auto"
     ) as mm:
-        # How many steps the decision takes depends on how many trials fit near this budget
-        # and how close the race is (NOTE [close race]): at least 16, until one is planned.
-        steps = 0
-        for _ in clamp_steps(model, mm):
-            steps += 1
-            if (steps >= 16 and mm.reports[-1].plan_source == "planned") or steps == 64:
-                break
+        train_clamps(model, mm, steps)
         sources = [r.plan_source for r in mm.reports]
+        assert mm.trace is not None and mm.trace.encoded  # the reprofile's
     unmanaged = clamp_model()
     train_clamps(unmanaged, None, steps)
-    # Profiled without encoding (its plan moves bytes), then with it; a trial per candidate.
-    assert sources[:2] == ["profiled", "profiled"] and sources[-1] == "planned", sources
-    (race,) = _Seen.races
-    encoded = [p.encoded for p in race.plans]
-    # Whether trials of recomputation fit near this budget depends on the process; those that
-    # ran encoded as their profile did (each in ``encoded[1:]``; ``Trials.next_trial`` tested
-    # apart).
-    assert encoded[0] is False and all(encoded[1:]) and len(encoded) >= 2, encoded
-    assert recompute or not any(p.recompute for p in race.plans)
+    assert sources[:3] == ["profiled", "profiled", "planned"], sources
+    assert [c.encode for c in chosen[:3]] == [False, True, True]
+    validating = chosen[2].executor
+    assert validating is not None and validating.plan.encoded
+    # Decided by the third iteration: the plan replays from then on.
+    assert all(s == "planned" for s in sources[3:]), sources
     for a, b in zip(model.parameters(), unmanaged.parameters(), strict=True):
         assert torch.equal(bits_of(a), bits_of(b))
 

@@ -3,35 +3,34 @@
 from pathlib import Path
 
 import torch
-from test_cached_products import Inverted, Plain, _model, _units
+from recompute_models import Block, batch, model_with
+from torch import nn
 
-from vtensor.activations.rerun_cost import mechanism_costs
-from vtensor.planner.recomputed import through_one_node, whole_s
+import vtensor
+from vtensor.activations.recompute.profile.cost import mechanism_costs
+from vtensor.planner.recomputed import whole_s
 
 
-def test_each_mechanism_costs_something_measured_once_per_process() -> None:
+def test_the_mechanism_costs_something_measured_once_per_process() -> None:
     costs = mechanism_costs("cpu")
-    # A node and a nested engine run, or checkpointing's frame and hooks: well above a timer's
-    # resolution, whatever the machine.
-    assert costs.one_node_s > 0 and costs.checkpoint_s > 0
-    assert costs.cached_call_s >= 0
+    # Checkpointing's frame and hooks: well above a timer's resolution, whatever the machine.
+    assert costs.checkpoint_s > 0
     assert mechanism_costs("cpu") is costs
 
 
-def test_the_profile_prices_each_unit_with_its_mechanism(tmp_path: Path) -> None:
+def test_the_profile_prices_each_unit_with_the_mechanism(tmp_path: Path) -> None:
     costs = mechanism_costs("cpu")
-    units = _units(_model(Inverted, Plain), tmp_path)
-    assert units
-    for unit in units.values():
-        way_s = costs.one_node_s if through_one_node(unit) else costs.checkpoint_s
-        assert unit.overhead_s == way_s, unit.name
-        assert whole_s(unit) == unit.forward_s + way_s
-    cached, plain = units["1.body"], units["2"]  # the block's body: NOTE [one unit per tensors]
-    assert cached.cached_products and not plain.cached_products
-    # Behind one node with three convolutions answered from what the first run kept; the unit
-    # calling F.conv2d and a matrix product goes through torch's selective checkpointing.
-    assert cached.selective_s >= costs.one_node_s + 3 * costs.cached_call_s
-    assert plain.selective_safe and plain.selective_s >= costs.checkpoint_s
+    model = model_with(Block)
+    x, y = batch(0)
+    with vtensor.MemoryManager("1GiB", storage_dir=tmp_path, recompute=True) as mm:
+        with mm.step(model, None, inputs=(x, y)):
+            nn.functional.cross_entropy(model(x), y).backward()
+        assert mm.trace is not None
+        units = mm.trace.units
+    assert {u.name for u in units} >= {str(i) for i in range(1, 7)}  # the blocks
+    for unit in units:
+        assert unit.overhead_s == costs.checkpoint_s, unit.name
+        assert whole_s(unit) == unit.forward_s + costs.checkpoint_s
 
 
 def test_the_measurement_leaves_the_rng_and_grad_mode_as_they_were() -> None:

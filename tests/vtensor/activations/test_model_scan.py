@@ -9,8 +9,8 @@ from test_lean_replay import CHUNK, _peak, _step
 from torch import nn
 
 import vtensor
-from vtensor.activations.admission import Admission
-from vtensor.activations.model_state import (
+from vtensor.activations.runtime.admission import Admission
+from vtensor.activations.runtime.model_state import (
     ModelScan,
     ScanCache,
     StateStorages,

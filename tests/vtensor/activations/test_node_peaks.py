@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.activations.hooks import _NodeSampler
+from vtensor.activations.runtime.hooks import _NodeSampler
 from vtensor.measure.dispatch import LiveStorageTracker
 
 MIB = 2**20

@@ -159,7 +159,7 @@ def test_replay_with_slow_writes_keeps_budget_and_resident_prefix(tmp_path, monk
 
     Also checks the O(1) ``evictable_bytes`` against its definition (the DEVICE chunks).
     """
-    from vtensor.activations import store as store_module
+    from vtensor.activations.store import chunk_store as store_module
     from vtensor.io import tiers
 
     write = tiers.StorageTier.writev
@@ -196,7 +196,7 @@ def test_replay_counting_workspaces_waits_for_early_evictions_at_their_step(
     """With count_workspaces the plan gives a step's evicted bytes to its workspace, which no
     sample sees: an eviction started a step early must be complete when its step begins
     (NOTE [eviction timing]); without it, slow writes are still running then."""
-    from vtensor.activations.executor import PlanExecutor
+    from vtensor.activations.replay.executor import PlanExecutor
     from vtensor.io import tiers
 
     write = tiers.StorageTier.writev
@@ -237,9 +237,9 @@ def test_a_full_replay_makes_room_for_each_restore_of_its_plan_before_it_starts(
 ):
     # NOTE [room for restores]: the plan's restores start as a step begins, before any
     # reading; a full replay has the guard make room for each first. A lean replay does not.
-    from vtensor.activations.executor import PlanExecutor
-    from vtensor.activations.iteration import Iteration
-    from vtensor.activations.store import ChunkStore
+    from vtensor.activations.replay.executor import PlanExecutor
+    from vtensor.activations.runtime.iteration import Iteration
+    from vtensor.activations.store.chunk_store import ChunkStore
 
     events: list[tuple[str, int]] = []  # ("room", bytes) and ("restore", bytes), in order
     in_plan = [False]

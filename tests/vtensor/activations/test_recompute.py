@@ -1,5 +1,5 @@
-"""Recomputation (NOTE [recompute], NOTE [safe to recompute]), whole and selective (NOTE
-[selective recompute]). The plans that recompute: test_hybrid_plan.py."""
+"""Recomputation (NOTE [recompute], NOTE [safe to recompute]). The decision that recomputes:
+test_decision.py."""
 
 import re
 import time
@@ -9,35 +9,36 @@ from typing import Any
 import pytest
 import torch
 from recompute_models import (
+    KEEP_PARAMS,
     MIB,
-    NOT_SELECTIVE,
     STEPS,
     UNSAFE,
     Block,
     InputBranch,
-    Inverted,
-    ProductInPlace,
     PythonRandom,
-    all_selective,
     assert_same,
     batch,
+    first_candidate,
     hybrid_run,
     model_with,
-    only,
     peak_bytes,
+    recomputing,
 )
 from torch import nn
 
 import vtensor
-import vtensor.activations.planning
-from vtensor.activations.recompute import recompute_modules
-from vtensor.activations.unit_checks import same_bits
-from vtensor.planner.trace import TraceUnit
+from vtensor.activations.recompute.checkpointed import recompute_modules
+from vtensor.activations.recompute.profile.checks import same_bits
+from vtensor.planner.recompute import recompute_candidates
+from vtensor.planner.trace import Trace, TraceUnit
 
 
-def test_recomputed_training_is_bit_identical_with_dropout_and_batchnorm(tmp_path: Path) -> None:
+def test_recomputed_training_is_bit_identical_with_dropout_and_batchnorm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recomputing(monkeypatch, first_candidate, keep=True)  # the planner's first candidate
     model, grads, reports, _ = hybrid_run(InputBranch, 0.5, tmp_path)
-    assert reports[1].recomputed, "the trial iteration recomputed nothing"
+    assert reports[1].recomputed, "the reprofile recomputed nothing"
     assert_same(InputBranch, model, grads)
     assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports[1:])
 
@@ -45,7 +46,9 @@ def test_recomputed_training_is_bit_identical_with_dropout_and_batchnorm(tmp_pat
 def _profiled_units(kind: type[Block], tmp_path: Path) -> tuple[list[TraceUnit], tuple]:
     budget = int(peak_bytes(kind, tmp_path) * 0.5)
     model = model_with(kind)
-    with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
+    with vtensor.MemoryManager(
+        budget, storage_dir=tmp_path, recompute=True, offload_params=KEEP_PARAMS
+    ) as mm:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         units: list[TraceUnit] = []
         recomputed: list[str] = []
@@ -61,10 +64,20 @@ def _profiled_units(kind: type[Block], tmp_path: Path) -> tuple[list[TraceUnit],
     return units, tuple(recomputed)
 
 
+def _never_block_3(trace: Trace, budget_bytes: int) -> tuple[str, ...]:
+    """The first candidate, once no candidate the planner offers names block 3."""
+    candidates = recompute_candidates(trace, budget_bytes)
+    assert candidates and not any("3" in names for names in candidates), candidates
+    return candidates[0]
+
+
 @pytest.mark.parametrize("kind", list(UNSAFE), ids=lambda k: k.__name__)
 def test_a_unit_that_might_not_reproduce_its_forward_is_never_recomputed(
-    kind: type[Block], tmp_path: Path
+    kind: type[Block], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The solver is made to recompute (NOTE [one decision]): whatever the measured times, the
+    # candidates it chooses among never hold the unsafe block.
+    recomputing(monkeypatch, _never_block_3, keep=True)
     units, recomputed = _profiled_units(kind, tmp_path)
     by_name = {u.name: u for u in units}
     assert "3" in by_name, f"block 3 (the {kind.__name__}) was not profiled: {sorted(by_name)}"
@@ -78,75 +91,11 @@ def test_a_unit_that_might_not_reproduce_its_forward_is_never_recomputed(
         assert_same(kind, model, grads)
 
 
-def test_selectively_recomputed_training_is_bit_identical_with_dropout_and_batchnorm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(all_selective))
-    model, grads, reports, _ = hybrid_run(InputBranch, 0.5, tmp_path)
-    assert reports[1].selective and reports[1].selective == reports[1].recomputed
-    assert_same(InputBranch, model, grads)
-    assert all(r.peak_device_bytes <= r.budget_bytes + MIB for r in reports[1:])
-
-
-def test_profiling_finds_what_a_selective_recompute_frees_and_keeps(tmp_path: Path) -> None:
-    units, _ = _profiled_units(Block, tmp_path)
-    block = {u.name: u for u in units}["2"]
-    # fc's output (saved by BatchNorm) is a product output: SAC keeps it. tanh's output and
-    # dropout's mask are recomputed.
-    assert block.selective_safe and not block.why_not_selective
-    assert len(block.product_vids) == 1 and len(block.selective_vids) == 2
-    assert set(block.product_vids) | set(block.selective_vids) == set(block.inner_vids)
-    assert block.selective_s > 0 and block.product_bytes == 0
-
-
-def test_a_unit_whose_saved_tensors_die_in_turn_may_be_recomputed_selectively(
-    tmp_path: Path,
-) -> None:
-    # The profile's second forward keeps none of what it saves, so a storage freed there can
-    # come back at the same address as the next one saved: it must still count as another.
-    units, _ = _profiled_units(Inverted, tmp_path)
-    block = {u.name: u for u in units}["3"]
-    assert block.selective_safe, block.why_not_selective
-    assert len(block.product_vids) == 2  # the two linear layers' outputs
-
-
-@pytest.mark.parametrize("kind", list(NOT_SELECTIVE), ids=lambda k: k.__name__)
-def test_a_unit_whose_product_outputs_may_change_is_never_recomputed_selectively(
-    kind: type[Block], tmp_path: Path
-) -> None:
-    units, _ = _profiled_units(kind, tmp_path)
-    block = {u.name: u for u in units}["3"]
-    assert block.safe, block.why_unsafe  # it may still be recomputed whole
-    assert not block.selective_safe and NOT_SELECTIVE[kind] in block.why_not_selective
-
-
-def test_sac_refuses_a_product_output_modified_in_place(tmp_path: Path) -> None:
-    """What the check above prevents: torch raises in backward (or a plan would be wrong)."""
-
-    class Target:
-        recomputing = 0
-        boundaries = None
-
-        def recompute_began(self, regrowth_bytes: int) -> None:
-            pass
-
-        def recompute_ended(self) -> None:
-            pass
-
-    model = model_with(ProductInPlace)
-    x, y = batch(0)
-    with (
-        recompute_modules(model, ["3"], Target(), selective=["3"]),
-        pytest.raises(RuntimeError, match="mutated"),
-    ):
-        nn.functional.cross_entropy(model(x), y).backward()
-
-
 @pytest.mark.parametrize("name", ["9", "3.weight", "3.nothing"])
 def test_a_plan_naming_no_module_of_the_model_is_refused_untouched(name: str) -> None:
     # A plan of another model (a cache shared by mistake) names a module this one lacks, or a
     # path that ends at a parameter: the step refuses it and no module keeps a wrapper.
-    model = model_with(ProductInPlace)
+    model = model_with(Block)
     refused = rf"\['{re.escape(name)}'\].*clear the plan cache"
     with (
         pytest.raises(vtensor.VTensorError, match=refused),
@@ -216,11 +165,11 @@ def test_a_units_forward_time_leaves_out_the_checks_of_the_units_inside_it(
     tmp_path: Path,
 ) -> None:
     # NOTE [safe to recompute]: profiling runs each safe unit's forward twice more (the check,
-    # the selective profile) as it ends. Those runs are left out of the step's time, and must
-    # be left out of the forward time of every unit around it too: recomputing the outer unit
-    # runs its forward once, not its inner units' checks. Counted in, the outer unit's time
-    # was three times its forward, and the planner ranked it (and every unit with units
-    # inside it) as dearer to recompute than it is.
+    # then its second timing: NOTE [unit time]) as it ends. Those runs are left out of the
+    # step's time, and must be left out of the forward time of every unit around it too:
+    # recomputing the outer unit runs its forward once, not its inner units' checks. Counted
+    # in, the outer unit's time was three times its forward, and the planner ranked it (and
+    # every unit with units inside it) as dearer to recompute than it is.
     model = nn.Sequential(nn.Linear(32, 64), nn.Sequential(_Inner(), _Inner()), nn.Linear(64, 10))
     x, y = torch.randn(256, 32), torch.randint(0, 10, (256,))
     with vtensor.MemoryManager(1 << 30, storage_dir=tmp_path, recompute=True) as mm:
@@ -234,9 +183,6 @@ def test_a_units_forward_time_leaves_out_the_checks_of_the_units_inside_it(
     # Its own forward is its two inner units' and a little Python; their checks would add
     # four more runs of SLOW_S each (2x ``inner``).
     assert units["1"].forward_s < inner + 2 * SLOW_S, (units["1"].forward_s, inner)
-    # NOTE [dispatch cost]: a selective recomputation runs the unit's Python again (the sleep,
-    # outside any op), which the time of its non-product ops alone (tanh, the copy) left out.
-    assert units["1.0"].selective_safe and units["1.0"].selective_s >= SLOW_S
 
 
 class _Counted(nn.Module):
@@ -257,7 +203,7 @@ def test_a_unit_whose_forward_holds_more_than_the_budget_leaves_is_not_checked(
 ) -> None:
     # Recomputing a unit holds what its forward held (NOTE [recomputation's working set]) on
     # top of the bytes the iteration began with: where that is over the budget, it is never an
-    # option, and running its forward again three times, after making room for all it held,
+    # option, and running its forward again twice, after making room for all it held,
     # is work for nothing (NOTE [safe to recompute]).
     width = 512
     x, y = torch.randn(512, width), torch.randint(0, 10, (512,))
@@ -274,7 +220,7 @@ def test_a_unit_whose_forward_holds_more_than_the_budget_leaves_is_not_checked(
         whole = {u.name: u for u in free.trace.units}["0"]
         baseline = free.trace.baseline_bytes
     calls = model[0].calls
-    assert whole.safe and len(calls) == 4  # its forward, the check's two, the profile's
+    assert whole.safe and len(calls) == 3  # its forward, the check's two
     budget = baseline + whole.working_bytes * 3 // 4
     calls.clear()
     with vtensor.MemoryManager(budget, storage_dir=tmp_path, recompute=True) as mm:
@@ -330,4 +276,4 @@ def test_a_wrapper_that_saves_what_its_body_does_is_no_unit_of_its_own(tmp_path:
     assert "0" not in units and units["0.body"].safe, sorted(units)
     assert len(model[0].calls) == 1  # not run again by checks
     assert units["1"].safe and units["1.body"].safe  # its sigmoid saves its output
-    assert len(model[1].calls) == 4  # its forward, the check's two, the selective profile's
+    assert len(model[1].calls) == 3  # its forward, the check's two

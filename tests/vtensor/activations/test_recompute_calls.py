@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from recompute_models import only, train
+from recompute_models import recomputing, train
 from torch import nn
 
 import vtensor
-import vtensor.activations.planning
 from vtensor.planner.trace import Trace
 
 WIDTH = 128
@@ -113,11 +112,11 @@ def test_units_called_every_way_recompute_bit_identically(
 ) -> None:
     profiled: dict[str, str] = {}
 
-    def every_top_unit(trace: Trace, _budget_bytes: int) -> tuple[tuple[str, ...], tuple[()]]:
+    def every_top_unit(trace: Trace, _budget_bytes: int) -> tuple[str, ...]:
         profiled.update({u.name: u.why_unsafe for u in trace.units})
-        return tuple(sorted(n for n in UNITS if n in profiled and not profiled[n])), ()
+        return tuple(sorted(n for n in UNITS if n in profiled and not profiled[n]))
 
-    monkeypatch.setattr(vtensor.activations.planning, "recompute_candidates", only(every_top_unit))
+    recomputing(monkeypatch, every_top_unit, keep=True)
     torch.manual_seed(0)
     reference = Calls()
     model = copy.deepcopy(reference)

@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 import vtensor
-import vtensor.activations.model_state
+import vtensor.activations.runtime.model_state
 
 
 def _model() -> nn.Module:
@@ -21,13 +21,15 @@ def _step(mm: vtensor.MemoryManager, model: nn.Module, x: torch.Tensor) -> None:
 
 def test_a_manager_fingerprints_an_unchanged_model_once(tmp_path: Path, monkeypatch):
     prints: list[int] = []
-    fingerprint = vtensor.activations.model_state.architecture_fingerprint
+    fingerprint = vtensor.activations.runtime.model_state.architecture_fingerprint
 
     def counted(model: nn.Module) -> str:
         prints.append(1)
         return fingerprint(model)
 
-    monkeypatch.setattr(vtensor.activations.model_state, "architecture_fingerprint", counted)
+    monkeypatch.setattr(
+        vtensor.activations.runtime.model_state, "architecture_fingerprint", counted
+    )
     torch.manual_seed(0)
     model, x = _model(), torch.randn(512, 64)
     with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as mm:
@@ -54,19 +56,27 @@ def test_a_step_leaves_no_hook_on_the_modules_and_still_marks_their_boundaries(t
         len(torch_module._global_forward_pre_hooks),
         len(torch_module._global_forward_hooks),
     )
-    seen: list[int] = []
+    seen: list[int] = []  # hooks on the model's modules, in each step
+    installed: list[bool] = []  # global module hooks in force, in each step
     with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as mm:
         for _ in range(3):
             with mm.step(model, inputs=(x,)):
                 seen.append(
                     sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
                 )
+                in_force = (
+                    len(torch_module._global_forward_pre_hooks),
+                    len(torch_module._global_forward_hooks),
+                )
+                installed.append(in_force != global_hooks)
                 model(x).sum().backward()
         assert mm.trace is not None
         names = {s.name for s in mm.trace.steps}
-    # The profiled iteration and the full replay install none; the quiet replay after them
-    # (NOTE [quiet replay]) one on the module of its predicted peak, taken off with the step.
-    assert seen[:2] == [0, 0] and seen[2] == 1
+        lean = [r.lean for r in mm.reports]
+    # No step hooks a module of the model. The profiled iteration and the full replay mark the
+    # boundaries with global module hooks; the lean replay after them, of a plan that moves
+    # nothing, installs none (NOTE [hookless replay] in replay/lean.py).
+    assert seen == [0, 0, 0] and installed == [True, True, False] and lean[2]
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
     assert {f"forward:{n}" for n in ("model", "0", "1", "2", "3")} <= names
     assert {f"backward:{n}" for n in ("0", "1", "2", "3")} <= names

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.activations.executor import PlanExecutor
-from vtensor.activations.guarded_plan import plan_within_guard
-from vtensor.activations.lean import leaves_headroom, replays_lean
-from vtensor.activations.live import LiveBytes
-from vtensor.activations.policy import ReactivePolicy
-from vtensor.activations.store import ChunkStore
+from vtensor.activations.plan.guarded import plan_within_guard
+from vtensor.activations.replay.executor import PlanExecutor
+from vtensor.activations.replay.lean import leaves_headroom, replays_lean
+from vtensor.activations.runtime.live import LiveBytes
+from vtensor.activations.runtime.policy import ReactivePolicy
+from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.io.tiers import StorageTier
 from vtensor.io.transfer import FileTransferEngine
 from vtensor.planner.plan import Plan, TensorMove

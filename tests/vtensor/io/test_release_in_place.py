@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import vtensor
-from vtensor.activations.hooks import SavedHandle
-from vtensor.activations.store import ChunkStore, VTensor
+from vtensor.activations.runtime.hooks import SavedHandle
+from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import VTensorError
 from vtensor.io.chunk import ChunkState, split_on_pages
 from vtensor.io.pages import PAGE_BYTES, release, whole_pages

@@ -26,7 +26,7 @@ import vtensor
 torch.set_num_threads(int(sys.argv[2]))
 torch.manual_seed(0)
 hybrid = sys.argv[5] == "hybrid"
-if hybrid:  # blocks that may be recomputed, selectively too
+if hybrid:  # blocks that may be recomputed
     model = nn.Sequential(
         *[nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
           for _ in range(4)],
@@ -39,7 +39,7 @@ else:
     )
     x, y = torch.randn(512, 256), torch.randint(0, 10, (512,))
 # Making an optimizer imports torch._dynamo: the hybrid run trains without one, so that the
-# manager's own first step is the first to need it (NOTE [SAC's imports]).
+# manager's own first step is the first to need what recomputation imports.
 optimizer = None if hybrid else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 rows = []
 try:
@@ -98,8 +98,9 @@ def test_a_fresh_process_meets_in_iteration_0_the_budget_of_its_steady_iteration
 
 
 def test_a_hybrid_managers_first_iteration_holds_no_one_time_imports(tmp_path: Path) -> None:
-    # NOTE [SAC's imports]: the first selective profile of a process imported torch._dynamo
-    # inside the step, and the heap counter took its objects for the step's growth.
+    # The first selective profile of a process (selective recomputation is gone) imported
+    # torch._dynamo inside the step, and the heap counter took its objects for the step's
+    # growth: whatever a recomputing profile imports first must not count as the step's.
     rows = _run(tmp_path, 1, 2**40, "hybrid")["rows"]
     assert isinstance(rows, list) and len(rows) == STEPS
     assert rows[0][0] <= max(row[0] for row in rows[1:]) * 1.1 + 256 * 1024, rows

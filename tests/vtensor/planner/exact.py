@@ -68,14 +68,13 @@ def exact_min_bytes_moved(trace: Trace, budget: int) -> int:
 
 def exact_hybrid_cost(
     trace: Trace, budget: int, swap_s_per_byte: float
-) -> tuple[float, tuple[str, ...], tuple[str, ...]]:
+) -> tuple[float, tuple[str, ...]]:
     """The least modelled step cost over every choice of what to recompute, and that choice.
 
-    Cost = the recomputed units' time (forward time whole, non-product ops' time selectively)
-    + the least bytes any swap schedule moves (the ILP above) at ``swap_s_per_byte``. Every
-    assignment of none, whole or selective (where it is safe) to the safe units, with no two
-    nested units recomputed, whose recomputed trace has a feasible floor is tried: exponential,
-    for a handful of units only. Returns (cost, recomputed names, selective names).
+    Cost = the recomputed units' forward time + the least bytes any swap schedule moves (the
+    ILP above) at ``swap_s_per_byte``. Every subset of the safe units, with no two nested units
+    recomputed, whose recomputed trace has a feasible floor is tried: exponential, for a
+    handful of units only. Returns (cost, recomputed names).
     """
     from itertools import product
 
@@ -83,23 +82,15 @@ def exact_hybrid_cost(
     from vtensor.planner.recomputed import with_recompute
 
     safe = [u for u in trace.units if u.safe]
-    options = [
-        ("none", "whole", "selective") if u.selective_safe else ("none", "whole") for u in safe
-    ]
-    best: tuple[float, tuple[str, ...], tuple[str, ...]] = (float("inf"), (), ())
-    for modes in product(*options):
-        chosen = tuple(u.name for u, m in zip(safe, modes, strict=True) if m != "none")
-        selective = tuple(u.name for u, m in zip(safe, modes, strict=True) if m == "selective")
+    best: tuple[float, tuple[str, ...]] = (float("inf"), ())
+    for picks in product((False, True), repeat=len(safe)):
+        chosen = tuple(u.name for u, p in zip(safe, picks, strict=True) if p)
         if any(b.startswith(a + ".") for a in chosen for b in chosen if a != b):
             continue
-        after = with_recompute(trace, chosen, selective)
+        after = with_recompute(trace, chosen)
         if min_budget(build_lgm(after, after.chunk_bytes))[0] > budget:
             continue
         moved = exact_min_bytes_moved(after, budget)
-        spent = sum(
-            u.selective_s if m == "selective" else u.forward_s
-            for u, m in zip(safe, modes, strict=True)
-            if m != "none"
-        )
-        best = min(best, (spent + swap_s_per_byte * moved, chosen, selective))
+        spent = sum(u.forward_s for u, p in zip(safe, picks, strict=True) if p)
+        best = min(best, (spent + swap_s_per_byte * moved, chosen))
     return best

@@ -228,8 +228,6 @@ def test_a_plans_json_is_that_of_its_fields_and_its_digest_is_kept(chunk_bytes: 
         make_plan(),
         chunk_bytes=chunk_bytes,
         recompute=("a", "b.c"),
-        selective=("b.c",),
-        one_node=("a",),
         watched_steps=(1, 4),
         step_headroom_bytes=(5, 6),
         watched_events=((3, 0), (4, 1)),

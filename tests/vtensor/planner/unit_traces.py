@@ -1,7 +1,5 @@
 """Small traces of units for the planner's recomputation tests: one step per unit each way."""
 
-import dataclasses
-
 from vtensor.planner.lgm import empty_plan
 from vtensor.planner.memory_model import simulate
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUnit
@@ -9,16 +7,14 @@ from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor, TraceUni
 KB = 1000
 
 
-Unit = tuple[str, float, int, bool] | tuple[str, float, int, bool, float, int]
+Unit = tuple[str, float, int, bool]
 
 
 def unit_trace(units: list[Unit], unmanaged: int = 0) -> Trace:
     """Forward over units in order, backward in reverse; each unit saves an input and inner.
 
-    ``units``: (name, forward_s, inner bytes, safe), optionally followed by (selective_s,
-    product bytes): the unit then also saves a product output of that size, inner as well,
-    and may be recomputed selectively. Unit i's tensors (its input: 1 KB) are saved at forward
-    step i and used at its backward step.
+    ``units``: (name, forward_s, inner bytes, safe). Unit i's tensors (its input: 1 KB) are
+    saved at forward step i and used at its backward step.
     """
     n = len(units)
     names = [f"forward:{u[0]}" for u in units] + [f"backward:{u[0]}" for u in reversed(units)]
@@ -28,24 +24,13 @@ def unit_trace(units: list[Unit], unmanaged: int = 0) -> Trace:
     )
     tensors: list[TraceTensor] = []
     trace_units = []
-    for i, (name, forward_s, nbytes, safe, *selective) in enumerate(units):
+    for i, (name, forward_s, nbytes, safe) in enumerate(units):
         back, vid = 2 * n - 1 - i, len(tensors)
-        sizes = [KB, nbytes, *selective[1:]]
         tensors += [
             TraceTensor(vid + k, size, ("float32",), i, i + 1, (back,))
-            for k, size in enumerate(sizes)
+            for k, size in enumerate((KB, nbytes))
         ]
         unit = TraceUnit(name, i, i, forward_s, (vid + 1,), (vid,), safe, "" if safe else "x")
-        if selective:
-            unit = dataclasses.replace(
-                unit,
-                inner_vids=(vid + 1, vid + 2),
-                selective_safe=safe,
-                why_not_selective="",
-                selective_s=float(selective[0]),
-                selective_vids=(vid + 1,),
-                product_vids=(vid + 2,),
-            )
         trace_units.append(unit)
     return Trace(steps, tuple(tensors), 0, 0, 0, None, "cpu", units=tuple(trace_units))
 

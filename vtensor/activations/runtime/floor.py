@@ -63,8 +63,11 @@ class BudgetFloor:
             ):
                 self.books.evictable_step[record.vid] = step_index
         # Only what was evictable at the previous point could have made room for this op.
+        activations = evictable_now
         evictable = min(evictable_now, self._prev_evictable)
         self._prev_evictable = evictable_now
+        if self.params is not None:  # read ahead, not in use: at a lower budget, not read yet
+            evictable += self.params.resident_bytes() - self.params.pinned_bytes()
         # NOTE [minimum budget]: the floor is what could not be evicted at this point, plus a
         # margin for the heap counter's noise and run-to-run residency, so that retrying at the
         # stated minimum works.
@@ -72,9 +75,9 @@ class BudgetFloor:
         if floor > self.books.min_budget_bytes:
             self.books.min_budget_bytes = floor
             self.books.min_budget_step = step_name
-            self.books.min_budget_kept_bytes = max(0, self.store.device_bytes() - evictable)
+            self.books.min_budget_kept_bytes = max(0, self.store.device_bytes() - activations)
             if self.params is not None:
-                self.books.min_budget_param_bytes = self.params.resident_bytes()
+                self.books.min_budget_param_bytes = self.params.pinned_bytes()
         if strict and need > self.budget_bytes:
             self.books.violated = True
 

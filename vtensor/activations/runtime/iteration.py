@@ -64,6 +64,8 @@ class Iteration:
         self.rss_peak_bytes = 0
         # Allowed overshoot: one chunk (a whole tensor at tensor granularity cannot be bounded).
         self.overshoot_bytes = store.chunk_bytes or MIN_BUDGET_MARGIN_BYTES
+        if params is not None:  # its tensors move whole, as at tensor granularity
+            self.overshoot_bytes = max(self.overshoot_bytes, params.largest_bytes())
         self.meter = LiveBytes(tracker, store, device, baseline_bytes, params)
         self._entry_pool = tracker.pool_bytes()
         self.one_time_bytes = 0  # NOTE [MKL buffer pool]: measured when the iteration ends
@@ -242,7 +244,10 @@ class Iteration:
             if not self.executor.active:
                 self.policy.at_plan_step(self.step_index, active=False, joint=joint)
         if self.params is not None:
-            for entry in self.params.on_step(self.step_index):
+            reads = self.params.on_step(self.step_index)
+            if reads:  # the plan counts its write-backs as gone before it reads more
+                self.params.settle()
+            for entry in reads:
                 self.make_room(entry.nbytes)
                 self.params.read(entry)
         # NOTE [reused readings]: a heap-counter read walks every malloc arena's free chunks;
@@ -315,6 +320,9 @@ class Iteration:
                 self.live_bytes() + incoming_bytes, self.policy.high_watermark(), pinned
             )
             self.store.reap(block=True)
+            live = self.live_bytes()
+        if self.params is not None and live + incoming_bytes > self.policy.high_watermark():
+            self.params.shed(live + incoming_bytes - self.policy.high_watermark())
             live = self.live_bytes()
         if judge:
             self.floor.note(live + incoming_bytes, pinned, self._step_name(), self.step_index)

@@ -13,6 +13,14 @@ class ResidentParams(Protocol):
         """Bytes of its parameters, gradients and state on the device now."""
         ...
 
+    def largest_bytes(self) -> int:
+        """Bytes of its largest tensor, which moves whole."""
+        ...
+
+    def pinned_bytes(self) -> int:
+        """Of those, the bytes a use holds (the rest were read ahead, and may leave)."""
+        ...
+
 
 class PlannedRead(Protocol):
     """A tensor of the parameter side that a joint plan reads at a step."""
@@ -25,6 +33,14 @@ class ParamSide(ResidentParams, Protocol):
 
     def on_step(self, index: int) -> Sequence[PlannedRead]:
         """Step ``index`` begins; returns the reads the plan starts now, in order."""
+        ...
+
+    def shed(self, nbytes: int) -> None:
+        """Let go of up to ``nbytes`` it holds but does not use now (the budget needs them)."""
+        ...
+
+    def settle(self) -> None:
+        """Wait for its writes in flight: the bytes they hold leave memory."""
         ...
 
     def read(self, entry: Any) -> None:
