@@ -165,7 +165,9 @@ class OffloadPasses:
             if name in self._bwd_pins:
                 continue
             entries = needs.setdefault(name, [])
-            if name in saved or (update_now and record.param.requires_grad):
+            # A trainable parameter comes in for its backward whether or not the forward was
+            # seen saving it: a convolution's weight is saved without its use count showing it.
+            if name in saved or record.param.requires_grad:
                 entries.append(record.entry)
             if record.param.requires_grad:
                 reserve += record.entry.nbytes

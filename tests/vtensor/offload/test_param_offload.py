@@ -356,3 +356,44 @@ def test_composes_with_the_activation_manager_bit_identically(tmp_storage_dir: P
         assert po.report().peak_resident_bytes <= footprint // 4
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_a_convolutional_model_clips_and_trains_bit_identically_under_a_manager(
+    tmp_path: Path,
+) -> None:
+    """A convolution's weight, saved without its use count showing it, comes in for backward."""
+
+    def conv_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(16 * 16 * 16, 10),
+        )
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))]
+    batches *= 3
+    reference = conv_model()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches:
+        nn.functional.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    model = conv_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    budget = 4 << 20
+    with (
+        vtensor.ParamOffload(model, opt, budget, max_grad_norm=1.0, storage_dir=tmp_path) as po,
+        vtensor.MemoryManager(budget, chunk_bytes=64 << 10, storage_dir=tmp_path) as mm,
+    ):
+        for x, y in batches:
+            with mm.step(model, inputs=(x, y), params=po):
+                nn.functional.cross_entropy(model(x), y).backward()
+            po.step()
+    pairs = zip(reference.state_dict().values(), model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
