@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
+from vtensor.activations.model_state import ScanCache, StateStorages, device_of
 from vtensor.activations.offloads import Offloads
 from vtensor.activations.plan.decision import PlanBook
 from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, Policy
+from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.runtime.budgeting import ManagerBudget
-from vtensor.activations.runtime.floor import MIN_BUDGET_MARGIN_BYTES, floor_breakdown
+from vtensor.activations.runtime.floor import floor_breakdown
 from vtensor.activations.runtime.iteration import Iteration
-from vtensor.activations.runtime.model_state import ScanCache, StateStorages, device_of
 from vtensor.activations.runtime.policy import ReactivePolicy
-from vtensor.activations.runtime.reporting import StoreCounters, iteration_report, iteration_trace
-from vtensor.activations.runtime.wiring import instrumented
 from vtensor.activations.store.chunk_store import ChunkStore
+from vtensor.activations.wiring import instrumented
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import Tier, engine_for, resolve_tier
@@ -36,12 +36,13 @@ from vtensor.measure.trackers import DeviceTracker, quiet_heap
 from vtensor.offload.joint import (
     AUTO_OFFLOAD_SHARE,
     JointStep,
+    ParamOffloadReport,
     check_joint,
     held_outside,
     state_bytes,
 )
-from vtensor.offload.report import ParamOffloadReport
 from vtensor.planner.plan import Plan
+from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
 

@@ -7,9 +7,13 @@ import torch
 from torch import nn
 
 from vtensor.errors import InfeasibleBudgetError, VTensorError
-from vtensor.offload.joint import AUTO_OFFLOAD_SHARE, offload_for, state_bytes
-from vtensor.offload.param_offload import ParamOffload
-from vtensor.offload.report import ParamOffloadReport
+from vtensor.offload.joint import (
+    AUTO_OFFLOAD_SHARE,
+    ParamOffload,
+    ParamOffloadReport,
+    offload_for,
+    state_bytes,
+)
 from vtensor.sizes import format_bytes
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,12 @@ from torch import nn
 from vtensor.errors import VTensorError
 from vtensor.offload.joint_record import ParamRecorder
 from vtensor.offload.joint_replay import ParamPlanExecutor
-from vtensor.offload.param_offload import ParamOffload
+
+# Re-exported: the activation manager reaches the parameter side through this module only.
+from vtensor.offload.param_offload import ParamOffload as ParamOffload
 from vtensor.offload.pool import OffloadPool
 from vtensor.offload.records import describe_params
+from vtensor.offload.report import ParamOffloadReport as ParamOffloadReport
 from vtensor.offload.units import find_units, footprint
 from vtensor.planner.plan import Plan
 

@@ -27,6 +27,10 @@ flight rises by all the allocations: headroom booked net of the writes would be 
 
 from vtensor.planner.trace import Trace
 
+# What a stated minimum adds for the counter's noise (small allocations beside the tensors), and
+# the least a planned headroom leaves.
+MIN_BUDGET_MARGIN_BYTES = 64 * 1024
+
 # The least headroom the guard keeps while a plan is followed, without chunks (its one chunk).
 GUARD_MIN_BYTES = 64 * 1024
 

@@ -1,7 +1,9 @@
 """Plot of device bytes and swap traffic per step of managed iterations, written as a PNG.
 
 One line per run against the budget, the phases shaded, the planner's prediction where a plan
-and its trace are given, and below, the bytes each run moved out (up) and in (down) per step.
+and its trace are given, and below, the bytes each run moved out (up) and in (down) per step. A
+lean replay keeps no per-step statistics (NOTE [lean replay]): its line is its peak, flat across
+the iteration.
 matplotlib is imported only to draw, so the rest of vtensor does not need it.
 """
 
@@ -42,7 +44,8 @@ def plot_timeline(
     """Write a PNG of device bytes per step for each run, with the budget and swap traffic.
 
     Args:
-        runs: label -> report of one iteration; each becomes a line (MiB per step).
+        runs: label -> report of one iteration; each becomes a line (MiB per step; a lean
+            replay's peak, flat).
         budget_bytes: drawn as a horizontal line.
         path: where the PNG goes (parent directories are created).
         trace: the profiled iteration the plan was made from.
@@ -66,8 +69,11 @@ def plot_timeline(
         2, 1, sharex=True, figsize=(11, 6.5), gridspec_kw={"height_ratios": (3, 1.3)}
     )
     try:
-        first = next(iter(runs.values()))
-        _shade_phases(top, bottom, [s.phase for s in first.steps])
+        stepped = next((r.steps for r in runs.values() if r.steps), ())
+        phases = [s.phase for s in stepped]
+        if not phases and trace is not None:
+            phases = [s.phase for s in trace.steps]
+        _shade_phases(top, bottom, phases)
         _draw_memory(top, runs, budget_bytes, trace, plan)
         _draw_traffic(bottom, runs)
         if title:
@@ -97,6 +103,13 @@ def _shade_phases(top: Any, bottom: Any, phases: Sequence[Phase]) -> None:
         )
 
 
+def memory_line(report: IterationReport, last_step: int) -> tuple[list[int], list[float]]:
+    """Step indices and device MiB of ``report``; a lean one's peak from step 0 to ``last_step``."""
+    if not report.steps:
+        return [0, last_step], [report.peak_device_bytes / _MIB] * 2
+    return [s.index for s in report.steps], [s.peak_device_bytes / _MIB for s in report.steps]
+
+
 def _draw_memory(
     axis: Any,
     runs: Mapping[str, IterationReport],
@@ -104,11 +117,14 @@ def _draw_memory(
     trace: Trace | None,
     plan: Plan | None,
 ) -> None:
+    last_step = max((len(r.steps) for r in runs.values()), default=0) - 1
+    if trace is not None:
+        last_step = max(last_step, len(trace.steps) - 1)
     for label, report in runs.items():
-        xs = [s.index for s in report.steps]
-        ys = [s.peak_device_bytes / _MIB for s in report.steps]
-        axis.plot(xs, ys, drawstyle="steps-mid", lw=1.4, label=label)
-    if trace is not None and plan is not None:
+        xs, ys = memory_line(report, max(last_step, 0))
+        style = "steps-mid" if report.steps else "default"
+        axis.plot(xs, ys, drawstyle=style, lw=1.4, ls="-" if report.steps else ":", label=label)
+    if trace is not None and plan is not None and len(plan.step_names) == len(trace.steps):
         predicted = [b / _MIB for b in simulate(plan, trace)]
         axis.plot(
             [s.index for s in trace.steps],

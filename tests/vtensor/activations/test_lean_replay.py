@@ -14,7 +14,7 @@ from torch import nn
 
 import vtensor
 import vtensor.activations.plan.decision
-import vtensor.activations.runtime.wiring
+import vtensor.activations.wiring
 from vtensor.activations.replay.executor import PlanExecutor
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
@@ -236,7 +236,7 @@ def test_a_tensor_left_to_autograd_is_still_checked_for_changes_in_place(
 @pytest.fixture
 def installs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the installations of module hooks (one entry per iteration that installs them)."""
-    return count_calls(monkeypatch, vtensor.activations.runtime.wiring, "install_module_hooks")
+    return count_calls(monkeypatch, vtensor.activations.wiring, "install_module_hooks")
 
 
 def test_a_replay_that_never_binds_runs_without_module_hooks(

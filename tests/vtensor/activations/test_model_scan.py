@@ -9,8 +9,7 @@ from test_lean_replay import CHUNK, _peak, _step
 from torch import nn
 
 import vtensor
-from vtensor.activations.runtime.admission import Admission
-from vtensor.activations.runtime.model_state import (
+from vtensor.activations.model_state import (
     ModelScan,
     ScanCache,
     StateStorages,
@@ -18,6 +17,7 @@ from vtensor.activations.runtime.model_state import (
     on_device_type,
     state_storages,
 )
+from vtensor.activations.runtime.admission import Admission
 
 CPU = torch.device("cpu")
 

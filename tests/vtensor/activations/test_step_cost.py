@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 import vtensor
-import vtensor.activations.runtime.model_state
+import vtensor.activations.model_state
 
 
 def _model() -> nn.Module:
@@ -21,15 +21,13 @@ def _step(mm: vtensor.MemoryManager, model: nn.Module, x: torch.Tensor) -> None:
 
 def test_a_manager_fingerprints_an_unchanged_model_once(tmp_path: Path, monkeypatch):
     prints: list[int] = []
-    fingerprint = vtensor.activations.runtime.model_state.architecture_fingerprint
+    fingerprint = vtensor.activations.model_state.architecture_fingerprint
 
     def counted(model: nn.Module) -> str:
         prints.append(1)
         return fingerprint(model)
 
-    monkeypatch.setattr(
-        vtensor.activations.runtime.model_state, "architecture_fingerprint", counted
-    )
+    monkeypatch.setattr(vtensor.activations.model_state, "architecture_fingerprint", counted)
     torch.manual_seed(0)
     model, x = _model(), torch.randn(512, 64)
     with vtensor.MemoryManager("1GiB", storage_dir=tmp_path) as mm:

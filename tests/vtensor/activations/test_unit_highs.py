@@ -1,6 +1,6 @@
 """How far each unit's forward took the bytes (NOTE [recomputation's working set])."""
 
-from vtensor.activations.runtime.recorder import UnitHighs
+from vtensor.activations.recompute.profile.highs import UnitHighs
 
 
 def test_nested_units_that_begin_at_the_same_reading_end_apart() -> None:

@@ -26,12 +26,12 @@ from os import PathLike
 import torch
 from torch import nn
 
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.plan.guarded import plan_within_guard
 from vtensor.activations.plan.iteration_plan import NO_RECOMPUTATION, IterationPlan, Recomputation
 from vtensor.activations.plan.keys import PlanKeys, planner_version
 from vtensor.activations.replay.executor import PlanExecutor
 from vtensor.activations.report import PlanSource
-from vtensor.activations.runtime.model_state import ModelScan
 from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.errors import VTensorError
 from vtensor.planner.cache import PlanCache

@@ -3,13 +3,12 @@
 import dataclasses
 import logging
 
-from vtensor.activations.runtime.floor import MIN_BUDGET_MARGIN_BYTES
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.planner.belady import plan_lgm
 from vtensor.planner.costs import DEFAULT_COSTS, Costs
 from vtensor.planner.memory_model import step_headroom, watched_events, watched_steps
 from vtensor.planner.plan import Plan
-from vtensor.planner.reserves import planned_headroom, step_reserves
+from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES, planned_headroom, step_reserves
 from vtensor.planner.trace import TensorKind, Trace
 
 logger = logging.getLogger(__name__)

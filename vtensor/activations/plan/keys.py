@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vtensor.activations.runtime.model_state import Fingerprint, ModelScan
+from vtensor.activations.model_state import Fingerprint, ModelScan
 from vtensor.planner.keys import PlanKey, input_signature
 from vtensor.planner.lgm import PLANNER_VERSION
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from vtensor.activations.runtime.model_state import on_device_type
+from vtensor.activations.model_state import on_device_type
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 

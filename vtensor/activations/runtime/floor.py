@@ -11,8 +11,7 @@ from vtensor.activations.runtime.recorder import IterationBooks
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import FloorBreakdown, VTensorError
 from vtensor.offload.joint import offloaded_min_bytes, state_bytes
-
-MIN_BUDGET_MARGIN_BYTES = 64 * 1024
+from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES
 
 
 class BudgetFloor:

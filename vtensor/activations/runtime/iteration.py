@@ -11,7 +11,7 @@ from vtensor.activations.recompute.profile.units import UnitRecorder
 from vtensor.activations.replay.executor import PlanExecutor
 from vtensor.activations.replay.lean import Passing, replays_hookless, replays_lean, wait_for_room
 from vtensor.activations.runtime.admission import Admission
-from vtensor.activations.runtime.floor import MIN_BUDGET_MARGIN_BYTES, BudgetFloor
+from vtensor.activations.runtime.floor import BudgetFloor
 from vtensor.activations.runtime.live import LiveBytes
 from vtensor.activations.runtime.param_side import ParamSide
 from vtensor.activations.runtime.policy import ReactivePolicy
@@ -20,6 +20,7 @@ from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.measure.clock import device_now
 from vtensor.measure.rss import RssMeter
 from vtensor.measure.trackers import DeviceTracker
+from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES
 
 logger = logging.getLogger(__name__)
 

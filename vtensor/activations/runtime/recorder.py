@@ -4,6 +4,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from vtensor.activations.recompute.profile.highs import UnitHighs
 from vtensor.activations.report import StepStats
 from vtensor.activations.store.chunk_store import StoreStats, VTensor
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
@@ -53,42 +54,6 @@ class OpenStep:
         rss_rise = rss_high_water - max(self.rss_start, rss_now)
         sampled_rise = self.peak - max(self.live_start, live_now)
         return max(0, rss_rise - max(sampled_rise, 0))
-
-
-@dataclass
-class UnitHighs:
-    """How far each unit's forward took the bytes (NOTE [recomputation's working set]).
-
-    NOTE [recomputation's working set]
-    A recomputed forward holds more than the saved tensors it brings back (NOTE [recomputed
-    lifetimes] in ``planner/recomputed.py``): outputs no op saves (an attention's scores), its
-    own output, tensors too small to manage. Left out, the model would put a recomputing step
-    under what it holds. So the profile notes per unit how far its forward raised the readings
-    outside vTensors plus every byte saved so far, which saving or swapping leaves unchanged
-    (``TraceUnit.working_bytes``). A unit's own checks take no readings and count for none.
-    """
-
-    now: int = 0  # the last reading outside vTensors plus the bytes saved into them so far
-    saved: int = 0
-    open: list[list[int]] = field(default_factory=list)  # [at its start, highest] per unit
-
-    def note(self, unmanaged: int) -> None:
-        """A reading of ``unmanaged`` bytes outside vTensors."""
-        self.now = unmanaged + self.saved
-        for watch in self.open:
-            watch[1] = max(watch[1], self.now)
-
-    def begin(self) -> list[int]:
-        """A unit's forward begins: its watch, for :meth:`end`."""
-        watch = [self.now, self.now]
-        self.open.append(watch)
-        return watch
-
-    def end(self, watch: list[int]) -> int:
-        """The unit of ``watch`` returned: how far the bytes rose inside it."""
-        # By identity: two nested units that began at the same reading hold equal lists.
-        self.open = [w for w in self.open if w is not watch]
-        return max(0, watch[1] - watch[0])
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from vtensor.activations.recompute.checkpointed import CallSnapshot
 from vtensor.activations.recompute.profile.checks import (
@@ -44,8 +45,7 @@ from vtensor.activations.recompute.profile.checks import (
     why_unsafe,
 )
 from vtensor.activations.recompute.profile.cost import MechanismCosts
-from vtensor.activations.runtime.hooks import Removable
-from vtensor.activations.runtime.recorder import UnitHighs
+from vtensor.activations.recompute.profile.highs import UnitHighs
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.measure.clock import device_now
 from vtensor.outputs import tensors_in
@@ -98,9 +98,9 @@ class UnitRecorder:
     seen: dict[str, _Seen] = field(default_factory=dict)
     _open: dict[int, list[OpenUnit]] = field(default_factory=dict)
 
-    def install(self) -> list[Removable]:
+    def install(self) -> list[RemovableHandle]:
         """Hook every module with children below the root."""
-        handles: list[Removable] = []
+        handles: list[RemovableHandle] = []
         for name, module in self.model.named_modules():
             if not name or not any(True for _ in module.children()):
                 continue

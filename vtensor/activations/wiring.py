@@ -7,12 +7,12 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from vtensor.activations.encode import masks_encoded
+from vtensor.activations.model_state import ModelScan
 from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.recompute.checkpointed import recompute_modules
 from vtensor.activations.recompute.profile.units import UnitRecorder
 from vtensor.activations.runtime.hooks import install_module_hooks, make_saved_tensor_hooks
 from vtensor.activations.runtime.iteration import Iteration
-from vtensor.activations.runtime.model_state import ModelScan
 
 
 @contextlib.contextmanager
