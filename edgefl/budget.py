@@ -1,9 +1,13 @@
 """Memory budgets of devices: absolute bytes, or a fraction of the model's unmanaged peak.
 
 NOTE [relative budgets]: a budget such as ``"80%"`` means 80 % of the unmanaged training peak
-of this model and batch size, measured by the client itself with vtensor's accounting (once per
-process, see ``edgefl.peak.resolve_budget``). It keeps a simulated fleet below the unmanaged peak
-(so it needs vtensor) on any model, and it follows vtensor's own accounting of this process.
+of this model and batch size, measured with vtensor's accounting. It keeps a simulated fleet
+below the unmanaged peak (so it needs vtensor) on any model. A simulation (``edgefl.sim``)
+measures the peak once, in its quiet process before any client starts, logs the budgets it
+resolves from it and gives its clients those bytes (``edgefl.fleet.fleet_in_bytes``): the log,
+the clients and the end table state one budget, the run's own. Elsewhere (``flwr run``, a
+deployed node) a client measures the peak itself, once per process
+(``edgefl.peak.resolve_budget``).
 
 NOTE [budget quantum]: two processes measure the same model's peak a few KiB apart (vtensor's
 heap counter sees every allocation of the process: 3.2 KiB across the main job's clients on the

@@ -1,10 +1,11 @@
 """The fleet's device classes: read from config, checked, and dealt to clients deterministically."""
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from edgefl.budget import parse_budget
+from edgefl.budget import Budget, parse_budget
 from edgefl.errors import ConfigError
 from edgefl.settings import DeviceClass, FleetSettings
 
@@ -65,6 +66,21 @@ def check_fleet(fleet: FleetSettings) -> None:
     total = sum(c.share for c in fleet.classes)
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ConfigError(f"fleet class shares sum to {total:g}; make them sum to 1")
+
+
+def fleet_in_bytes(fleet: FleetSettings, peak_bytes: int) -> FleetSettings:
+    """``fleet`` with each share-of-peak budget as its bytes of ``peak_bytes``.
+
+    A run that measured the unmanaged peak before its clients start gives them these bytes, so
+    that its log, its clients and its tables state one budget (NOTE [relative budgets]).
+    """
+    classes = tuple(
+        dataclasses.replace(c, budget=Budget(bytes=c.budget.of_peak(peak_bytes)))
+        if c.budget.peak_fraction
+        else c
+        for c in fleet.classes
+    )
+    return dataclasses.replace(fleet, classes=classes)
 
 
 def class_counts(fleet: FleetSettings, num_partitions: int) -> list[int]:

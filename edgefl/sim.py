@@ -23,6 +23,7 @@ from edgefl.client_app import build_client_app
 from edgefl.client_data import client_split
 from edgefl.config import GROUPS, config_info, config_text, group_options, load_run_settings
 from edgefl.errors import EdgeFLError
+from edgefl.fleet import fleet_in_bytes
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
 from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
@@ -134,7 +135,8 @@ def simulate(
 
     With ``simulation.ray_address`` set, clients run on that existing Ray cluster: Flower passes
     ``init_args`` to ``ray.init`` and at the end only disconnects (``ray.shutdown()`` in a driver
-    that connected stops no cluster process), so the cluster outlives the run.
+    that connected stops no cluster process), so the cluster outlives the run. With ``peak``
+    given, clients get their budgets in bytes of it (NOTE [relative budgets] in edgefl.budget).
     """
     from flwr.simulation import run_simulation  # heavy (Ray); imported only to simulate
 
@@ -143,9 +145,13 @@ def simulate(
     configure_logging(settings.simulation.flower_log_level)
     outcome: dict[str, Any] = {}
     sim = settings.simulation
+    client = settings.client
+    if peak is not None:
+        fleet = fleet_in_bytes(client.fleet, peak.unmanaged_peak_bytes)
+        client = dataclasses.replace(client, fleet=fleet)
     run_simulation(
         server_app=build_server_app(settings, observers, outcome, peak, reference),
-        client_app=build_client_app(settings.client),
+        client_app=build_client_app(client),
         num_supernodes=settings.server.num_supernodes,
         backend_config={
             "client_resources": {"num_cpus": sim.client_num_cpus, "num_gpus": 0.0},

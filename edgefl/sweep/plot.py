@@ -58,8 +58,14 @@ def plot_sweep(rows: Sequence[JobRow], path: Path) -> Path:
 
 
 def job_labels(rows: Sequence[JobRow]) -> list[str]:
-    """``#<job> <overrides>``, leaving out the overrides every job shares."""
+    """``#<job> <overrides>``, leaving out the overrides every job shares.
+
+    "(check)" marks a job that is not comparable (NOTE [checks, not results] in
+    edgefl.sweep.summary).
+    """
     shared = set.intersection(*(set(r.overrides) for r in rows)) if len(rows) > 1 else set()
-    return [
-        " ".join([f"#{r.job}", *(o for o in r.overrides if o not in shared)]).strip() for r in rows
-    ]
+    labels = []
+    for r in rows:
+        words = [f"#{r.job}", *(o for o in r.overrides if o not in shared)]
+        labels.append(" ".join(words if r.comparable else [*words, "(check)"]))
+    return labels

@@ -4,13 +4,15 @@ import csv
 import dataclasses
 import json
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from edgefl.config import conf_dir
 from edgefl.results import ROUNDS_JSON
 from vtensor import format_bytes
 
@@ -45,6 +47,7 @@ class JobRow:
     overrides: tuple[str, ...]
     status: JobState
     error: str
+    comparable: bool  # False: a check, not a result (NOTE [checks, not results])
     final_central_acc: float | None
     final_central_loss: float | None
     rounds: int  # federated rounds completed (round 0 is the initial model's evaluation)
@@ -56,6 +59,7 @@ class JobRow:
     # per-round series for the plot, not columns: (round, accuracy) and (round >= 1, seconds)
     central_acc: tuple[tuple[int, float], ...] = field(default=(), metadata={"column": False})
     round_wall_s: tuple[tuple[int, float], ...] = field(default=(), metadata={"column": False})
+    check: str = field(default="", metadata={"column": False})  # why not comparable
 
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(JobRow) if f.metadata.get("column", True))
@@ -103,9 +107,12 @@ def job_row(sweep_dir: Path, job_dir: Path) -> JobRow:
     overrides = status.overrides if status else _hydra_overrides(job_dir)
     state = status.state if status else JobState.OK
     error = status.error if status else ""
+    check = check_reason(_hydra_choices(job_dir, overrides))
     base: dict[str, Any] = {
         "job": str(job_dir.relative_to(sweep_dir)),
         "overrides": overrides,
+        "comparable": not check,
+        "check": check,
         "job_wall_s": status.wall_s if status else None,
         "output_dir": str(job_dir),
     }
@@ -140,6 +147,55 @@ def _round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# NOTE [checks, not results]: a debug preset that sets more than logging (debug=fast: 2 rounds
+# on a sliver of the data) and the smoke experiment check that a configuration runs; they do not
+# train long enough for their figures to compare with full runs' or to tell jobs apart. The
+# summary marks such jobs by the presets Hydra recorded for them, and says why.
+_LOGGING_KEYS = ("simulation", "hydra")  # what a debug preset may set and still give results
+_CHECK_EXPERIMENTS = ("smoke",)
+
+
+def check_reason(choices: Mapping[str, str]) -> str:
+    """Why a job with these config group ``choices`` is a check, not a result; "" if it is not."""
+    experiment = choices.get("experiment", "none")
+    if experiment in _CHECK_EXPERIMENTS:
+        return f"experiment={experiment} (a check on a sliver of the data, not a result)"
+    debug = choices.get("debug", "none")
+    if debug == "none":
+        return ""
+    path = conf_dir() / "debug" / f"{debug}.yaml"
+    if not path.is_file():
+        return f"debug={debug} (a preset no longer in {path.parent}: cannot tell what it changed)"
+    preset = OmegaConf.load(path)
+    keys = _keys(preset) if isinstance(preset, DictConfig) else []
+    changed = [k for k in keys if k.split(".")[0] not in _LOGGING_KEYS]
+    if not changed:
+        return ""
+    return f"debug={debug} sets {', '.join(changed)} (a check, not a result)"
+
+
+def _keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """The dotted keys a config file sets (its leaves), ``defaults`` left out."""
+    keys = []
+    for name, value in node.items():
+        key = f"{prefix}{name!s}"
+        if isinstance(value, DictConfig) and value:
+            keys += _keys(value, f"{key}.")
+        elif key != "defaults":
+            keys.append(key)
+    return keys
+
+
+def _hydra_choices(job_dir: Path, overrides: tuple[str, ...]) -> dict[str, str]:
+    """The job's config group choices: Hydra's record, else its ``group=option`` overrides."""
+    path = job_dir / _HYDRA_DIR / "hydra.yaml"
+    if path.is_file():
+        choices = OmegaConf.select(OmegaConf.load(path), "hydra.runtime.choices", default=None)
+        if isinstance(choices, DictConfig):
+            return {str(k): str(v) for k, v in choices.items()}
+    return dict(o.split("=", 1) for o in overrides if "=" in o and "." not in o.split("=")[0])
+
+
 def _hydra_overrides(job_dir: Path) -> tuple[str, ...]:
     path = job_dir / _HYDRA_DIR / "overrides.yaml"
     if not path.is_file():
@@ -167,6 +223,7 @@ def write_summary_md(rows: list[JobRow], path: Path) -> Path:
             " ".join(row.overrides),
             str(row.status),
             row.error,
+            "yes" if row.comparable else "no",
             _fmt(row.final_central_acc, "{:.4f}"),
             _fmt(row.final_central_loss, "{:.4f}"),
             str(row.rounds),
@@ -177,8 +234,25 @@ def write_summary_md(rows: list[JobRow], path: Path) -> Path:
             row.output_dir,
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    lines += _check_lines(rows)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _check_lines(rows: list[JobRow]) -> list[str]:
+    """Below the table: the jobs that are checks, not results, grouped by why."""
+    jobs: dict[str, list[str]] = {}
+    for row in rows:
+        if not row.comparable:
+            jobs.setdefault(row.check, []).append(row.job)
+    if not jobs:
+        return []
+    lines = [""]
+    for why, names in jobs.items():
+        which = f"jobs {', '.join(names)}" if len(names) > 1 else f"job {names[0]}"
+        lines.append(f"Not comparable: {which}: {why}.")
+    lines.append("Compare full runs only; the figures of the jobs marked comparable are results.")
+    return lines
 
 
 def _plain(value: object) -> object:

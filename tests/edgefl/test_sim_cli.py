@@ -1,14 +1,26 @@
 """The edgefl-sim entry point's cheap paths (no simulation engine)."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import flwr.simulation
 import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+from edgefl.budget import Budget
 from edgefl.config import load_run_settings
-from edgefl.errors import ConfigError, PartitionError
-from edgefl.sim import main, prepare
+from edgefl.data import load_dataset
+from edgefl.errors import ConfigError, EdgeFLError, PartitionError
+from edgefl.models import build_model
+from edgefl.peak import PeakMeasurement
+from edgefl.records import BUDGET_BYTES
+from edgefl.reference import ReferenceRound
+from edgefl.settings import DeviceClass, RunSettings
+from edgefl.sim import main, prepare, simulate
 
 
 def test_help_lists_every_group(capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,3 +87,38 @@ def test_the_output_dir_is_checked_first(tmp_path: Path) -> None:
     writable = tmp_path / "new" / "run"
     prepare(load_run_settings([f"output_dir={writable}", "debug=fast"]))
     assert writable.is_dir() and not any(writable.iterdir())  # the probe is gone
+
+
+def test_simulated_clients_resolve_relative_budgets_by_the_runs_own_peak(
+    smoke_settings: RunSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peak the run measured and logged sizes its clients' budgets, not one they measure.
+
+    The peak given is 8 MiB, far from what a client would measure for the smoke model.
+    """
+    half = DeviceClass("half", Budget(peak_fraction=0.5), 1.0)
+    fleet = dataclasses.replace(smoke_settings.client.fleet, classes=(half,))
+    settings = dataclasses.replace(
+        smoke_settings, client=dataclasses.replace(smoke_settings.client, fleet=fleet)
+    )
+    engine: dict[str, Any] = {}
+    monkeypatch.setattr(flwr.simulation, "run_simulation", lambda **kw: engine.update(kw))
+    peak = PeakMeasurement(unmanaged_peak_bytes=8 << 20, min_budget_bytes=1)
+    with pytest.raises(EdgeFLError, match="without results"):  # no ServerApp ran
+        simulate(settings, peak=peak, reference=ReferenceRound(1.0, 1))
+    info = load_dataset(settings.client.data.name).info
+    model = build_model(settings.client.model.name, info, settings.client.model.options)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "config": ConfigRecord({"server-round": 1, "lr": 0.05}),
+        }
+    )
+    node = {"partition-id": 0, "num-partitions": 2}
+    context = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={})
+    torch.manual_seed(0)
+    reply = engine["client_app"](
+        Message(content, dst_node_id=7, message_type=MessageType.TRAIN), context
+    )
+    assert not reply.has_error()
+    assert reply.content["metrics"][BUDGET_BYTES] == half.budget.of_peak(8 << 20)

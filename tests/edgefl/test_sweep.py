@@ -186,9 +186,34 @@ def test_summary_of_ok_failed_and_silent_job_folders(
     assert "no job_status.json" in rows[2]["error"]
     md = _md_rows(tmp_path)
     assert len(md) == 4
-    assert "| 0 | seed=1 | ok | - | 0.6000 | 1.4000 | 2 | 1.25 | 90.0% |" in md[0]
+    assert "| 0 | seed=1 | ok | - | yes | 0.6000 | 1.4000 | 2 | 1.25 | 90.0% |" in md[0]
     assert "ValueError: a \\| b" in md[1]  # a pipe in an error does not split the cell
     assert (tmp_path / SUMMARY_PNG).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_summary_marks_debug_fast_jobs_as_not_comparable(
+    tmp_path: Path, smoke_settings: RunSettings
+) -> None:
+    """A debug preset that shrinks the run makes a check; one that only logs more does not."""
+    history = RunHistory(rounds=[_round(0, 0.1, None, 0), _round(1, 0.5, 0.75, 100)])
+    for job, debug in (("0", "fast"), ("1", "verbose"), ("2", "fast")):
+        job_dir = _job_dir(tmp_path, job, f"debug={debug}")
+        choices = (
+            f"hydra:\n  runtime:\n    choices:\n      debug: {debug}\n      experiment: none\n"
+        )
+        (job_dir / ".hydra" / "hydra.yaml").write_text(choices)
+        write_results(job_dir, history, {"w": torch.zeros(1)}, smoke_settings, {})
+        write_job_status(job_dir, JobStatus(JobState.OK, "", (f"debug={debug}",), 1.0))
+
+    write_sweep_summary(tmp_path)
+
+    assert [r["comparable"] for r in _summary_rows(tmp_path)] == ["False", "True", "False"]
+    md = (tmp_path / SUMMARY_MD).read_text().splitlines()
+    assert md[0].split(" | ")[4] == "comparable"
+    assert [row.split(" | ")[4] for row in md[2:5]] == ["no", "yes", "no"]
+    notes = [line for line in md if line.startswith("Not comparable")]
+    assert len(notes) == 1 and notes[0].startswith("Not comparable: jobs 0, 2: debug=fast sets ")
+    assert "num_rounds" in notes[0] and "dataset.max_examples_per_client" in notes[0]
 
 
 def test_summary_command_rewrites_a_sweep_folder(tmp_path: Path) -> None:
