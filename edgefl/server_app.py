@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import Strategy
 from torch import nn
 
 from edgefl.checkpoint import (
+    CHECKPOINT_FILE,
     Checkpoint,
     capture_rng,
     load_checkpoint,
@@ -87,7 +88,8 @@ def run_federation(
 ) -> dict[str, Any]:
     """Run rounds up to ``num_rounds`` (from a checkpoint if resuming); write results.
 
-    Returns the history, final state, output folder and the model's unmanaged peak.
+    Returns the history, final state, output folder, the files written there (``result_files``)
+    and the model's unmanaged peak.
     """
     configure_logging(s.simulation.flower_log_level)
     out_dir = Path(s.server.output_dir)
@@ -118,11 +120,12 @@ def run_federation(
         "stopped_early": result.stopped_early,
     }
     unmanaged_peak_bytes = start.extra["unmanaged_peak_bytes"]
-    _write_outputs(out_dir, s, start.history, final_state, summary, unmanaged_peak_bytes)
+    files = _write_outputs(out_dir, s, start.history, final_state, summary, unmanaged_peak_bytes)
     return {
         "history": start.history,
         "final_state": final_state,
         "output_dir": out_dir,
+        "result_files": files,
         "unmanaged_peak_bytes": unmanaged_peak_bytes,
         "last_round": result.last_round,
     }
@@ -260,8 +263,11 @@ def _write_outputs(
     final_state: dict[str, torch.Tensor],
     summary: dict[str, Any],
     unmanaged_peak_bytes: int,
-) -> None:
-    """Results, plots (if asked) and the summary table in ``out_dir``; log where they are."""
+) -> list[Path]:
+    """Results, plots (if asked) and the summary table in ``out_dir``; log and return them.
+
+    The list is the one listing of a run's files: ``edgefl-sim`` prints it as it is logged here.
+    """
     paths = write_results(out_dir, history, final_state, s, summary)
     if s.server.save_plots:
         paths.append(plot_accuracy_loss(history, out_dir / ACCURACY_PNG))
@@ -278,9 +284,13 @@ def _write_outputs(
         history, s.client.fleet.classes, unmanaged_peak_bytes, _reference(summary)
     )
     (out_dir / SUMMARY_TXT).write_text(f"{table}\n\n{classes}\n")
+    paths.append(out_dir / SUMMARY_TXT)
+    if s.server.checkpoint and (out_dir / CHECKPOINT_FILE).is_file():
+        paths.append(out_dir / CHECKPOINT_FILE)
     logger.info("summary of the run:\n%s", table)
     logger.info("per device class (budget against the unmanaged peak):\n%s", classes)
     logger.info("results in %s: %s", out_dir, ", ".join(p.name for p in paths))
+    return paths
 
 
 def _reference(extra: dict[str, Any]) -> ReferenceRound | None:

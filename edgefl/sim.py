@@ -192,11 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EdgeFLError as exc:
         logger.error("%s", exc)
         return 2
-    out_dir = outcome["output_dir"]
-    print(
-        f"results: {out_dir} (rounds.json, rounds.csv, clients.csv, final_model.pt, "
-        f"summary.txt, plots accuracy_loss.png and client_memory.png)"
-    )
+    files = ", ".join(p.name for p in outcome["result_files"])  # as the ServerApp logged them
+    print(f"results: {outcome['output_dir']} ({files})")
     return 0
 
 

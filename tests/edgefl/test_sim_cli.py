@@ -11,6 +11,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+from edgefl import sim
 from edgefl.budget import Budget
 from edgefl.config import load_run_settings
 from edgefl.data import load_dataset
@@ -122,3 +123,20 @@ def test_simulated_clients_resolve_relative_budgets_by_the_runs_own_peak(
     )
     assert not reply.has_error()
     assert reply.content["metrics"][BUDGET_BYTES] == half.budget.of_peak(8 << 20)
+
+
+def test_the_results_line_names_the_files_the_run_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The printed listing is the ServerApp's (its log line's), not a list of its own."""
+    written = [tmp_path / name for name in ("rounds.json", "settings.json", "summary.txt")]
+    outcome = {"output_dir": tmp_path, "result_files": written}
+    monkeypatch.setattr(sim, "prepare", lambda settings: settings)
+    monkeypatch.setattr(sim, "measure_peak", lambda settings: None)
+    monkeypatch.setattr(sim, "time_reference", lambda settings: None)
+    monkeypatch.setattr(sim, "simulate", lambda settings, **kw: outcome)
+    assert main([f"output_dir={tmp_path}"]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"results: {tmp_path} (rounds.json, settings.json, summary.txt)\n"
+    )
