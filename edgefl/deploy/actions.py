@@ -70,16 +70,21 @@ class ClientOptions:
     device_class: str | None = None
 
 
-def make_certs(directory: Path, hosts: list[str], nodes: int, force: bool) -> list[Path]:
-    """TLS material for a SuperLink reached at ``hosts`` (plus loopback) and node-1..N key pairs."""
+def make_certs(
+    directory: Path, hosts: list[str], nodes: int, force: bool
+) -> list[pki.MaterialFile]:
+    """TLS material for a SuperLink reached at ``hosts`` (plus loopback) and node-1..N key pairs.
+
+    Returns every file written, private keys included.
+    """
     pki.subject_alt_names(hosts)  # a bad --san fails before anything is written
     tls = pki.write_tls(directory, hosts, force=force)
-    return [tls.ca_cert, tls.server_cert, *make_keys(directory, _node_names(nodes), force)]
+    return [*tls.listing(), *make_keys(directory, _node_names(nodes), force)]
 
 
-def make_keys(directory: Path, names: list[str], force: bool) -> list[Path]:
-    """Key pairs of the SuperNodes ``names``; return the public keys (to register)."""
-    return [pki.write_node_key(directory, name, force=force).public_key for name in names]
+def make_keys(directory: Path, names: list[str], force: bool) -> list[pki.MaterialFile]:
+    """Key pairs of the SuperNodes ``names``; return both files of each pair."""
+    return [f for name in names for f in pki.write_node_key(directory, name, force=force).listing()]
 
 
 def serve(opts: ServerOptions) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from edgefl.deploy import actions, submit
 from edgefl.deploy.errors import DeployError
-from edgefl.deploy.pki import CA_CERT, TlsFiles
+from edgefl.deploy.pki import CA_CERT, MaterialFile, TlsFiles
 from edgefl.errors import EdgeFLError
 from edgefl.log_setup import configure_logging
 
@@ -210,15 +210,20 @@ def _home(args: argparse.Namespace, name: str) -> Path:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    for path in actions.make_certs(args.dir, args.san, args.nodes, args.force):
-        print(f"edgefl: wrote {path}")
+    _list_written(actions.make_certs(args.dir, args.san, args.nodes, args.force))
     return 0
 
 
 def _keys(args: argparse.Namespace) -> int:
-    for path in actions.make_keys(args.dir, args.names, args.force):
-        print(f"edgefl: wrote {path} (and its private key {path.with_suffix('')})")
+    _list_written(actions.make_keys(args.dir, args.names, args.force))
     return 0
+
+
+def _list_written(files: list[MaterialFile]) -> None:
+    """One line per file written; a private key says so, with its mode as it is on disk."""
+    for f in files:
+        mode = f"private key, mode {f.path.stat().st_mode & 0o777:04o}; " if f.private else ""
+        print(f"edgefl: wrote {f.path} ({mode}{f.purpose})")
 
 
 def _server(args: argparse.Namespace) -> int:

@@ -36,6 +36,15 @@ _DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 
 @dataclass(frozen=True)
+class MaterialFile:
+    """One file of the deploy material: where it lies, what it is for, whether it is private."""
+
+    path: Path
+    purpose: str
+    private: bool  # a private key: written with mode 0600, never leaves its holder
+
+
+@dataclass(frozen=True)
 class TlsFiles:
     """Where the CA and the SuperLink's certificate and key lie (see NOTE [deploy material])."""
 
@@ -50,6 +59,15 @@ class TlsFiles:
         d = Path(directory)
         return cls(d / CA_CERT, d / CA_KEY, d / SERVER_CERT, d / SERVER_KEY)
 
+    def listing(self) -> list[MaterialFile]:
+        """Every file, each with its purpose (NOTE [deploy material])."""
+        return [
+            MaterialFile(self.ca_cert, "CA certificate: copy it to every device", False),
+            MaterialFile(self.ca_key, "the CA's: keep it where certificates are issued", True),
+            MaterialFile(self.server_cert, "the SuperLink's certificate", False),
+            MaterialFile(self.server_key, "the SuperLink's: keep it on the server", True),
+        ]
+
 
 @dataclass(frozen=True)
 class NodeKeyFiles:
@@ -63,6 +81,14 @@ class NodeKeyFiles:
         """The key pair of node ``name`` in the deploy folder ``directory``."""
         private = Path(directory) / NODES_DIR / name
         return cls(private, private.with_name(f"{name}.pub"))
+
+    def listing(self) -> list[MaterialFile]:
+        """Both files, the public key first (NOTE [deploy material])."""
+        name = self.private_key.name
+        return [
+            MaterialFile(self.public_key, f"{name}'s public key: register it", False),
+            MaterialFile(self.private_key, f"{name}'s: copy it to that device only", True),
+        ]
 
 
 def write_tls(

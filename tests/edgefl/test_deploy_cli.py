@@ -67,6 +67,33 @@ def test_every_option_of_every_command_has_help() -> None:
             assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
 
 
+def test_certs_lists_every_file_it_wrote_private_keys_marked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    deploy = tmp_path / "d"
+    assert main(["certs", "--dir", str(deploy), "--nodes", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    written = {p for p in deploy.rglob("*") if p.is_file()}
+    assert len(lines) == len(written) == 6
+    for path in written:
+        (line,) = [x for x in lines if x.split()[2] == str(path)]
+        private = path.name in ("ca.key", "server.key", "node-1")
+        assert ("private key, mode 0600" in line) == private, line
+        assert path.stat().st_mode & 0o777 == (0o600 if private else 0o644)
+
+
+def test_keys_lists_both_files_of_each_pair(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["keys", "--dir", str(tmp_path), "node-7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x.split()[2] for x in lines] == [
+        str(tmp_path / "nodes" / "node-7.pub"),
+        str(tmp_path / "nodes" / "node-7"),
+    ]
+    assert "register it" in lines[0] and "private key, mode 0600" in lines[1]
+
+
 def test_certs_then_certs_again_refuses_to_overwrite(
     deploy_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
