@@ -1,29 +1,28 @@
 """Command line of vtensor: ``python -m vtensor demo|plan``; ``plan`` profiles, plans and replays.
 
 ``plan MODEL`` builds a model (an edgefl zoo name, or ``package.module:factory``) and trains it on
-one random batch: ``--steps`` plain steps (reference time and weights; they warm the kernels), one
-step at a 1 TiB budget (the unmanaged peak and trace), then ``--steps`` iterations under a
-``MemoryManager`` at the budget, which profiles, plans and replays. It prints the figures, plots
-the unmanaged and managed iterations, and optionally writes the figures as JSON; progress goes to
-stderr. Loss: cross-entropy where the output holds logits over the targets (``(N, C)`` for
-``(N,)``, ``(N, T, V)`` for ``(N, T)``), else ``output.square().mean()``. Exit status: 0 done (1
-if the managed weights differ from the plain ones), 2 usage error, 3 infeasible budget.
+one random batch: a plain step (it warms the kernels), one step at a 1 TiB budget (the unmanaged
+peak and trace), then ``--steps`` iterations under a ``MemoryManager`` at the budget, which
+profiles, decides and replays its plan (up to three iterations to decide, a fourth with offloaded
+parameters), taking turns with ``--steps`` - 1 more plain steps (reference time and weights). It
+prints the manager's stated minimum, the plan, the managed step against the plain one and against
+the calibrated model's prediction, plots the iterations, and optionally writes the figures as
+JSON; progress goes to stderr. Loss: cross-entropy where the output holds logits over the targets
+(``(N, C)`` for ``(N,)``, ``(N, T, V)`` for ``(N, T)``), else ``output.square().mean()``. Exit
+status: 0 done (1 if the managed weights differ from the plain ones), 2 usage error, 3 infeasible
+budget.
 """
 
 import argparse
-import json
-import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import Any
 
-from vtensor.activations.report import Granularity, IterationReport
+from vtensor.activations.report import Granularity
 from vtensor.errors import InfeasibleBudgetError
-from vtensor.planner.plan import Plan
-from vtensor.sizes import format_bytes, parse_bytes
+from vtensor.sizes import parse_bytes
 from vtensor.tools import demo
-from vtensor.tools.plan_run import Outcome, PlanRequest, Progress, measure, planner_minimum
+from vtensor.tools.figures import print_summary, summary, write_outputs
+from vtensor.tools.plan_run import PlanRequest, Progress, measure
 from vtensor.tools.workload import UsageError, load_builder, loss_name
 
 EXIT_INFEASIBLE = demo.EXIT_INFEASIBLE
@@ -44,6 +43,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 _size = demo.size_argument
 _fraction = demo.fraction_argument
+_SWITCHES: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,12 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--granularity", choices=("chunk", "tensor"), default="chunk")
     p.add_argument(
-        "--offload-params",
+        "--recompute",
         action="store_true",
-        help="also keep parameters, gradients and momentum in the swap tier (ParamOffload), "
-        "planned with the activations under the one budget",
+        help="plans may recompute modules in backward where the calibrated model predicts it "
+        "faster (not with offloaded parameters)",
     )
-    p.add_argument("--steps", type=int, default=3, help="managed iterations (default 3)")
+    p.add_argument(
+        "--offload-params",
+        choices=tuple(_SWITCHES),
+        default="auto",
+        help="parameters, gradients and optimizer state in the swap tier under the same budget, "
+        "planned with the activations: auto (default: where they would take over half the "
+        "budget), on, off",
+    )
+    p.add_argument(
+        "--encode-masks",
+        choices=tuple(_SWITCHES),
+        default="off",
+        help="ReLU6/Hardtanh save their output instead of their input: on, off (default), auto "
+        "(where the plan moves bytes)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=4, help="managed iterations and plain steps, each (default 4)"
+    )
     p.add_argument("--plot", help="write the timeline PNG here")
     p.add_argument("--plan-cache", help="plan cache directory (shared by runs)")
     p.add_argument("--json", help="write the figures as JSON here")
@@ -87,119 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.set_defaults(parser=p)  # usage errors found after parsing are reported by this parser
     return parser
-
-
-# -- output ------------------------------------------------------------------------------------
-def _bytes(n: int | None) -> str:
-    return "n/a" if n is None else f"{format_bytes(n)} ({n} bytes)"
-
-
-def replayed(reports: Sequence[IterationReport]) -> list[IterationReport]:
-    """The iterations that replayed a plan (planned or cached), else all but the profiled one."""
-    plans = [r for r in reports if r.plan_source in ("planned", "cached")]
-    return plans or list(reports[1:]) or list(reports)
-
-
-def summary(o: Outcome) -> dict[str, Any]:
-    """The figures of an outcome as plain data (the JSON output)."""
-    last = replayed(o.managed)
-    step_s = statistics.median(r.wall_s for r in last)
-    reactive = [r.min_budget_bytes for r in o.managed if r.policy == "reactive"]
-    floor, floor_step = planner_minimum(o.trace or o.unmanaged_trace, o.chunk_bytes)
-    unmanaged_floor, _ = planner_minimum(o.unmanaged_trace, o.chunk_bytes)
-    return {
-        "unmanaged_peak_bytes": o.unmanaged.peak_device_bytes,
-        "budget_bytes": o.budget_bytes,
-        "min_budget_planner_bytes": floor,
-        "min_budget_planner_step": floor_step,
-        "min_budget_planner_unmanaged_trace_bytes": unmanaged_floor,
-        "min_budget_reactive_bytes": reactive[0] if reactive else None,
-        "plan_bytes_moved": o.plan.bytes_moved if o.plan is not None else None,
-        "plan_param_tensors": _param_tensors(o.plan),
-        "predicted_peak_bytes": last[-1].predicted_peak_bytes,
-        "predicted_stall_s": last[-1].predicted_stall_s,
-        "measured_peak_bytes": max(r.peak_device_bytes for r in last),
-        "measured_bytes_moved": last[-1].bytes_moved,
-        "measured_stall_s": statistics.median(r.stall_s for r in last),
-        "step_s": step_s,
-        "unmanaged_step_s": o.unmanaged_step_s,
-        "overhead": step_s / o.unmanaged_step_s if o.unmanaged_step_s > 0 else None,
-        "plan_sources": [r.plan_source for r in o.managed],
-        "weights_identical": o.weights_identical,
-        "failure": o.failure,
-        "iterations": [asdict(r) for r in o.managed],
-        "unmanaged": asdict(o.unmanaged),
-    }
-
-
-def _param_tensors(plan: Plan | None) -> int | None:
-    """Parameter-side tensors in a joint plan (``--offload-params``); None without a plan."""
-    return None if plan is None else sum(1 for name in plan.tensor_names if name)
-
-
-def print_summary(s: dict[str, Any], args: argparse.Namespace, loss: str) -> None:
-    """The figures, one per line, for people (and tests) to read."""
-    peak = s["unmanaged_peak_bytes"]
-    print(f"model: {args.model}, batch {tuple(args.batch_shape)} {args.input_dtype}, loss: {loss}")
-    print(f"unmanaged peak: {_bytes(peak)}")
-    print(
-        f"budget: {_bytes(s['budget_bytes'])}, {s['budget_bytes'] / peak:.0%} of the peak, "
-        f"{args.granularity} granularity, chunk {format_bytes(args.chunk_bytes)}"
-    )
-    print(
-        f"smallest feasible budget (planner): {_bytes(s['min_budget_planner_bytes'])} "
-        f"at {s['min_budget_planner_step']!r}"
-    )
-    unmanaged_floor = s["min_budget_planner_unmanaged_trace_bytes"]
-    print(f"smallest feasible budget (planner, unmanaged trace): {_bytes(unmanaged_floor)}")
-    print(f"smallest feasible budget (reactive run): {_bytes(s['min_budget_reactive_bytes'])}")
-    print(f"bytes to move per iteration (plan): {_bytes(s['plan_bytes_moved'])}")
-    if args.offload_params:
-        print(f"parameter-side tensors in the plan: {s['plan_param_tensors']}")
-    print(f"predicted peak: {_bytes(s['predicted_peak_bytes'])}")
-    stall = s["predicted_stall_s"]
-    print(f"predicted stall: {'n/a' if stall is None else f'{stall:.4f} s'}")
-    print(f"measured peak: {_bytes(s['measured_peak_bytes'])}")
-    print(f"measured bytes moved: {_bytes(s['measured_bytes_moved'])}")
-    print(f"measured stall: {s['measured_stall_s']:.4f} s")
-    overhead = s["overhead"]
-    print(
-        f"step time: {s['step_s']:.4f} s managed vs {s['unmanaged_step_s']:.4f} s unmanaged "
-        f"(overhead {'n/a' if overhead is None else f'{overhead:.2f}x'})"
-    )
-    print(f"plan source per iteration: {', '.join(s['plan_sources'])}")
-    print(f"weights bit-identical to unmanaged training: {s['weights_identical']}")
-    if s["failure"]:
-        print(f"managed run stopped early: {s['failure']}")
-
-
-def write_outputs(o: Outcome, s: dict[str, Any], args: argparse.Namespace) -> None:
-    """The plot and the JSON file, if asked for."""
-    if args.plot:
-        from vtensor.tools.timeline import plot_timeline
-
-        runs = {"unmanaged": o.unmanaged, f"iteration 0 ({o.managed[0].plan_source})": o.managed[0]}
-        if len(o.managed) > 1:
-            last = o.managed[-1]
-            runs[f"iteration {last.iteration} ({last.plan_source})"] = last
-        title = (
-            f"{args.model}, batch {tuple(args.batch_shape)}: budget {format_bytes(o.budget_bytes)}"
-        )
-        path = plot_timeline(
-            runs,
-            o.budget_bytes,
-            args.plot,
-            trace=o.trace or o.unmanaged_trace,
-            plan=o.plan,
-            title=title,
-        )
-        print(f"plot: {path}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(
-                {"model": args.model, "batch_shape": list(args.batch_shape), **s}, f, indent=1
-            )
-        print(f"json: {args.json}")
 
 
 # -- entry -------------------------------------------------------------------------------------
@@ -225,7 +129,9 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             fraction=args.fraction,
             chunk_bytes=args.chunk_bytes,
             granularity=Granularity(args.granularity),
-            offload_params=args.offload_params,
+            recompute=args.recompute,
+            encode_masks=_SWITCHES[args.encode_masks],
+            offload_params=_SWITCHES[args.offload_params],
             plan_cache_dir=args.plan_cache,
             storage_dir=args.storage_dir,
         )

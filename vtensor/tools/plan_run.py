@@ -1,10 +1,10 @@
 """What ``python -m vtensor plan`` measures: plain, unmanaged and managed runs of one batch."""
 
-import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,6 @@ from vtensor.activations.report import Granularity, IterationReport
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.offload.param_offload import ParamOffload
-from vtensor.planner.belady import plan_lgm
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes
@@ -39,34 +38,28 @@ def _iteration(
     batch: Batch,
     classes: int,
     mm: MemoryManager | None,
-    offload: ParamOffload | None = None,
 ) -> float:
+    """One training step (forward, backward, update); its seconds, timed alike with or without."""
     opt.zero_grad(set_to_none=True)
     x, y = batch
     begin = time.perf_counter()
     if mm is None:
         training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
-    elif offload is not None:  # one plan: the offloading holds the optimizer's state
-        with mm.step(model, inputs=batch, params=offload):
-            training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
     else:
         with mm.step(model, opt, inputs=batch):
             training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
-    elapsed = time.perf_counter() - begin
-    if offload is not None:
-        offload.step()
-    else:
-        opt.step()
-    return elapsed
+    opt.step()  # offloaded parameters were updated in backward: it changes nothing of theirs
+    return time.perf_counter() - begin
 
 
-def train(
-    build: Builder, batch: Batch, classes: int, steps: int, mm: MemoryManager | None
-) -> tuple[nn.Module, list[float]]:
-    """Train a fresh model ``steps`` iterations (managed by ``mm`` if given); step seconds."""
+def _fresh(build: Builder, batch: Batch) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = build().to(batch[0].device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return model, [_iteration(model, opt, batch, classes, mm) for _ in range(steps)]
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def warm_median(step_s: list[float]) -> float:
+    """The median step after the first, which warms the kernels (the first where it is all)."""
+    return statistics.median(step_s[1:] or step_s)
 
 
 @dataclass(frozen=True)
@@ -74,61 +67,62 @@ class Outcome:
     """What ``plan`` measured and planned.
 
     Attributes:
+        unmanaged_peak_bytes: the unmanaged peak the budget's fraction is of: the 1 TiB step's,
+            with the optimizer state its update creates (``MemoryManager.unmanaged_peak_bytes``).
         unmanaged: the report of the step at a 1 TiB budget (nothing moves).
         unmanaged_trace: its trace.
-        unmanaged_step_s: median seconds of a plain (no manager) forward and backward.
+        plain_step_s: seconds of a plain training step (no manager) in this process, after the
+            first (``warm_median``); the plain steps take turns with the managed ones.
         budget_bytes: the budget of the managed run.
-        chunk_bytes: its chunk size (None at tensor granularity).
+        min_budget_bytes: the manager's stated minimum: the error's where the budget broke,
+            else the last iteration's report's (NOTE [minimum budget]).
         managed: the reports of the managed iterations.
+        managed_step_s: seconds of each managed training step, timed as the plain ones.
+        param_bytes_moved: bytes each managed step's offloaded parameter side moved, both ways
+            (the reports count the activations').
         trace: the trace the manager profiled at the budget (None if a cached plan ran).
-        plan: the planner's plan at the budget for the trace used (None if it has none).
+        plan: the plan the manager replays (None if it has none).
+        params_offloaded: the manager offloaded the parameters, gradients and optimizer state.
         weights_identical: managed and plain training ended with bit-identical weights.
         failure: why the managed run stopped early (an infeasible budget), None if it did not.
     """
 
+    unmanaged_peak_bytes: int
     unmanaged: IterationReport
     unmanaged_trace: Trace
-    unmanaged_step_s: float
+    plain_step_s: float
     budget_bytes: int
-    chunk_bytes: int | None
+    min_budget_bytes: int
     managed: tuple[IterationReport, ...]
+    managed_step_s: tuple[float, ...]
+    param_bytes_moved: tuple[int, ...]
     trace: Trace | None
     plan: Plan | None
+    params_offloaded: bool
     weights_identical: bool
     failure: str | None
 
 
-def planner_minimum(trace: Trace, chunk_bytes: int | None) -> tuple[int, str]:
-    """The smallest budget the planner finds feasible on ``trace`` and the step that sets it."""
-    try:
-        plan_lgm(trace, 0, chunk_bytes=chunk_bytes)
-    except InfeasibleBudgetError as err:
-        return err.min_budget_bytes, err.step
-    return 0, ""
-
-
-def _plan_at(trace: Trace, budget_bytes: int, chunk_bytes: int | None) -> Plan | None:
-    try:
-        return plan_lgm(trace, budget_bytes, chunk_bytes=chunk_bytes)
-    except InfeasibleBudgetError:
-        return None
-
-
 @dataclass(frozen=True)
 class PlanRequest:
-    """What to measure: the batch, the budget (bytes, else a fraction of the peak) and runs."""
+    """What to measure: the batch, the budget (bytes, else a fraction of the peak) and runs.
+
+    ``recompute``, ``encode_masks`` and ``offload_params`` go to ``MemoryManager`` as they are.
+    """
 
     batch_shape: tuple[int, ...]
     target_shape: tuple[int, ...] | None = None
     input_dtype: str = "float"
     vocab: int | None = None
     device: str = "cpu"
-    steps: int = 3
+    steps: int = 4
     budget_bytes: int | None = None
     fraction: float = 0.5
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     granularity: Granularity = Granularity.CHUNK
-    offload_params: bool = False
+    recompute: bool = False
+    encode_masks: bool | str = False
+    offload_params: bool | str = "auto"
     plan_cache_dir: str | None = None
     storage_dir: str | None = None
 
@@ -142,17 +136,21 @@ class PlanRequest:
 def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome:
     """Run the plain, unmanaged and managed iterations; raises ``InfeasibleBudgetError``."""
     batch, classes = request.batch()
-    # Plain steps first: a process's first iteration allocates what kernels keep for later,
-    # which would inflate the unmanaged peak (docs/vtensor.md, Limits).
-    progress(f"{request.steps} plain steps (no manager): reference time and weights")
-    reference, plain_s = train(build, batch, classes, request.steps, None)
+    # A plain step first: a process's first iteration allocates what kernels keep for later,
+    # which would inflate the unmanaged peak (docs/vtensor.md, Limits). The others take turns
+    # with the managed ones, so that both are timed under the same load.
+    progress("plain step 0 (no manager): it warms the kernels")
+    reference, reference_opt = _fresh(build, batch)
+    plain_s = [_iteration(reference, reference_opt, batch, classes, None)]
+
+    def plain_step() -> None:
+        plain_s.append(_iteration(reference, reference_opt, batch, classes, None))
+        progress(f"plain step {len(plain_s) - 1} (no manager): {plain_s[-1]:.3f} s")
+
     with tempfile.TemporaryDirectory(prefix="vtensor-plan-") as scratch:
         storage = request.storage_dir or scratch
         progress("one step at a 1TiB budget: the unmanaged peak and trace")
-        with MemoryManager("1TiB", storage_dir=storage) as probe:
-            train(build, batch, classes, 1, probe)
-        assert probe.trace is not None  # a first iteration is always profiled
-        peak = probe.report().peak_device_bytes
+        probe, trace, peak = _unmanaged(build, batch, classes, storage)
         budget = request.budget_bytes or int(peak * request.fraction)
         progress(f"unmanaged peak {format_bytes(peak)}, budget {format_bytes(budget)}")
         mm = MemoryManager(
@@ -161,71 +159,101 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
             storage_dir=storage,
             granularity=request.granularity,
             plan_cache_dir=request.plan_cache_dir,
+            recompute=request.recompute,
+            encode_masks=request.encode_masks,
+            offload_params=request.offload_params,
         )
         with mm:
-            managed, failure, replayed = _train_managed(
-                build, batch, classes, request.steps, mm, progress, request.offload_params
+            model, opt = _fresh(build, batch)
+            managed_s, param_moved, failure = _train_managed(
+                model, opt, batch, classes, request.steps, mm, progress, plain_step
             )
+            plan = mm.plan_for(model, batch, _owned_offload(mm))
+            offloaded = mm.params_offloaded
     if failure is not None and not mm.reports:
-        floor, step = planner_minimum(probe.trace, mm.chunk_size)
-        progress(f"planner's minimum on the unmanaged trace: {format_bytes(floor)} at {step!r}")
         raise failure
-    same = all(map(torch.equal, reference.state_dict().values(), managed.state_dict().values()))
-    trace = mm.trace or probe.trace
-    plan = replayed if replayed is not None else _plan_at(trace, budget, mm.chunk_size)
+    same = all(map(torch.equal, reference.state_dict().values(), model.state_dict().values()))
     return Outcome(
-        probe.report(),
-        probe.trace,
-        statistics.median(plain_s),
+        peak,
+        probe,
+        trace,
+        warm_median(plain_s),
         budget,
-        mm.chunk_size,
+        failure.min_budget_bytes if failure is not None else mm.report().min_budget_bytes,
         mm.reports,
+        tuple(managed_s),
+        tuple(param_moved),
         mm.trace,
         plan,
+        offloaded,
         same and failure is None,
         None if failure is None else str(failure),
     )
 
 
+def _unmanaged(
+    build: Builder, batch: Batch, classes: int, storage_dir: str
+) -> tuple[IterationReport, Trace, int]:
+    """A step at 1 TiB: its report, its trace, and the manager's unmanaged peak."""
+    with MemoryManager("1TiB", storage_dir=storage_dir) as probe:
+        _iteration(*_fresh(build, batch), batch, classes, probe)
+    assert probe.trace is not None  # a first iteration is always profiled
+    # The manager's own unmanaged peak: with the optimizer state the first update creates.
+    peak = probe.unmanaged_peak_bytes or probe.report().peak_device_bytes
+    return probe.report(), probe.trace, peak
+
+
+def _owned_offload(mm: MemoryManager) -> ParamOffload | None:
+    """The offloading ``mm`` made for the model, which its joint plan is keyed by.
+
+    ``MemoryManager.plan_for`` finds a joint plan by the offloading handed to ``step``; the one
+    the manager makes itself (``offload_params``) it keeps to itself, so it is read here.
+    """
+    return next(iter(mm._offloads._made.values()), None)
+
+
 def _train_managed(
-    build: Builder,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
     batch: Batch,
     classes: int,
     steps: int,
     mm: MemoryManager,
     progress: Progress,
-    offload_params: bool = False,
-) -> tuple[nn.Module, InfeasibleBudgetError | None, Plan | None]:
-    """Train under ``mm`` until it breaks the budget; the model, why, and the plan replayed."""
-    model = build().to(batch[0].device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    with contextlib.ExitStack() as stack:
-        offload = None
-        try:
-            if offload_params:
-                offload = stack.enter_context(
-                    ParamOffload(
-                        model,
-                        opt,
-                        mm.budget_bytes,
-                        chunk_bytes=mm.chunk_bytes,
-                        storage_dir=mm.storage_dir,
-                    )
-                )
-            for i in range(steps):
-                progress(f"managed iteration {i + 1}/{steps} at {format_bytes(mm.budget_bytes)}")
-                _iteration(model, opt, batch, classes, mm, offload)
-                _progress_line(mm, progress)
-        except InfeasibleBudgetError as err:
-            progress(f"  stopped: {err}")
-            return model, err, None
-        replayed = mm.plan_for(model, batch, offload)
-    return model, None, replayed
+    between: Callable[[], None],
+) -> tuple[list[float], list[int], InfeasibleBudgetError | None]:
+    """Train under ``mm`` until it breaks the budget, calling ``between`` between steps.
+
+    Returns:
+        Each step's seconds, the bytes its parameter side moved, and why it stopped (or None).
+    """
+    seconds: list[float] = []
+    param_moved: list[int] = []
+    try:
+        for i in range(steps):
+            progress(
+                f"managed iteration {i} ({i + 1} of {steps}) at {format_bytes(mm.budget_bytes)}"
+            )
+            before = _param_bytes_moved(mm)
+            seconds.append(_iteration(model, opt, batch, classes, mm))
+            param_moved.append(_param_bytes_moved(mm) - before)
+            rep = mm.report()
+            progress(
+                f"  {rep.plan_source}{', lean' if rep.lean else ''}: "
+                f"peak {format_bytes(rep.peak_device_bytes)}, "
+                f"moved {format_bytes(rep.bytes_moved + param_moved[-1])}, "
+                f"stall {rep.stall_s:.3f} s, step {seconds[-1]:.3f} s"
+            )
+            if i + 1 < steps:
+                between()
+    except InfeasibleBudgetError as err:
+        progress(
+            f"  stopped: the budget cannot be met ({format_bytes(err.min_budget_bytes)} needed)"
+        )
+        return seconds, param_moved, err
+    return seconds, param_moved, None
 
 
-def _progress_line(mm: MemoryManager, progress: Progress) -> None:
-    rep = mm.report()
-    progress(
-        f"  {rep.plan_source}: peak {format_bytes(rep.peak_device_bytes)}, "
-        f"moved {format_bytes(rep.bytes_moved)}, stall {rep.stall_s:.3f} s"
-    )
+def _param_bytes_moved(mm: MemoryManager) -> int:
+    """Bytes the manager's parameter offloadings have moved so far, both ways."""
+    return sum(r.bytes_out + r.bytes_in for r in mm.offload_reports())

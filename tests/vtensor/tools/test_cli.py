@@ -1,20 +1,20 @@
 """The command line (python -m vtensor plan / demo) and the timeline plot."""
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from vtensor.activations.report import IterationReport, StepStats
+from tests.vtensor.tools.reports import MIB, lean, report, trace
 from vtensor.planner.belady import plan_lgm
-from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
-from vtensor.tools import cli, workload
-from vtensor.tools.timeline import phase_spans, plot_timeline
+from vtensor.tools import cli, figures, plan_run, workload
 
 REPO = Path(__file__).resolve().parents[3]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -30,6 +30,11 @@ def make_model():
     for _ in range(6):
         layers += [nn.Linear(256, 256), nn.Tanh()]
     return nn.Sequential(*layers, nn.Linear(256, 10))
+
+
+def make_blocks():
+    blocks = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)]
+    return nn.Sequential(*blocks, nn.Linear(256, 10))
 
 
 def not_a_model():
@@ -62,14 +67,15 @@ def test_cli_plan_profiles_plans_replays_and_writes_plot_and_json(tiny_models: P
     out = done.stdout
     peak, budget = _figure(out, "unmanaged peak"), _figure(out, "budget")
     assert budget == int(peak * 0.9)
-    assert 0 < _figure(out, "smallest feasible budget (planner)") <= budget
+    assert 0 < _figure(out, "smallest feasible budget (the manager's stated minimum)") <= budget
+    assert out.count("smallest") == 1
     assert _figure(out, "bytes to move per iteration (plan)") > 0
     assert _figure(out, "predicted peak") <= budget
     assert _figure(out, "measured peak") <= budget + 64 * 1024  # the budget holds to a chunk
     assert "plan source per iteration: profiled, planned" in out
     assert "loss: cross-entropy" in out
     assert "weights bit-identical to unmanaged training: True" in out
-    assert re.search(r"\[\s*\d+\.\d+ s\] managed iteration 2/2", done.stderr)
+    assert re.search(r"\[\s*\d+\.\d+ s\] managed iteration 1 \(2 of 2\)", done.stderr)
     assert png.read_bytes().startswith(PNG_SIGNATURE)
     figures = json.loads(out_json.read_text())
     assert figures["budget_bytes"] == budget
@@ -82,7 +88,7 @@ def test_cli_plan_offload_params_plans_parameters_with_activations(tiny_models: 
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "vtensor", "plan", "tiny_models:make_model"]
     command += ["--batch-shape", "512,256", "--fraction", "0.6", "--chunk-bytes", "64KiB"]
-    command += ["--steps", "3", "--offload-params"]
+    command += ["--steps", "3", "--offload-params", "on"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -91,6 +97,95 @@ def test_cli_plan_offload_params_plans_parameters_with_activations(tiny_models: 
     # The first step creates the momentum, so the second is the one profiled and planned.
     assert "plan source per iteration: profiled, profiled, planned" in out
     assert "weights bit-identical to unmanaged training: True" in out
+
+
+def _outcome(**changes: object) -> plan_run.Outcome:
+    """A managed run of four iterations: profiled, a full replay, two lean replays."""
+    full = report([1, 2, 4, 5, 5, 5, 3, 1], [0, 0, 2, 0, 0, 0, 0, 0], "planned", iteration=1)
+    full = dataclasses.replace(full, wall_s=0.4, stall_s=0.03, predicted_stall_s=0.01)
+    steady = (lean(full, 2, wall_s=0.21, stall_s=0.02), lean(full, 3, wall_s=0.19, stall_s=0.02))
+    profiled = report([1, 2, 4, 5, 5, 5, 3, 1], [0] * 8, "profiled", min_budget_bytes=5 * MIB)
+    plan = plan_lgm(trace(), 6 * MIB)
+    plan = dataclasses.replace(plan, predicted_step_s=0.18, recompute=("blocks.1", "blocks.3"))
+    made = plan_run.Outcome(
+        unmanaged_peak_bytes=8 * MIB,
+        unmanaged=report([1, 2, 4, 6, 7, 5, 3, 1], [0] * 8, "profiled"),
+        unmanaged_trace=trace(),
+        plain_step_s=0.1,
+        budget_bytes=6 * MIB,
+        min_budget_bytes=5 * MIB,
+        managed=(profiled, full, *steady),
+        managed_step_s=(0.9, 0.5, 0.26, 0.24),
+        param_bytes_moved=(0, 0, 0, 0),
+        trace=trace(),
+        plan=plan,
+        params_offloaded=False,
+        weights_identical=True,
+        failure=None,
+    )
+    return dataclasses.replace(made, **changes)  # type: ignore[arg-type]
+
+
+def test_cli_summary_states_one_minimum_the_step_against_plain_and_the_prediction(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = cli.build_parser().parse_args(["plan", "m", "--batch-shape", "8,256", "--recompute"])
+    s = figures.summary(_outcome())
+    figures.print_summary(s, args, "cross-entropy")
+    out = capsys.readouterr().out
+    # One smallest budget: the manager's stated minimum, not the planner's or a reactive run's.
+    assert out.count("smallest") == 1
+    assert _figure(out, "smallest feasible budget (the manager's stated minimum)") == 5 * MIB
+    assert s["min_budget_bytes"] == 5 * MIB
+    # The steady iterations (the lean replays) against the plain step of the same process.
+    assert s["managed_step_s"] == pytest.approx(0.25)
+    assert s["overhead"] == pytest.approx(2.5)
+    assert "managed 0.2500 s, plain 0.1000 s: 2.50x" in out
+    # The calibrated model's step beside the manager's own measure of the step it predicts.
+    assert "step inside the manager: 0.2000 s measured, 0.1800 s predicted" in out
+    assert "waits for transfers: 0.0200 s measured, 0.0100 s predicted" in out
+    assert "recomputed in backward (the replayed plan): blocks.1, blocks.3" in out
+
+
+def test_cli_summary_without_recompute_says_how_to_allow_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = cli.build_parser().parse_args(["plan", "m", "--batch-shape", "8,256"])
+    plan = _outcome().plan
+    assert plan is not None
+    figures.print_summary(
+        figures.summary(_outcome(plan=dataclasses.replace(plan, recompute=()))), args, ""
+    )
+    assert "recomputed in backward: off (--recompute allows it)" in capsys.readouterr().out
+
+
+def test_plan_run_plain_step_leaves_out_the_cold_first_step() -> None:
+    assert plan_run.warm_median([3.5, 0.05, 0.04, 0.06]) == 0.05
+    assert plan_run.warm_median([0.7]) == 0.7  # nothing else to take
+
+
+def test_cli_plan_passes_recompute_offload_params_and_masks_to_the_manager(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made: list[dict[str, object]] = []
+    real = plan_run.MemoryManager
+
+    def recording(*args: Any, **kwargs: Any) -> plan_run.MemoryManager:
+        made.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_run, "MemoryManager", recording)
+    words = ["plan", "tiny_models:make_blocks", "--batch-shape", "1024,256", "--fraction", "0.7"]
+    words += ["--chunk-bytes", "64KiB", "--steps", "4", "--recompute"]
+    words += ["--offload-params", "off", "--encode-masks", "auto"]
+    assert cli.main(words) == 0
+    managed = made[-1]
+    assert managed["recompute"] is True
+    assert managed["offload_params"] is False
+    assert managed["encode_masks"] == "auto"
+    out = capsys.readouterr().out
+    assert re.search(r"^recomputed in backward \(the replayed plan\): \S", out, re.MULTILINE), out
+    assert "parameters, gradients and optimizer state: in memory (--offload-params off)" in out
 
 
 @pytest.mark.parametrize(
@@ -154,71 +249,6 @@ def test_cli_without_subcommand_runs_the_demo(monkeypatch: pytest.MonkeyPatch) -
     assert cli.main(["--steps", "1"]) == 0
     assert cli.main(["demo", "--fraction", "0.4"]) == 0
     assert calls == [[], ["--steps", "1"], ["--fraction", "0.4"]]
-
-
-def _report(peaks_mib: list[float], moved_mib: list[float], source: str) -> IterationReport:
-    phases = [Phase.OTHER] + [Phase.FORWARD] * 3 + [Phase.BACKWARD] * 3 + [Phase.OTHER]
-    steps = tuple(
-        StepStats(i, f"{p.value}:{i}", p, 0.01, int(m * 2**20), int(o * 2**20), 0, 0.0, 0.0)
-        for i, (p, m, o) in enumerate(zip(phases, peaks_mib, moved_mib, strict=True))
-    )
-    top = max(s.peak_device_bytes for s in steps)
-    return IterationReport(
-        0,
-        "planned",
-        "chunk",
-        source,
-        "cpu",
-        6 * 2**20,
-        2**20,
-        top,
-        None,
-        "rss-vmhwm",
-        top,
-        sum(s.bytes_out for s in steps),
-        0,
-        0.0,
-        0.0,
-        0.1,
-        steps,
-    )
-
-
-def _trace() -> Trace:
-    unmanaged_mib = [1, 1, 1, 3, 3, 1, 1, 1]
-    steps = tuple(
-        TraceStep(i, f"s{i}", Phase.FORWARD if i < 4 else Phase.BACKWARD, 0.01, 0, 0, u * 2**20)
-        for i, u in enumerate(unmanaged_mib)
-    )
-    tensors = (TraceTensor(0, 4 * 2**20, ("float32",), 1, 2, (6,)),)
-    return Trace(steps, tensors, 0, 2**20, 2**40, 2**20, "cpu")
-
-
-def test_plot_timeline_writes_a_png_with_runs_budget_and_prediction(tmp_path: Path) -> None:
-    runs = {
-        "unmanaged": _report([1, 2, 4, 6, 7, 5, 3, 1], [0] * 8, "profiled"),
-        "planned": _report([1, 2, 4, 5, 5, 5, 3, 1], [0, 0, 2, 0, 0, 0, 0, 0], "planned"),
-    }
-    trace = _trace()
-    plan = plan_lgm(trace, 6 * 2**20)
-    assert plan.moves
-    path = plot_timeline(
-        runs,
-        6 * 2**20,
-        tmp_path / "a" / "t.png",
-        trace=trace,
-        plan=plan,
-        title="tiny, budget 6 MiB",
-    )
-    assert path.read_bytes().startswith(PNG_SIGNATURE)
-    with pytest.raises(ValueError, match="at least one run"):
-        plot_timeline({}, 1, tmp_path / "empty.png")
-
-
-def test_phase_spans_groups_consecutive_phases() -> None:
-    f, b, o = Phase.FORWARD, Phase.BACKWARD, Phase.OTHER
-    assert phase_spans([o, f, f, b, b, b, o]) == [(o, 0, 0), (f, 1, 2), (b, 3, 5), (o, 6, 6)]
-    assert phase_spans([]) == []
 
 
 @pytest.mark.parametrize(
