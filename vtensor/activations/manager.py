@@ -495,8 +495,13 @@ class MemoryManager:
         inputs: Sequence[torch.Tensor] = (),
         params: "ParamOffload | None" = None,
     ) -> Plan | None:
-        """The plan replayed for ``model`` at ``inputs`` (``params`` as for :meth:`step`)."""
+        """The plan replayed for ``model`` at ``inputs`` (``params`` as for :meth:`step`).
+
+        Without ``params``, the joint plan with the offloading this manager made for ``model``,
+        if it made one.
+        """
         device = self.device or device_of(model)
+        params = params or self._offloads.of_model(model)
         signature = params.plan_signature() if params is not None else ""
         return self._plans.plan_for(model, inputs, device, signature)
 

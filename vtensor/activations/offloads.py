@@ -96,6 +96,10 @@ class Offloads:
         self._made[key] = offload
         return offload, probing
 
+    def of_model(self, model: nn.Module) -> ParamOffload | None:
+        """The offloading made for ``model``, if any (the first, where several optimizers)."""
+        return next((o for (m, _), o in self._made.items() if m == id(model)), None)
+
     def discard(self, offload: ParamOffload) -> None:
         """Close ``offload`` and forget it: its parameters are the model's own again."""
         self._made = {k: v for k, v in self._made.items() if v is not offload}

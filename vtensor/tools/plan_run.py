@@ -14,7 +14,6 @@ from vtensor.activations.manager import MemoryManager
 from vtensor.activations.report import Granularity, IterationReport
 from vtensor.errors import InfeasibleBudgetError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
-from vtensor.offload.param_offload import ParamOffload
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes
@@ -168,7 +167,7 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
             managed_s, param_moved, failure = _train_managed(
                 model, opt, batch, classes, request.steps, mm, progress, plain_step
             )
-            plan = mm.plan_for(model, batch, _owned_offload(mm))
+            plan = mm.plan_for(model, batch)
             offloaded = mm.params_offloaded
     if failure is not None and not mm.reports:
         raise failure
@@ -201,15 +200,6 @@ def _unmanaged(
     # The manager's own unmanaged peak: with the optimizer state the first update creates.
     peak = probe.unmanaged_peak_bytes or probe.report().peak_device_bytes
     return probe.report(), probe.trace, peak
-
-
-def _owned_offload(mm: MemoryManager) -> ParamOffload | None:
-    """The offloading ``mm`` made for the model, which its joint plan is keyed by.
-
-    ``MemoryManager.plan_for`` finds a joint plan by the offloading handed to ``step``; the one
-    the manager makes itself (``offload_params``) it keeps to itself, so it is read here.
-    """
-    return next(iter(mm._offloads._made.values()), None)
 
 
 def _train_managed(
