@@ -20,12 +20,12 @@ MEMORY_PNG = "client_memory.png"
 _MIB = float(1 << 20)
 
 
-def plot_accuracy_loss(history: RunHistory, path: Path) -> Path:
-    """Central accuracy and loss (and clients' mean train loss) per round."""
+def plot_accuracy_loss(history: RunHistory, path: Path, accuracy: str = "accuracy") -> Path:
+    """Central ``accuracy`` (its name) and loss (and clients' mean train loss) per round."""
     rounds = [r for r in history.rounds if r.central_acc is not None]
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
     ax_acc.plot([r.server_round for r in rounds], [r.central_acc for r in rounds], "o-")
-    ax_acc.set(xlabel="round", ylabel="accuracy", title="central accuracy (held-out test set)")
+    ax_acc.set(xlabel="round", ylabel=accuracy, title=f"central {accuracy} (held-out test set)")
     ax_loss.plot(
         [r.server_round for r in rounds],
         [r.central_loss for r in rounds],

@@ -25,6 +25,8 @@ CLIENTS_CSV = "clients.csv"
 MODEL_FILE = "final_model.pt"
 SETTINGS_JSON = "settings.json"
 SUMMARY_TXT = "summary.txt"
+# rounds.json's key naming what its central_acc counts (edgefl.data.DatasetInfo.accuracy)
+CENTRAL_ACC_NAME = "central_acc_name"
 
 
 def check_output_dir(out_dir: Path) -> None:

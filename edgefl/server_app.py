@@ -42,7 +42,7 @@ from edgefl.progress import TrainProgress
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
 from edgefl.records import BATCH_SIZE, CENTRAL_ACC, CENTRAL_LOSS, LOCAL_EPOCHS, LR, SEED
 from edgefl.reference import ReferenceRound, time_unmanaged_round
-from edgefl.results import SUMMARY_TXT, write_results
+from edgefl.results import CENTRAL_ACC_NAME, SUMMARY_TXT, write_results
 from edgefl.rounds import RoundPlan, StopRun, run_rounds
 from edgefl.secagg import SecAggPlus
 from edgefl.settings import RunSettings
@@ -99,7 +99,8 @@ def run_federation(
     key = run_key(s)
     start = _starting_state(s, key, model, test_set, peak, reference)
     _log_model(s, model, info.name, start.extra)
-    hooks = _RoundHooks(s, model, test_set, start, _privacy_guard(s, start.strategy), key, out_dir)
+    guard = _privacy_guard(s, start.strategy)
+    hooks = _RoundHooks(s, model, test_set, start, guard, key, out_dir, info.accuracy)
     started = time.perf_counter()
     result = run_rounds(
         start.strategy,
@@ -118,6 +119,7 @@ def run_federation(
         "strategy_s": time.perf_counter() - started,
         "resumed_after": start.first_round - 1,
         "stopped_early": result.stopped_early,
+        CENTRAL_ACC_NAME: info.accuracy,
     }
     unmanaged_peak_bytes = start.extra["unmanaged_peak_bytes"]
     files = _write_outputs(out_dir, s, start.history, final_state, summary, unmanaged_peak_bytes)
@@ -205,6 +207,7 @@ class _RoundHooks:
     guard: PrivacyGuard
     key: dict[str, Any]
     out_dir: Path
+    accuracy: str  # what the central accuracy counts (DatasetInfo.accuracy)
 
     def before_round(self, server_round: int) -> None:
         try:
@@ -219,7 +222,7 @@ class _RoundHooks:
             self.model.load_state_dict(arrays.to_torch_state_dict())
             outcome = evaluate(self.model, self.test_set, s.client.train.eval_batch_size)
         record = self.start.history.close_round(server_round, outcome, self.guard.epsilon())
-        logger.info("%s", round_line(record, s.server.num_rounds))
+        logger.info("%s", round_line(record, s.server.num_rounds, self.accuracy))
         if outcome is None:
             return None
         return MetricRecord({CENTRAL_LOSS: outcome.loss, CENTRAL_ACC: outcome.accuracy})
@@ -270,7 +273,8 @@ def _write_outputs(
     """
     paths = write_results(out_dir, history, final_state, s, summary)
     if s.server.save_plots:
-        paths.append(plot_accuracy_loss(history, out_dir / ACCURACY_PNG))
+        accuracy_png = out_dir / ACCURACY_PNG
+        paths.append(plot_accuracy_loss(history, accuracy_png, summary[CENTRAL_ACC_NAME]))
         paths.append(
             plot_client_memory(
                 history,
@@ -279,7 +283,7 @@ def _write_outputs(
                 out_dir / MEMORY_PNG,
             )
         )
-    table = summary_table(history)
+    table = summary_table(history, summary[CENTRAL_ACC_NAME])
     classes = class_table(
         history, s.client.fleet.classes, unmanaged_peak_bytes, _reference(summary)
     )

@@ -21,12 +21,12 @@ from edgefl.settings import DeviceClass
 from vtensor import format_bytes
 
 
-def round_line(record: RoundRecord, num_rounds: int) -> str:
-    """One line per round: central accuracy and loss, clients, memory and swapping, time."""
+def round_line(record: RoundRecord, num_rounds: int, accuracy: str = "accuracy") -> str:
+    """One line per round: central ``accuracy`` (its name) and loss, clients, memory, time."""
     central = (
-        "central acc -"
+        f"central {accuracy} -"
         if record.central_acc is None
-        else f"central acc {record.central_acc:.4f} loss {record.central_loss:.4f}"
+        else f"central {accuracy} {record.central_acc:.4f} loss {record.central_loss:.4f}"
     )
     if record.server_round == 0:
         return f"round 0/{num_rounds} (initial model): {central}"
@@ -41,20 +41,24 @@ def round_line(record: RoundRecord, num_rounds: int) -> str:
     )
 
 
-def summary_table(history: RunHistory) -> str:
-    """A fixed-width table of every round, then the client errors (``error_lines``)."""
+def summary_table(history: RunHistory, accuracy: str = "accuracy") -> str:
+    """A fixed-width table of every round, then the client errors (``error_lines``).
+
+    ``accuracy`` names what the central accuracy counts (the dataset's ``accuracy``).
+    """
+    acc = f"central {accuracy}"
     header = (
-        f"{'round':>5} {'central acc':>11} {'central loss':>12} {'trained':>7} "
+        f"{'round':>5} {acc:>11} {'central loss':>12} {'trained':>7} "
         f"{'failed':>6} {'train loss':>10} {'peak/budget':>11} {'swapped':>11} "
         f"{'stall s':>7} {'wall s':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in history.rounds:
         lines.append(
-            f"{r.server_round:>5} {_num(r.central_acc, 4):>11} {_num(r.central_loss, 4):>12} "
-            f"{r.clients_trained:>7} {r.clients_failed:>6} {_num(r.train_loss, 4):>10} "
-            f"{_pct(r.max_peak_fraction):>11} {format_bytes(r.bytes_swapped):>11} "
-            f"{r.stall_s:>7.1f} {r.wall_s:>7.1f}"
+            f"{r.server_round:>5} {_num(r.central_acc, 4):>{max(11, len(acc))}} "
+            f"{_num(r.central_loss, 4):>12} {r.clients_trained:>7} {r.clients_failed:>6} "
+            f"{_num(r.train_loss, 4):>10} {_pct(r.max_peak_fraction):>11} "
+            f"{format_bytes(r.bytes_swapped):>11} {r.stall_s:>7.1f} {r.wall_s:>7.1f}"
         )
     lines += error_lines([c.error for c in history.errors() if c.error])
     return "\n".join(lines)

@@ -24,6 +24,8 @@ class DatasetInfo:
     kind: DataKind
     example_shape: tuple[int, ...]
     num_classes: int  # classes, or vocabulary size for TOKENS
+    # what the central accuracy counts, as every printed line, table and plot names it
+    accuracy: str = "accuracy"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,11 @@ _SPEAKER = re.compile(r"^([A-Z][A-Za-z'\-]*(?: [A-Za-z'\-]+){0,3})\.$")
 def dataset_info(seq_len: int) -> DatasetInfo:
     """Describe Shakespeare cut into sequences of ``seq_len`` characters."""
     return DatasetInfo(
-        name="shakespeare", kind=DataKind.TOKENS, example_shape=(seq_len,), num_classes=VOCAB_SIZE
+        name="shakespeare",
+        kind=DataKind.TOKENS,
+        example_shape=(seq_len,),
+        num_classes=VOCAB_SIZE,
+        accuracy="next-character accuracy",  # of every position's next character
     )
 
 

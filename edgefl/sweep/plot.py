@@ -33,7 +33,9 @@ def plot_sweep(rows: Sequence[JobRow], path: Path) -> Path:
             text = "no memory figures" if row.status is JobState.OK else str(row.status)
             ax_mem.text(index, 2, text, ha="center", va="bottom", rotation=90, color="tab:red")
     last_round = max((r.rounds for r in rows), default=1)
-    ax_acc.set(xlabel="round", ylabel="accuracy", title="central accuracy per round")
+    names = sorted({r.accuracy for r in rows})  # what each job's accuracy counts
+    accuracy = names[0] if len(names) == 1 else " or ".join(names)
+    ax_acc.set(xlabel="round", ylabel=accuracy, title=f"central {accuracy} per round")
     ax_acc.set_xlim(-0.5, last_round + 0.5)
     ax_time.set(xlabel="round", ylabel="seconds", title="round wall time")
     ax_time.set_xlim(0.5, max(last_round, 1) + 0.5)

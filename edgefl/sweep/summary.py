@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from edgefl.config import conf_dir
-from edgefl.results import ROUNDS_JSON
+from edgefl.results import CENTRAL_ACC_NAME, ROUNDS_JSON
 from vtensor import format_bytes
 
 STATUS_JSON = "job_status.json"
@@ -60,6 +60,7 @@ class JobRow:
     central_acc: tuple[tuple[int, float], ...] = field(default=(), metadata={"column": False})
     round_wall_s: tuple[tuple[int, float], ...] = field(default=(), metadata={"column": False})
     check: str = field(default="", metadata={"column": False})  # why not comparable
+    accuracy: str = field(default="accuracy", metadata={"column": False})  # what acc counts
 
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(JobRow) if f.metadata.get("column", True))
@@ -117,7 +118,8 @@ def job_row(sweep_dir: Path, job_dir: Path) -> JobRow:
         "output_dir": str(job_dir),
     }
     try:
-        rounds = json.loads((job_dir / ROUNDS_JSON).read_text())["rounds"]
+        results = json.loads((job_dir / ROUNDS_JSON).read_text())
+        rounds = results["rounds"]
     except FileNotFoundError:
         if state is JobState.OK:  # no status either, or a status that claims results
             state = JobState.NO_RESULTS
@@ -126,7 +128,8 @@ def job_row(sweep_dir: Path, job_dir: Path) -> JobRow:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         error = error or f"unreadable {ROUNDS_JSON}: {exc!r}"
         return JobRow(**base, **_NO_FIGURES, status=JobState.NO_RESULTS, error=error)
-    return JobRow(**base, status=state, error=error, **_round_figures(rounds))
+    accuracy = str(results.get(CENTRAL_ACC_NAME, "accuracy"))
+    return JobRow(**base, status=state, error=error, accuracy=accuracy, **_round_figures(rounds))
 
 
 def _round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -234,7 +237,7 @@ def write_summary_md(rows: list[JobRow], path: Path) -> Path:
             row.output_dir,
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    lines += _check_lines(rows)
+    lines += _check_lines(rows) + _accuracy_lines(rows)
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -253,6 +256,16 @@ def _check_lines(rows: list[JobRow]) -> list[str]:
         lines.append(f"Not comparable: {which}: {why}.")
     lines.append("Compare full runs only; the figures of the jobs marked comparable are results.")
     return lines
+
+
+def _accuracy_lines(rows: list[JobRow]) -> list[str]:
+    """Below the table: the jobs whose accuracy counts something other than labels."""
+    jobs: dict[str, list[str]] = {}
+    for row in rows:
+        if row.accuracy != "accuracy":
+            jobs.setdefault(row.accuracy, []).append(row.job)
+    lines = [f"final_central_acc of job {', '.join(j)}: {name}." for name, j in jobs.items()]
+    return ["", *lines] if lines else []
 
 
 def _plain(value: object) -> object:

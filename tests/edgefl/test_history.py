@@ -3,11 +3,16 @@
 import csv
 from pathlib import Path
 
+import pytest
 import torch
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from matplotlib.figure import Figure
 
 import vtensor
+from edgefl import plots
 from edgefl.budget import Budget
+from edgefl.data.mnist import INFO as MNIST_INFO
+from edgefl.data.shakespeare import dataset_info as shakespeare_info
 from edgefl.history import RunHistory
 from edgefl.plots import plot_accuracy_loss, plot_client_memory
 from edgefl.recording_grid import Exchange, _reply_order
@@ -87,3 +92,20 @@ def test_replies_are_ordered_by_partition_with_errors_last() -> None:
     ordered = sorted(replies, key=_reply_order)
     assert [r.has_error() for r in ordered] == [False, False, True]
     assert [r.content["metrics"]["partition-id"] for r in ordered[:2]] == [0, 2]
+
+
+def test_a_text_dataset_names_its_accuracy_next_character_accuracy_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = shakespeare_info(80).accuracy
+    assert name == "next-character accuracy" and MNIST_INFO.accuracy == "accuracy"
+    history = RunHistory()
+    history.close_round(0, EvalOutcome(100, 2.3, 0.1))
+    history.on_exchange(_exchange(1))
+    record = history.close_round(1, EvalOutcome(100, 0.4, 0.9))
+    assert "central next-character accuracy 0.9000 loss 0.4000" in round_line(record, 1, name)
+    assert "central next-character accuracy" in summary_table(history, name).splitlines()[0]
+    figures: list[Figure] = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    plot_accuracy_loss(history, tmp_path / "a.png", name)
+    assert figures[0].axes[0].get_ylabel() == "next-character accuracy"

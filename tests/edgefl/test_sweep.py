@@ -11,6 +11,7 @@ import torch
 
 from edgefl.history import RoundRecord, RunHistory
 from edgefl.results import (
+    CENTRAL_ACC_NAME,
     CLIENTS_CSV,
     ROUNDS_CSV,
     ROUNDS_JSON,
@@ -214,6 +215,17 @@ def test_summary_marks_debug_fast_jobs_as_not_comparable(
     notes = [line for line in md if line.startswith("Not comparable")]
     assert len(notes) == 1 and notes[0].startswith("Not comparable: jobs 0, 2: debug=fast sets ")
     assert "num_rounds" in notes[0] and "dataset.max_examples_per_client" in notes[0]
+
+
+def test_summary_names_a_text_jobs_accuracy(tmp_path: Path, smoke_settings: RunSettings) -> None:
+    history = RunHistory(rounds=[_round(0, 0.1, None, 0), _round(1, 0.5, 0.75, 100)])
+    for job, accuracy in (("0", "accuracy"), ("1", "next-character accuracy")):
+        job_dir = _job_dir(tmp_path, job, f"seed={job}")
+        extra = {CENTRAL_ACC_NAME: accuracy}
+        write_results(job_dir, history, {"w": torch.zeros(1)}, smoke_settings, extra)
+    write_sweep_summary(tmp_path)
+    md = (tmp_path / SUMMARY_MD).read_text()
+    assert md.endswith("\nfinal_central_acc of job 1: next-character accuracy.\n")
 
 
 def test_summary_command_rewrites_a_sweep_folder(tmp_path: Path) -> None:
