@@ -9,6 +9,7 @@ from edgefl.data.arrays import DataKind, DatasetInfo
 from edgefl.errors import ConfigError, ModelDataMismatchError
 from edgefl.models.char_gpt import CharGPT
 from edgefl.models.cnn import SmallCNN
+from edgefl.models.mlp import MLP
 from edgefl.models.mobilenet import MobileNetV2Small
 from edgefl.models.resnet import SmallResNet
 from edgefl.models.sensor_cnn import SensorCNN
@@ -19,6 +20,10 @@ def _image(info: DatasetInfo, kw: dict[str, Any]) -> dict[str, Any]:
 
 
 _BUILDERS: dict[str, tuple[DataKind, Callable[[DatasetInfo, dict[str, Any]], nn.Module]]] = {
+    "mlp": (
+        DataKind.IMAGE,
+        lambda i, kw: MLP(i.example_shape, num_classes=i.num_classes, **kw),
+    ),
     "cnn": (DataKind.IMAGE, lambda i, kw: SmallCNN(**_image(i, kw), image_size=i.example_shape[1])),
     "mobilenet_v2": (DataKind.IMAGE, lambda i, kw: MobileNetV2Small(**_image(i, kw))),
     "resnet": (DataKind.IMAGE, lambda i, kw: SmallResNet(**_image(i, kw))),

@@ -10,6 +10,7 @@ IMAGE = DatasetInfo("img", DataKind.IMAGE, (1, 28, 28), 10)
 SENSOR = DatasetInfo("sensor", DataKind.SENSOR, (6, 128), 6)
 TOKENS = DatasetInfo("text", DataKind.TOKENS, (32,), 96)
 INPUTS = {
+    "mlp": (IMAGE, torch.randn(3, 1, 28, 28)),
     "cnn": (IMAGE, torch.randn(3, 1, 28, 28)),
     "mobilenet_v2": (IMAGE, torch.randn(3, 1, 28, 28)),
     "resnet": (IMAGE, torch.randn(3, 1, 28, 28)),
@@ -41,3 +42,11 @@ def test_model_refuses_data_of_another_kind() -> None:
 def test_model_rejects_unknown_options() -> None:
     with pytest.raises(ConfigError, match="rejected its options"):
         build_model("cnn", IMAGE, {"depth": 3})
+
+
+def test_mlp_is_the_2nn_grown_to_four_layers_of_1024() -> None:
+    """The main job's model: 784-1024-1024-1024-1024-10, evenly sized layers, no norm layers."""
+    model = build_model("mlp", IMAGE, {"hidden": 1024, "layers": 4})
+    shapes = [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
+    assert shapes == [(1024, 784), (1024, 1024), (1024, 1024), (1024, 1024), (10, 1024)]
+    assert sum(p.numel() for p in model.parameters()) == 3_962_890
