@@ -1,6 +1,7 @@
 """Measure a model's unmanaged training peak (vtensor's accounting) and resolve budgets by it."""
 
 import copy
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,18 @@ class PeakMeasurement:
     The smallest workable budget is the one a client with ``settings`` states: vtensor's
     minimum of the whole iteration, measured from far below it (``stated_minimum``), so the
     server's warning and the clients' errors name one figure.
+
+    ``state_bytes`` is what training keeps between steps: parameters, gradients and the
+    optimizer's state (SGD's momentum); no batch size, micro-batching or checkpointing goes
+    below it. ``smaller_batch_peaks`` are the unmanaged peaks at ``batch_size`` / 2, / 4, ...,
+    1, largest batch first (``measure_floors``; empty where not measured).
     """
 
     unmanaged_peak_bytes: int
     min_budget_bytes: int
+    state_bytes: int = 0
+    batch_size: int = 0
+    smaller_batch_peaks: tuple[tuple[int, int], ...] = ()
 
 
 def measure_unmanaged_peak(
@@ -64,7 +73,46 @@ def measure_unmanaged_peak(
             min_budget = max(min_budget, rep.min_budget_bytes)
     if probe is not None and settings is not None:
         min_budget = stated_minimum(probe, (x, y), settings, lr=lr, momentum=momentum)
-    return PeakMeasurement(peak, min_budget)
+    return PeakMeasurement(peak, min_budget, training_state_bytes(model, optimizer), len(idx))
+
+
+def measure_floors(
+    model: nn.Module,
+    data: ArrayDataset,
+    batch_size: int,
+    *,
+    lr: float,
+    momentum: float,
+    settings: VTensorSettings | None = None,
+) -> PeakMeasurement:
+    """``measure_unmanaged_peak`` of a copy of ``model``, with the peaks at smaller batches.
+
+    A smaller batch, or micro-batches of it accumulated into the same update, trains without
+    vtensor where its unmanaged peak fits the budget; ``smaller_batch_peaks`` says which do.
+    """
+    full = measure_unmanaged_peak(
+        copy.deepcopy(model), data, batch_size, lr=lr, momentum=momentum, settings=settings
+    )
+    smaller = []
+    batch = full.batch_size // 2
+    while batch >= 1:
+        peak = measure_unmanaged_peak(copy.deepcopy(model), data, batch, lr=lr, momentum=momentum)
+        smaller.append((batch, peak.unmanaged_peak_bytes))
+        batch //= 2
+    return dataclasses.replace(full, smaller_batch_peaks=tuple(smaller))
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, their gradients and the optimizer's state tensors."""
+    params = sum(p.nbytes for p in model.parameters())
+    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    state = sum(
+        t.nbytes
+        for per_param in optimizer.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return params + grads + state
 
 
 def stated_minimum(

@@ -1,6 +1,5 @@
 """Flower ServerApp: settings -> strategy -> start with central evaluation -> results and plots."""
 
-import copy
 import dataclasses
 import logging
 import time
@@ -30,7 +29,7 @@ from edgefl.errors import ConfigError
 from edgefl.history import RunHistory
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
-from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
+from edgefl.peak import PeakMeasurement, measure_floors
 from edgefl.plots import ACCURACY_PNG, MEMORY_PNG, plot_accuracy_loss, plot_client_memory
 from edgefl.privacy import (
     PrivacyBudgetExhausted,
@@ -161,8 +160,8 @@ def _starting_state(
     strategy, history = build_strategy(s), RunHistory()  # its clock starts here
     if peak is None:  # flwr run: measure here, with the clients' thread count
         torch.set_num_threads(s.client.train.torch_threads)
-        peak = measure_unmanaged_peak(
-            copy.deepcopy(model),
+        peak = measure_floors(
+            model,
             test_set,
             s.client.train.batch_size,
             lr=s.client.train.lr,
@@ -174,6 +173,9 @@ def _starting_state(
     extra = {
         "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
         "min_budget_bytes": peak.min_budget_bytes,
+        "state_bytes": peak.state_bytes,
+        "peak_batch_size": peak.batch_size,
+        "smaller_batch_peaks": [list(pair) for pair in peak.smaller_batch_peaks],
         "reference_train_s": reference.train_s,
         "reference_examples_processed": reference.examples_processed,
     }
@@ -284,17 +286,26 @@ def _write_outputs(
             )
         )
     table = summary_table(history, summary[CENTRAL_ACC_NAME])
-    classes = class_table(
-        history, s.client.fleet.classes, unmanaged_peak_bytes, _reference(summary)
-    )
+    classes = class_table(history, s.client.fleet.classes, _floors(summary), _reference(summary))
     (out_dir / SUMMARY_TXT).write_text(f"{table}\n\n{classes}\n")
     paths.append(out_dir / SUMMARY_TXT)
     if s.server.checkpoint and (out_dir / CHECKPOINT_FILE).is_file():
         paths.append(out_dir / CHECKPOINT_FILE)
     logger.info("summary of the run:\n%s", table)
-    logger.info("per device class (budget against the unmanaged peak):\n%s", classes)
+    logger.info("per device class (and what would train without vtensor):\n%s", classes)
     logger.info("results in %s: %s", out_dir, ", ".join(p.name for p in paths))
     return paths
+
+
+def _floors(extra: dict[str, Any]) -> PeakMeasurement:
+    """The floors measured at the run's start, as kept in its figures (and checkpoints)."""
+    return PeakMeasurement(
+        extra["unmanaged_peak_bytes"],
+        extra["min_budget_bytes"],
+        extra.get("state_bytes", 0),
+        extra.get("peak_batch_size", 0),
+        tuple((int(b), int(p)) for b, p in extra.get("smaller_batch_peaks", ())),
+    )
 
 
 def _reference(extra: dict[str, Any]) -> ReferenceRound | None:

@@ -26,13 +26,14 @@ from edgefl.errors import EdgeFLError
 from edgefl.fleet import fleet_in_bytes
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
-from edgefl.peak import PeakMeasurement, measure_unmanaged_peak
+from edgefl.peak import PeakMeasurement, measure_floors
 from edgefl.ray_cluster import ray_init_args
 from edgefl.recording_grid import ExchangeObserver
 from edgefl.reference import ReferenceRound, time_unmanaged_round
 from edgefl.results import check_output_dir
 from edgefl.server_app import build_server_app, resume_point
 from edgefl.settings import RunSettings
+from edgefl.summary import floors_line, without_vtensor
 from edgefl.sweep import is_multirun, run_multirun
 from vtensor import format_bytes
 
@@ -69,15 +70,18 @@ def prepare(settings: RunSettings) -> RunSettings:
 
 
 def measure_peak(settings: RunSettings) -> PeakMeasurement:
-    """Measure the unmanaged training peak on client 0's data in this (still quiet) process.
+    """Measure the floors on client 0's data in this (still quiet) process; log them by budgets.
 
-    Warns about device classes whose budget is outside [smallest workable, unmanaged peak).
+    The floors (``edgefl.peak.measure_floors``): parameters + gradients + momentum, the
+    unmanaged peak at the run's batch and at smaller ones, and the smallest workable budget a
+    client states. Each class's budget is logged beside what would train in it without vtensor
+    (NOTE [without vtensor] in edgefl.summary); a budget below the smallest workable one warns.
     """
     c = settings.client
     info, train, _ = client_split(c.data, c.data.root, 0, settings.server.num_supernodes, c.seed)
     torch.manual_seed(c.seed)
     torch.set_num_threads(c.train.torch_threads)  # as clients train: threads change workspaces
-    peak = measure_unmanaged_peak(
+    peak = measure_floors(
         build_model(c.model.name, info, c.model.options),
         train,
         c.train.batch_size,
@@ -88,29 +92,19 @@ def measure_peak(settings: RunSettings) -> PeakMeasurement:
     resolved = []
     for device in c.fleet.classes:
         budget = device.budget.of_peak(peak.unmanaged_peak_bytes)
-        resolved.append(f"{device.name} {device.budget} = {format_bytes(budget)}")
-        if budget >= peak.unmanaged_peak_bytes:
-            logger.warning(
-                "device class %s: budget %s is not below the unmanaged peak %s; "
-                "vtensor has nothing to do",
-                device.name,
-                format_bytes(budget),
-                format_bytes(peak.unmanaged_peak_bytes),
-            )
-        elif budget < peak.min_budget_bytes:
+        stated = f"{device.budget}" + ("" if device.budget.bytes else f" = {format_bytes(budget)}")
+        resolved.append(
+            f"  {device.name}: {stated}; without vtensor: {without_vtensor(budget, peak)}"
+        )
+        if c.vtensor.enabled and budget < peak.min_budget_bytes:
             logger.warning(
                 "device class %s: budget %s is below the smallest workable budget %s; "
-                "its clients will reply with errors",
+                "its clients may reply with errors",
                 device.name,
                 format_bytes(budget),
                 format_bytes(peak.min_budget_bytes),
             )
-    logger.info(
-        "unmanaged training peak %s, smallest workable budget %s (measured here); budgets: %s",
-        format_bytes(peak.unmanaged_peak_bytes),
-        format_bytes(peak.min_budget_bytes),
-        ", ".join(resolved),
-    )
+    logger.info("floors (measured here): %s\nbudgets:\n%s", floors_line(peak), "\n".join(resolved))
     return peak
 
 

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 import vtensor
 from edgefl.history import ClientRound, RoundRecord, RunHistory
+from edgefl.peak import PeakMeasurement
 from edgefl.records import (
     BUDGET_BYTES,
     BYTES_SWAPPED_IN,
@@ -95,30 +96,66 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-_WITHOUT = "could not train (budget < unmanaged peak)"
+def floors_line(floors: PeakMeasurement) -> str:
+    """The measured floors a budget is judged by: training state, unmanaged peaks, vtensor's."""
+    smaller = ", ".join(f"{b}: {format_bytes(p)}" for b, p in floors.smaller_batch_peaks)
+    return (
+        f"parameters+gradients+momentum {format_bytes(floors.state_bytes)}; unmanaged peak "
+        f"{format_bytes(floors.unmanaged_peak_bytes)} at batch {floors.batch_size}"
+        + (f" (batch {smaller})" if smaller else "")
+        + f"; smallest workable budget vtensor states {format_bytes(floors.min_budget_bytes)}"
+    )
+
+
+# NOTE [without vtensor]: a smaller batch, or micro-batches accumulated into the batch's
+# update, trains unmanaged where its unmanaged peak fits the budget. None goes below the
+# training state (parameters, gradients, optimizer state), which neither the batch size nor
+# checkpointing shrinks: below it only offloading the parameter side trains, and "could not
+# train" is said there only. Checkpointing between the two is not measured, so not claimed.
+def without_vtensor(budget_bytes: int, floors: PeakMeasurement) -> str:
+    """What would train within ``budget_bytes`` without vtensor (NOTE [without vtensor])."""
+    if budget_bytes >= floors.unmanaged_peak_bytes:
+        return "fits as is"
+    if budget_bytes < floors.state_bytes:
+        return (
+            "could not train: budget < parameters+gradients+momentum "
+            f"({format_bytes(floors.state_bytes)})"
+        )
+    for batch, peak in floors.smaller_batch_peaks:
+        if budget_bytes >= peak:
+            return (
+                f"a smaller batch ({batch}) or micro-batching "
+                f"({floors.batch_size // batch} x {batch})"
+            )
+    if floors.smaller_batch_peaks:
+        smallest = format_bytes(floors.smaller_batch_peaks[-1][1])
+        return f"no smaller batch fits (batch 1: {smallest}); checkpointing not measured"
+    return "not at this batch; smaller batches not measured"
 
 
 def class_table(
     history: RunHistory,
     classes: Sequence[DeviceClass],
-    unmanaged_peak_bytes: int,
+    floors: PeakMeasurement,
     reference: ReferenceRound | None,
 ) -> str:
-    """Per device class: budget, peaks, bytes swapped and round time against an unmanaged client.
+    """Per device class: budget, peak, bytes swapped, round time, and what trains without vtensor.
 
-    Figures are over every successful train reply of the class: the largest peak, the mean bytes
-    swapped (out + in) per client and round. Times are apart for the rounds in which vtensor was
-    still deciding the class's plan (profiling, trying and racing candidates: NOTE [deciding
-    rounds]): "round s" is the mean time of the others, "x unmanaged" their mean time per
-    example against the reference round's (NOTE [reference round]), and "deciding s" the mean
-    time of the deciding ones.
+    A line of the measured floors (``floors_line``) heads the table. Figures are over every
+    successful train reply of the class: the largest peak, the mean bytes swapped (out + in)
+    per client and round. Times are apart for the rounds in which vtensor was still deciding
+    the class's plan (NOTE [deciding rounds]): "round s" is the mean time of the others, "x
+    unmanaged" their mean time per example against the reference round's (NOTE [reference
+    round]), and "deciding s" the mean time of the deciding ones. "without vtensor" is
+    ``without_vtensor`` of the class's budget.
     """
+    unmanaged_peak_bytes = floors.unmanaged_peak_bytes
     header = (
-        f"{'device class':<14} {'clients':>7} {'budget':>16} {'unmanaged peak':>14} "
-        f"{'measured peak':>13} {'swapped/round':>13} {'round s':>7} {'x unmanaged':>11} "
-        f"{'deciding s':>10}  without vtensor"
+        f"{'device class':<14} {'clients':>7} {'budget (% peak)':>17} {'measured peak':>13} "
+        f"{'swapped/round':>13} {'round s':>7} {'x unmanaged':>11} {'deciding s':>10}  "
+        "without vtensor"
     )
-    lines = [header, "-" * len(header)]
+    lines = [floors_line(floors), header, "-" * len(header)]
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
     for index, device in enumerate(classes):
         mine = [c for c in rows if int(c.metrics.get(DEVICE_CLASS, -1)) == index]
@@ -138,20 +175,18 @@ def class_table(
             ratio = f"{_mean(per_example) / reference.s_per_example:.2f}x"
         round_s = _num(_mean([c.metrics[TRAIN_S] for c in decided]) if decided else None, 1)
         deciding_s = _num(_mean([c.metrics[TRAIN_S] for c in deciding]) if deciding else None, 1)
-        without = _WITHOUT if budget < unmanaged_peak_bytes else "could train unmanaged"
         lines.append(
             f"{device.name:<14} {len({c.node_id for c in mine}):>7} "
-            f"{format_bytes(budget) + ' ' + share:>16} {format_bytes(unmanaged_peak_bytes):>14} "
+            f"{format_bytes(budget) + ' ' + share:>17} "
             f"{format_bytes(int(max(c.metrics[PEAK_DEVICE_BYTES] for c in mine))):>13} "
             f"{format_bytes(int(swapped)):>13} {round_s:>7} {ratio:>11} {deciding_s:>10}  "
-            f"{without}"
+            f"{without_vtensor(budget, floors)}"
         )
     if reference is not None:
         lines.append(
-            f"{'unmanaged':<14} {1:>7} {'-':>16} {format_bytes(unmanaged_peak_bytes):>14} "
-            f"{format_bytes(unmanaged_peak_bytes):>13} {format_bytes(0):>13} "
-            f"{reference.train_s:>7.1f} {'1.00x':>11} {'-':>10}  (reference: client 0's round 1 "
-            "with vtensor off, timed alone in this run)"
+            f"{'unmanaged':<14} {1:>7} {'-':>17} {format_bytes(unmanaged_peak_bytes):>13} "
+            f"{format_bytes(0):>13} {reference.train_s:>7.1f} {'1.00x':>11} {'-':>10}  "
+            "(reference: client 0's round 1 with vtensor off, timed alone in this run)"
         )
     return "\n".join(lines)
 

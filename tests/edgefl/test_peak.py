@@ -11,7 +11,7 @@ from edgefl.budget import Budget
 from edgefl.data import load_dataset
 from edgefl.errors import ClientBudgetError
 from edgefl.models import build_model
-from edgefl.peak import measure_unmanaged_peak, resolve_budget
+from edgefl.peak import measure_floors, measure_unmanaged_peak, resolve_budget
 from edgefl.settings import OffloadParams, VTensorSettings
 from edgefl.train import LocalRound, train_within_budget
 
@@ -60,3 +60,17 @@ def test_the_smallest_workable_budget_is_the_one_a_client_states(tmp_path: Path)
     stated = raised.value.min_budget_bytes
     assert abs(stated - measured.min_budget_bytes) <= 0.05 * measured.min_budget_bytes
     train_at(max(stated, measured.min_budget_bytes))  # the figure works
+
+
+def test_floors_hold_the_training_state_and_the_peaks_at_smaller_batches() -> None:
+    """Parameters + gradients + momentum, and the unmanaged peak at 8, 4, 2 and 1 for batch 16."""
+    bundle = load_dataset("mnist")
+    torch.manual_seed(0)
+    model = build_model("mlp", bundle.info, {"hidden": 64, "layers": 2})
+    floors = measure_floors(model, bundle.train.subset(np.arange(64)), 16, lr=0.05, momentum=0.9)
+    parameter_bytes = sum(p.nbytes for p in model.parameters())
+    assert floors.state_bytes == 3 * parameter_bytes  # SGD keeps one momentum per parameter
+    assert floors.batch_size == 16
+    assert [b for b, _ in floors.smaller_batch_peaks] == [8, 4, 2, 1]
+    peaks = [floors.unmanaged_peak_bytes] + [p for _, p in floors.smaller_batch_peaks]
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] >= floors.state_bytes

@@ -3,16 +3,20 @@
 import vtensor
 from edgefl.budget import Budget
 from edgefl.history import ClientRound, RunHistory
+from edgefl.peak import PeakMeasurement
 from edgefl.records import plan_source_code
 from edgefl.reference import ReferenceRound
 from edgefl.settings import DeviceClass
-from edgefl.summary import class_table, summary_table
+from edgefl.summary import class_table, summary_table, without_vtensor
 
 MIB = 1 << 20
 CLASSES = (
     DeviceClass("micro", Budget(peak_fraction=0.4), 0.5),
     DeviceClass("roomy", Budget(bytes=200 * MIB), 0.5),
 )
+# Training state 60 MiB; unmanaged peak 100 MiB at batch 32, less at smaller batches.
+SMALLER = ((16, 80 * MIB), (8, 70 * MIB), (4, 65 * MIB), (2, 62 * MIB), (1, 61 * MIB))
+FLOORS = PeakMeasurement(100 * MIB, 20 * MIB, 60 * MIB, 32, SMALLER)
 
 
 def _row(
@@ -42,22 +46,37 @@ def _history() -> RunHistory:
 
 
 def test_class_table_states_budget_peaks_swap_and_time_per_class() -> None:
-    table = class_table(_history(), CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
+    table = class_table(_history(), CLASSES, FLOORS, ReferenceRound(2.0, 100))
     micro = next(line for line in table.splitlines() if line.startswith("micro"))
     assert "40.0 MiB (40%)" in micro
-    assert "100.0 MiB" in micro  # the unmanaged peak
     assert "38.0 MiB" in micro  # the larger of its clients' peaks
     assert "6.0 MiB" in micro  # swapped out + in per client and round
     assert "2.50x" in micro  # 5 s per 100 examples against the reference's 2 s
-    assert "could not train (budget < unmanaged peak)" in micro
+    assert "could not train: budget < parameters+gradients+momentum (60.0 MiB)" in micro
     roomy = next(line for line in table.splitlines() if line.startswith("roomy"))
-    assert "could train unmanaged" in roomy and "0.50x" in roomy
+    assert "fits as is" in roomy and "0.50x" in roomy
     reference = next(line for line in table.splitlines() if line.startswith("unmanaged"))
-    assert "1.00x" in reference and "2.0" in reference
+    assert "1.00x" in reference and "2.0" in reference and "100.0 MiB" in reference
+    floors = table.splitlines()[0]  # the floors the budgets are judged by, above the table
+    assert "parameters+gradients+momentum 60.0 MiB" in floors
+    assert "100.0 MiB at batch 32 (batch 16: 80.0 MiB" in floors and "1: 61.0 MiB)" in floors
+    assert "smallest workable budget vtensor states 20.0 MiB" in floors
+
+
+def test_without_vtensor_says_could_not_train_only_below_the_training_state() -> None:
+    """By the measured floors: below the state nothing trains; else the largest smaller batch
+    whose unmanaged peak fits (or that many micro-batches of it); at the peak, as is."""
+    assert without_vtensor(59 * MIB, FLOORS) == (
+        "could not train: budget < parameters+gradients+momentum (60.0 MiB)"
+    )
+    assert without_vtensor(60 * MIB, FLOORS).startswith("no smaller batch fits (batch 1: 61.0")
+    assert without_vtensor(75 * MIB, FLOORS) == "a smaller batch (8) or micro-batching (4 x 8)"
+    assert without_vtensor(80 * MIB, FLOORS) == "a smaller batch (16) or micro-batching (2 x 16)"
+    assert without_vtensor(100 * MIB, FLOORS) == "fits as is"
 
 
 def test_class_table_without_reference_or_replies() -> None:
-    table = class_table(RunHistory(), CLASSES, 100 * MIB, None)
+    table = class_table(RunHistory(), CLASSES, FLOORS, None)
     assert "micro" in table and "no successful round" in table
     assert "unmanaged " not in table.splitlines()[-1]
 
@@ -84,7 +103,7 @@ def test_class_table_states_deciding_rounds_apart() -> None:
         _reply(3, vtensor.PlanSource.CACHED, 3.0),
         _reply(4, vtensor.PlanSource.CACHED, 2.0),
     ]
-    table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
+    table = class_table(history, CLASSES, FLOORS, ReferenceRound(2.0, 100))
     # round s: the cached rounds' mean; x unmanaged: 2.5 s per 100 examples against 2 s per 100;
     # deciding s: the profiled and planned rounds' mean
     assert _times(table, "micro") == ["2.5", "1.25x", "6.0"]
@@ -93,7 +112,7 @@ def test_class_table_states_deciding_rounds_apart() -> None:
 def test_class_table_with_only_deciding_rounds() -> None:
     history = RunHistory()
     history.clients.append(_reply(1, vtensor.PlanSource.PROFILED, 4.0))
-    table = class_table(history, CLASSES, 100 * MIB, ReferenceRound(2.0, 100))
+    table = class_table(history, CLASSES, FLOORS, ReferenceRound(2.0, 100))
     assert _times(table, "micro") == ["-", "-", "4.0"]
 
 
