@@ -76,7 +76,7 @@ def test_fleet_classes_are_addressed_by_name_in_their_order() -> None:
     fleet = load_run_settings(["fleet.classes.micro.budget=50%"]).client.fleet
     assert [c.name for c in fleet.classes] == ["micro", "small", "medium"]
     assert fleet.classes[0].budget.peak_fraction == 0.5
-    assert fleet.classes[1].budget.peak_fraction == 0.6  # the others keep conf/fleet's
+    assert fleet.classes[1].budget.peak_fraction == 0.8  # the others keep conf/fleet's
 
 
 def test_bad_class_budget_names_the_key_and_the_accepted_forms() -> None:
