@@ -47,6 +47,7 @@ BUDGET_BYTES = "budget-bytes"
 BYTES_SWAPPED_OUT = "bytes-swapped-out"
 BYTES_SWAPPED_IN = "bytes-swapped-in"
 STALL_S = "stall-s"
+TRAIN_CPU_S = "train-cpu-s"  # the client process's CPU time over train-s (NOTE [reference round])
 PLAN_SOURCE = "plan-source"  # NOTE [plan-source codes]
 PARTITION_ID = "partition-id"
 DEVICE_CLASS = "device-class"  # index of the node's device class in the fleet; -1 deployed
@@ -62,6 +63,7 @@ TRAIN_METRIC_KEYS = (
     BYTES_SWAPPED_IN,
     STALL_S,
     TRAIN_S,
+    TRAIN_CPU_S,
     PLAN_SOURCE,
     PARTITION_ID,
     DEVICE_CLASS,
@@ -116,6 +118,7 @@ def train_metrics(outcome: TrainOutcome, node: NodeProfile, budget_bytes: int) -
         BYTES_SWAPPED_IN: outcome.bytes_in,
         STALL_S: outcome.stall_s,
         TRAIN_S: outcome.train_s,
+        TRAIN_CPU_S: outcome.train_cpu_s,
         PLAN_SOURCE: plan_source_code(outcome.plan_source),
         PARTITION_ID: node.partition_id,
         DEVICE_CLASS: node.class_index,

@@ -1,11 +1,14 @@
 """Time one client's local round unmanaged: the reference the budgeted clients are compared with.
 
-NOTE [reference round]: the end-of-run table compares each device class's round time with an
+NOTE [reference round]: the end-of-run table compares each device class's training time with an
 unmanaged client's, measured in the same run: the process that starts the run trains client 0's
 first round once with vtensor off (same model, data, batch size and thread count as the
 clients), before the clients start. Rounds differ in length between clients, so the comparison
-is per example processed. The budgeted clients run two at a time (one per core of the main
-job's host); the reference runs alone, so the ratio includes that contention.
+is per example processed. It compares CPU time, the process's own (``time.process_time``: every
+thread of it, vtensor's too), not wall time: the budgeted clients share the cores with each
+other and with whatever else runs, while the reference runs alone, and wall time would count
+that load as vtensor's, and read higher the busier the machine. Waits on swap I/O are not CPU
+time; the round table states them (stall s).
 """
 
 import time
@@ -21,15 +24,16 @@ from edgefl.train import settings_round, train_local
 
 @dataclass(frozen=True)
 class ReferenceRound:
-    """One unmanaged local round: its wall time and the examples it processed."""
+    """One unmanaged local round: its wall and CPU time and the examples it processed."""
 
     train_s: float
     examples_processed: int
+    cpu_s: float = 0.0  # 0: not measured (a checkpoint of an older run)
 
     @property
-    def s_per_example(self) -> float:
-        """Seconds per example processed (the unit the classes are compared in)."""
-        return self.train_s / max(1, self.examples_processed)
+    def cpu_s_per_example(self) -> float:
+        """CPU seconds per example processed (what "x unmanaged" compares)."""
+        return self.cpu_s / max(1, self.examples_processed)
 
 
 def time_unmanaged_round(settings: ClientSettings, num_partitions: int) -> ReferenceRound:
@@ -42,4 +46,6 @@ def time_unmanaged_round(settings: ClientSettings, num_partitions: int) -> Refer
     model = build_model(settings.model.name, info, settings.model.options)
     started = time.perf_counter()
     outcome = train_local(model, train, settings_round(settings.train, settings.seed))
-    return ReferenceRound(time.perf_counter() - started, outcome.examples_processed)
+    return ReferenceRound(
+        time.perf_counter() - started, outcome.examples_processed, outcome.train_cpu_s
+    )

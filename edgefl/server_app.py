@@ -178,6 +178,7 @@ def _starting_state(
         "smaller_batch_peaks": [list(pair) for pair in peak.smaller_batch_peaks],
         "reference_train_s": reference.train_s,
         "reference_examples_processed": reference.examples_processed,
+        "reference_cpu_s": reference.cpu_s,
     }
     return _Start(strategy, history, 1, extra)
 
@@ -312,7 +313,11 @@ def _reference(extra: dict[str, Any]) -> ReferenceRound | None:
     """The reference round kept in a run's figures (None for a checkpoint of an older run)."""
     if "reference_train_s" not in extra:
         return None
-    return ReferenceRound(extra["reference_train_s"], extra["reference_examples_processed"])
+    return ReferenceRound(
+        extra["reference_train_s"],
+        extra["reference_examples_processed"],
+        extra.get("reference_cpu_s", 0.0),  # 0: a checkpoint of a run that did not measure it
+    )
 
 
 def build_strategy(s: RunSettings) -> Strategy:

@@ -14,6 +14,7 @@ from edgefl.records import (
     EXAMPLES_PROCESSED,
     PEAK_DEVICE_BYTES,
     PLAN_SOURCE,
+    TRAIN_CPU_S,
     TRAIN_S,
     plan_source_of,
 )
@@ -145,9 +146,9 @@ def class_table(
     successful train reply of the class: the largest peak, the mean bytes swapped (out + in)
     per client and round. Times are apart for the rounds in which vtensor was still deciding
     the class's plan (NOTE [deciding rounds]): "round s" is the mean time of the others, "x
-    unmanaged" their mean time per example against the reference round's (NOTE [reference
-    round]), and "deciding s" the mean time of the deciding ones. "without vtensor" is
-    ``without_vtensor`` of the class's budget.
+    unmanaged" their CPU time per example against the reference round's (``unmanaged_ratio``;
+    the table's last line says so), and "deciding s" the mean time of the deciding ones.
+    "without vtensor" is ``without_vtensor`` of the class's budget.
     """
     unmanaged_peak_bytes = floors.unmanaged_peak_bytes
     header = (
@@ -167,12 +168,7 @@ def class_table(
         swapped = _mean([c.metrics[BYTES_SWAPPED_OUT] + c.metrics[BYTES_SWAPPED_IN] for c in mine])
         deciding = [c for c in mine if _deciding(c)]
         decided = [c for c in mine if not _deciding(c)]
-        ratio = "-"
-        if decided and reference is not None and reference.s_per_example > 0:
-            per_example = [
-                c.metrics[TRAIN_S] / max(1.0, c.metrics[EXAMPLES_PROCESSED]) for c in decided
-            ]
-            ratio = f"{_mean(per_example) / reference.s_per_example:.2f}x"
+        ratio = unmanaged_ratio(decided, reference)
         round_s = _num(_mean([c.metrics[TRAIN_S] for c in decided]) if decided else None, 1)
         deciding_s = _num(_mean([c.metrics[TRAIN_S] for c in deciding]) if deciding else None, 1)
         lines.append(
@@ -188,7 +184,29 @@ def class_table(
             f"{format_bytes(0):>13} {reference.train_s:>7.1f} {'1.00x':>11} {'-':>10}  "
             "(reference: client 0's round 1 with vtensor off, timed alone in this run)"
         )
+    lines.append(X_UNMANAGED)
     return "\n".join(lines)
+
+
+X_UNMANAGED = (
+    "x unmanaged: CPU s per example of the decided rounds, each client's own process (load from "
+    "other processes does not count; swap waits are stall s) / the reference round's"
+)
+
+
+def unmanaged_ratio(replies: Sequence[ClientRound], reference: ReferenceRound | None) -> str:
+    """The "x unmanaged" cell of ``replies`` (``X_UNMANAGED``, NOTE [reference round]).
+
+    "-" where a CPU time is missing (a reply or reference without one): no wall-time stand-in.
+    """
+    if not replies or reference is None or reference.cpu_s_per_example <= 0:
+        return "-"
+    if any(TRAIN_CPU_S not in c.metrics for c in replies):
+        return "-"
+    per_example = [
+        c.metrics[TRAIN_CPU_S] / max(1.0, c.metrics[EXAMPLES_PROCESSED]) for c in replies
+    ]
+    return f"{_mean(per_example) / reference.cpu_s_per_example:.2f}x"
 
 
 # NOTE [deciding rounds]: a class's first round under vtensor decides its plan (NOTE [one

@@ -32,6 +32,7 @@ class TrainOutcome:
     loss: float  # mean training loss over the round's batches
     steps: int
     train_s: float
+    train_cpu_s: float  # CPU time of this process (every thread) over the same span
     peak_device_bytes: int  # max over steps; 0 with vtensor off
     bytes_out: int
     bytes_in: int
@@ -218,7 +219,7 @@ def train_local(
     source: vtensor.PlanSource | None = None
     processed = 0
     model.train()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for x, y in _batches(data, local.batch_size, local.epochs, rng, local.max_examples):
         processed += len(y)
         optimizer.zero_grad(set_to_none=True)
@@ -247,6 +248,7 @@ def train_local(
         float(np.mean(losses)) if losses else 0.0,
         len(losses),
         time.perf_counter() - started,
+        time.process_time() - cpu_started,
         peak,
         out,
         back,

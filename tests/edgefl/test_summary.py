@@ -29,6 +29,7 @@ def _row(
         "bytes-swapped-out": float(3 * MIB),
         "bytes-swapped-in": float(3 * MIB),
         "train-s": train_s,
+        "train-cpu-s": train_s,  # as if alone on its core: CPU time = wall time
         "examples-processed": 100.0,
     }
     return ClientRound(1, "train", node, metrics)
@@ -46,7 +47,7 @@ def _history() -> RunHistory:
 
 
 def test_class_table_states_budget_peaks_swap_and_time_per_class() -> None:
-    table = class_table(_history(), CLASSES, FLOORS, ReferenceRound(2.0, 100))
+    table = class_table(_history(), CLASSES, FLOORS, ReferenceRound(2.0, 100, cpu_s=2.0))
     micro = next(line for line in table.splitlines() if line.startswith("micro"))
     assert "40.0 MiB (40%)" in micro
     assert "38.0 MiB" in micro  # the larger of its clients' peaks
@@ -103,7 +104,7 @@ def test_class_table_states_deciding_rounds_apart() -> None:
         _reply(3, vtensor.PlanSource.CACHED, 3.0),
         _reply(4, vtensor.PlanSource.CACHED, 2.0),
     ]
-    table = class_table(history, CLASSES, FLOORS, ReferenceRound(2.0, 100))
+    table = class_table(history, CLASSES, FLOORS, ReferenceRound(2.0, 100, cpu_s=2.0))
     # round s: the cached rounds' mean; x unmanaged: 2.5 s per 100 examples against 2 s per 100;
     # deciding s: the profiled and planned rounds' mean
     assert _times(table, "micro") == ["2.5", "1.25x", "6.0"]
@@ -112,7 +113,7 @@ def test_class_table_states_deciding_rounds_apart() -> None:
 def test_class_table_with_only_deciding_rounds() -> None:
     history = RunHistory()
     history.clients.append(_reply(1, vtensor.PlanSource.PROFILED, 4.0))
-    table = class_table(history, CLASSES, FLOORS, ReferenceRound(2.0, 100))
+    table = class_table(history, CLASSES, FLOORS, ReferenceRound(2.0, 100, cpu_s=2.0))
     assert _times(table, "micro") == ["-", "-", "4.0"]
 
 
