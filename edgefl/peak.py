@@ -89,10 +89,13 @@ def measure_floors(
 
     A smaller batch, or micro-batches of it accumulated into the same update, trains without
     vtensor where its unmanaged peak fits the budget; ``smaller_batch_peaks`` says which do.
+    Without ``settings`` (vtensor off) no client states a minimum: ``min_budget_bytes`` is 0.
     """
     full = measure_unmanaged_peak(
         copy.deepcopy(model), data, batch_size, lr=lr, momentum=momentum, settings=settings
     )
+    if settings is None:
+        full = dataclasses.replace(full, min_budget_bytes=0)
     smaller = []
     batch = full.batch_size // 2
     while batch >= 1:

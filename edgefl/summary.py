@@ -104,7 +104,11 @@ def floors_line(floors: PeakMeasurement) -> str:
         f"parameters+gradients+momentum {format_bytes(floors.state_bytes)}; unmanaged peak "
         f"{format_bytes(floors.unmanaged_peak_bytes)} at batch {floors.batch_size}"
         + (f" (batch {smaller})" if smaller else "")
-        + f"; smallest workable budget vtensor states {format_bytes(floors.min_budget_bytes)}"
+        + (
+            f"; smallest workable budget vtensor states {format_bytes(floors.min_budget_bytes)}"
+            if floors.min_budget_bytes
+            else ""
+        )
     )
 
 

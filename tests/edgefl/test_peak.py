@@ -71,6 +71,7 @@ def test_floors_hold_the_training_state_and_the_peaks_at_smaller_batches() -> No
     parameter_bytes = sum(p.nbytes for p in model.parameters())
     assert floors.state_bytes == 3 * parameter_bytes  # SGD keeps one momentum per parameter
     assert floors.batch_size == 16
+    assert floors.min_budget_bytes == 0  # without a client's vtensor settings none is stated
     assert [b for b, _ in floors.smaller_batch_peaks] == [8, 4, 2, 1]
     peaks = [floors.unmanaged_peak_bytes] + [p for _, p in floors.smaller_batch_peaks]
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] >= floors.state_bytes

@@ -7,7 +7,7 @@ from edgefl.peak import PeakMeasurement
 from edgefl.records import plan_source_code
 from edgefl.reference import ReferenceRound
 from edgefl.settings import DeviceClass
-from edgefl.summary import class_table, summary_table, without_vtensor
+from edgefl.summary import class_table, floors_line, summary_table, without_vtensor
 
 MIB = 1 << 20
 CLASSES = (
@@ -62,6 +62,12 @@ def test_class_table_states_budget_peaks_swap_and_time_per_class() -> None:
     assert "parameters+gradients+momentum 60.0 MiB" in floors
     assert "100.0 MiB at batch 32 (batch 16: 80.0 MiB" in floors and "1: 61.0 MiB)" in floors
     assert "smallest workable budget vtensor states 20.0 MiB" in floors
+
+
+def test_floors_name_no_vtensor_minimum_where_none_was_stated() -> None:
+    """A run with vtensor off measures no smallest workable budget, and says none."""
+    floors = floors_line(PeakMeasurement(100 * MIB, 0, 60 * MIB, 32, SMALLER))
+    assert "parameters+gradients+momentum 60.0 MiB" in floors and "vtensor" not in floors
 
 
 def test_without_vtensor_says_could_not_train_only_below_the_training_state() -> None:
