@@ -199,3 +199,19 @@ def test_an_offloaded_models_weights_read_between_steps_are_its_weights(tmp_path
             model.load_state_dict(reference.state_dict())
     model.load_state_dict(between)  # closed: the parameters are the model's own again
     assert _same(reference, model)
+
+
+def test_auto_lets_the_parameters_go_back_where_the_profile_shows_everything_fits(
+    tmp_path: Path,
+) -> None:
+    # NOTE [offload auto]: the state takes over half of this budget, but the peak fits it.
+    peak = _peak(tmp_path)
+    state = 4 * sum(p.nbytes for p in _model().parameters())
+    budget = int(1.2 * peak)
+    assert state > budget // 2
+    reference, _ = _train(None)
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        model, reports = _train(mm)
+        assert not mm.params_offloaded  # offloaded for the first step only
+        assert reports[-1].bytes_out == 0
+    assert _same(reference, model)

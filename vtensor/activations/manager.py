@@ -419,6 +419,9 @@ class MemoryManager:
         self._record(iteration, chosen, device, started, stats_before, joint, pending, excused)
         if owned is not None:
             owned.step()  # every parameter was updated in backward: the step ends
+            fits = self._budget.unmanaged_peak_bytes or self.budget_bytes + 1
+            if self._offloads.setting == "auto" and fits <= self.budget_bytes:
+                self._offloads.decline(owned)  # NOTE [offload auto]: everything fits as is
 
     def _record(
         self,

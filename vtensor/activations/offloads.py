@@ -47,6 +47,7 @@ class Offloads:
             "min_tensor_bytes": min_tensor_bytes,
         }
         self._made: dict[tuple[int, int], ParamOffload] = {}
+        self._declined: set[tuple[int, int]] = set()  # offloaded once, found to fit as is
 
     def __bool__(self) -> bool:
         return bool(self._made)
@@ -76,6 +77,8 @@ class Offloads:
         key = (id(model), id(optimizer))
         if key in self._made:
             return self._made[key], False
+        if key in self._declined:
+            return None, False
         if plannable:
             if self.setting is True:
                 raise VTensorError(f"offload_params=True: {plannable}")
@@ -99,6 +102,11 @@ class Offloads:
     def of_model(self, model: nn.Module) -> ParamOffload | None:
         """The offloading made for ``model``, if any (the first, where several optimizers)."""
         return next((o for (m, _), o in self._made.items() if m == id(model)), None)
+
+    def decline(self, offload: ParamOffload) -> None:
+        """A profile showed everything fits as is: stop offloading that model for good."""
+        self._declined.update(k for k, v in self._made.items() if v is offload)
+        self.discard(offload)
 
     def discard(self, offload: ParamOffload) -> None:
         """Close ``offload`` and forget it: its parameters are the model's own again."""

@@ -132,10 +132,12 @@ def held_outside(pool: OffloadPool, model: nn.Module) -> int:
 
 
 # NOTE [offload auto]
-# ``MemoryManager(offload_params="auto")`` offloads parameters, gradients and optimizer state
-# (planned with the activations) where they would take more than this share of the budget: the
-# rest could not hold a step's working set and the activations that must stay. Below it they
-# stay in memory, which costs no transfers.
+# ``MemoryManager(offload_params="auto")`` offloads a model's parameters, gradients and
+# optimizer state (a ``ParamOffload`` under the manager's budget, planned with the activations)
+# where they would take more than this share of the budget: what is left could not hold a step's
+# working set and the activations that must stay. Where the profiled iteration then shows the
+# unmanaged peak fits the budget after all, the offloading is let go for good: in memory, the
+# state costs no transfers.
 AUTO_OFFLOAD_SHARE = 0.5
 
 
