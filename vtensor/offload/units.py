@@ -55,8 +55,16 @@ def find_units(model: nn.Module, resident: Iterable[str]) -> tuple[list[Unit], s
     names = {id(p): name for name, p in model.named_parameters()}
     kept: set[str] = set()
     owners: list[tuple[str, nn.Module, tuple[str, ...]]] = []
+    atomic: list[str] = []  # NOTE [torch's own modules]
     for qualname, module in modules.items():
-        owned = tuple(names[id(p)] for p in module._parameters.values() if p is not None)
+        if any(qualname.startswith(f"{a}.") for a in atomic):
+            continue  # its parameters are its atomic ancestor's
+        if _atomic(module) and any(True for _ in module.children()):
+            atomic.append(qualname)
+            every = module.parameters()
+        else:
+            every = (p for p in module._parameters.values() if p is not None)
+        owned = tuple(dict.fromkeys(names[id(p)] for p in every))
         if not owned:
             continue
         if any(qualname == r or qualname.startswith(f"{r}.") or r == "" for r in resident):
@@ -71,6 +79,19 @@ def find_units(model: nn.Module, resident: Iterable[str]) -> tuple[list[Unit], s
             Unit(index, qualname, module, tuple(p for p in owned if p not in kept), encloses)
         )
     return units, kept
+
+
+def _atomic(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's own, not a container: one unit with its children.
+
+    NOTE [torch's own modules]
+    Some of torch's modules use their children's parameters without calling the children
+    (``nn.MultiheadAttention`` hands ``out_proj.weight`` to a functional forward): offloaded per
+    child, such a parameter would be used while its own module is not running. So a module of
+    ``torch.nn`` other than a container owns every parameter below it, as one unit.
+    """
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    return type(module).__module__.startswith("torch.nn.") and not isinstance(module, containers)
 
 
 def long_lived(units: list[Unit]) -> set[str]:

@@ -397,3 +397,28 @@ def test_a_convolutional_model_clips_and_trains_bit_identically_under_a_manager(
             po.step()
     pairs = zip(reference.state_dict().values(), model.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_torchs_attention_uses_its_out_projection_within_its_own_unit(tmp_path: Path) -> None:
+    """NOTE [torch's own modules]: ``nn.MultiheadAttention`` hands ``out_proj.weight`` over."""
+
+    def encoder() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        return nn.Sequential(layer, nn.Flatten(), nn.Linear(8 * 32, 10))
+
+    x, y = torch.randn(4, 8, 32), torch.randint(0, 10, (4,))
+    reference = encoder()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model = encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with ParamOffload(model, opt, "1MiB", storage_dir=tmp_path) as po:
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            po.step()
+    pairs = zip(reference.state_dict().values(), model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
