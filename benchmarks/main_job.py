@@ -67,9 +67,9 @@ VARIANTS = {"on": [], "off": ["vtensor=disabled"], "cached": []}
 
 @dataclass(frozen=True)
 class ClientRound:
-    """One client's local round: its device class (index), round, plan source, train time."""
+    """One client's local round: its device class (name), round, plan source, train time."""
 
-    device_class: int
+    device_class: str
     server_round: int
     plan_source: str
     train_s: float
@@ -85,7 +85,7 @@ class Run:
     central: list[tuple[float, float]]  # (accuracy, loss) per round
     clients: list[ClientRound] = field(default_factory=list)
 
-    def train_s(self, device_class: int, rounds: Callable[[int], bool]) -> list[float]:
+    def train_s(self, device_class: str, rounds: Callable[[int], bool]) -> list[float]:
         """The train times of ``device_class``'s client rounds in the rounds ``rounds`` takes."""
         return [
             c.train_s
@@ -93,7 +93,7 @@ class Run:
             if c.device_class == device_class and rounds(c.server_round)
         ]
 
-    def decided_s(self, device_class: int) -> list[float]:
+    def decided_s(self, device_class: str) -> list[float]:
         """The class's client rounds on a plan loaded from its cache (the decided plan)."""
         return [
             c.train_s
@@ -139,7 +139,7 @@ def simulate(
             if row["phase"] == "train" and not row["error"]:
                 run.clients.append(
                     ClientRound(
-                        int(float(row["device-class"])),
+                        row["device-class"],
                         int(row["server_round"]),
                         row["plan-source"],
                         float(row["train-s"]),
@@ -195,11 +195,11 @@ def _class_rows(
         row: dict[str, Any] = {"device_class": name, "budget": budgets[index]}
         for variant in VARIANTS:
             mine = [r for r in runs if r.variant == variant]
-            first = [s for r in mine for s in r.train_s(index, lambda n: n == 1)]
-            later = [s for r in mine for s in r.train_s(index, lambda n: n > 1)]
+            first = [s for r in mine for s in r.train_s(name, lambda n: n == 1)]
+            later = [s for r in mine for s in r.train_s(name, lambda n: n > 1)]
             row[f"{variant}_round1_s"] = _median(first)
             row[f"{variant}_later_s"] = _median(later)
-        decided = [s for r in runs if r.variant == "on" for s in r.decided_s(index)]
+        decided = [s for r in runs if r.variant == "on" for s in r.decided_s(name)]
         row["on_decided_s"], row["on_decided_rounds"] = _median(decided), len(decided)
         row["decided_ratio"] = row["on_decided_s"] / row["off_later_s"]
         row["later_ratio"] = row["on_later_s"] / row["off_later_s"]

@@ -9,7 +9,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 import vtensor
-from edgefl.client_data import client_split
+from edgefl.client_data import Split, client_split, node_split
 from edgefl.config import settings_from_run_config
 from edgefl.data import DatasetInfo
 from edgefl.errors import ClientBudgetError
@@ -26,10 +26,12 @@ from edgefl.records import (
     LR,
     MAX_EXAMPLES,
     METRICS,
+    NODE,
     PROXIMAL_MU,
     SEED,
     SERVER_ROUND,
     eval_metrics,
+    node_record,
     train_metrics,
 )
 from edgefl.secagg import SECAGG_ACTION, secagg_mod, secagg_query
@@ -64,9 +66,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         s = resolve(context)
         node = resolve_node(context.node_config, s)
         config = _config(msg)
-        info, train_set, _ = client_split(
-            s.data, node.data_root, node.partition_id, node.num_partitions, s.seed
-        )
+        info, train_set, _ = _split(s, node)
         server_round = int(_number(config, SERVER_ROUND, 0))
         local = _local_round(config, s, server_round, node.partition_id)
         seed_everything(local.seed, s.train.torch_threads)
@@ -86,12 +86,13 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
                 plan_cache_dir=node.plan_cache_dir,
             )
         except ClientBudgetError as exc:
-            return _budget_error(msg, node, exc)
+            return _budget_error(msg, context, node, exc)
         _log_round(node, server_round, budget_bytes, outcome)
         content = RecordDict(
             {
                 ARRAYS: ArrayRecord(model.state_dict()),
                 METRICS: train_metrics(outcome, node, budget_bytes),
+                NODE: node_record(node),
             }
         )
         return Message(content, reply_to=msg)
@@ -101,9 +102,7 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
         configure_logging()
         s = resolve(context)
         node = resolve_node(context.node_config, s)
-        info, _, test_set = client_split(
-            s.data, node.data_root, node.partition_id, node.num_partitions, s.seed
-        )
+        info, _, test_set = _split(s, node)
         seed_everything(s.seed, s.train.torch_threads)
         model = _model(s, info, msg)
         budget_bytes = resolve_budget(
@@ -117,9 +116,18 @@ def build_client_app(settings: ClientSettings | None = None) -> ClientApp:
             budget_bytes=budget_bytes,
             scratch_dir=node.plan_cache_dir,
         )
-        return Message(RecordDict({METRICS: eval_metrics(outcome, node)}), reply_to=msg)
+        content = RecordDict({METRICS: eval_metrics(outcome, node), NODE: node_record(node)})
+        return Message(content, reply_to=msg)
 
     return app
+
+
+def _split(settings: ClientSettings, node: NodeProfile) -> Split:
+    """The node's data: a deployed node keeps it across its processes (NOTE [split cache])."""
+    args = (settings.data, node.data_root, node.partition_id, node.num_partitions, settings.seed)
+    if _deployed(node):
+        return node_split(*args, cache_dir=node.plan_cache_dir / "splits")
+    return client_split(*args)
 
 
 def _config(msg: Message) -> ConfigRecord:
@@ -200,14 +208,28 @@ def _log_round(
     )
 
 
-def _budget_error(msg: Message, node: NodeProfile, exc: ClientBudgetError) -> Message:
+_WARNED = "edgefl.budget-warned"  # context.state: the node said its budget error this run
+
+
+def _budget_error(
+    msg: Message, context: Context, node: NodeProfile, exc: ClientBudgetError
+) -> Message:
+    """The error reply; a deployed node also says it in its own log, once a run.
+
+    The figures barely change between rounds; summary.txt keeps every reply's reason.
+    """
     reason = (
         f"client {node.partition_id} (device class {node.device_class!r}) cannot train "
         f"within its budget: {exc}"
     )
-    # The server logs every error reply once; a deployed node also says it in its own log.
-    logger.log(logging.WARNING if _deployed(node) else logging.DEBUG, "%s", reason)
+    said = _WARNED in context.state.config_records  # the state outlives the node's processes
+    logger.log(logging.WARNING if _deployed(node) and not said else logging.DEBUG, "%s", reason)
+    context.state.config_records[_WARNED] = ConfigRecord({SERVER_ROUND: _round_of(msg)})
     return Message(Error(code=ERROR_CODE_BUDGET, reason=reason), reply_to=msg)
+
+
+def _round_of(msg: Message) -> int:
+    return int(_number(_config(msg), SERVER_ROUND, 0))
 
 
 app: ClientApp = build_client_app()

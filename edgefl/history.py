@@ -1,6 +1,7 @@
 """What happened in a run, round by round and client by client, built from observed exchanges."""
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flwr.app import MessageType
@@ -10,11 +11,14 @@ from edgefl.records import (
     BUDGET_BYTES,
     BYTES_SWAPPED_IN,
     BYTES_SWAPPED_OUT,
+    DEVICE_CLASS,
     EVAL_ACC,
+    NODE,
     NUM_EXAMPLES,
     PEAK_DEVICE_BYTES,
     STALL_S,
     TRAIN_LOSS,
+    device_class_name,
 )
 from edgefl.train import EvalOutcome
 
@@ -28,6 +32,12 @@ class ClientRound:
     node_id: int
     metrics: dict[str, float]  # empty for an error reply
     error: str | None = None
+    device_class: str = ""  # the class the node named (its NODE record); "" if none
+
+    @property
+    def deployed(self) -> bool:
+        """A deployed node's reply (its class from its node config), not a fleet client's."""
+        return self.metrics.get(DEVICE_CLASS, 0) < 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,9 @@ class RunHistory:
                 metrics.update(
                     {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
                 )
-            self.clients.append(ClientRound(exchange.server_round, phase, node, metrics))
+            name = device_class_name(reply.content.config_records.get(NODE))
+            row = ClientRound(exchange.server_round, phase, node, metrics, device_class=name)
+            self.clients.append(row)
 
     def close_round(
         self, server_round: int, central: EvalOutcome | None, epsilon: float | None = None
@@ -125,6 +137,26 @@ class RunHistory:
     def errors(self) -> list[ClientRound]:
         """Every error reply, in order."""
         return [c for c in self.clients if c.error is not None]
+
+
+def class_of(row: ClientRound, fleet: Sequence[str]) -> str:
+    """The device class of a reply by name: the one its node sent, else its fleet index's."""
+    if row.device_class:
+        return row.device_class
+    index = int(row.metrics.get(DEVICE_CLASS, -1))
+    return fleet[index] if 0 <= index < len(fleet) else "deployed"
+
+
+def class_names(rows: Sequence[ClientRound], fleet: Sequence[str]) -> list[str]:
+    """The device classes a run's results show, in order: the fleet's, then deployed ones'.
+
+    A run whose replies all came from deployed nodes shows only the classes those named: the
+    fleet of its settings had no clients (its classes would read "no successful round").
+    """
+    deployed = list(dict.fromkeys(class_of(c, fleet) for c in rows if c.deployed))
+    if rows and all(c.deployed for c in rows):
+        return deployed
+    return [*fleet, *(name for name in deployed if name not in fleet)]
 
 
 def _weighted(rows: list[ClientRound], key: str) -> float | None:

@@ -40,5 +40,9 @@ def configure_logging(flower_level: str = "WARNING") -> None:
         own.setLevel(logging.INFO)
     flower = logging.getLogger("flwr")
     flower.setLevel(flower_level.upper())
+    # Flower's console handler takes its level from FLWR_LOG_LEVEL, which edgefl's deploy
+    # commands set for the processes they start: in those, this run's setting decides.
+    for flower_handler in flower.handlers:
+        flower_handler.setLevel(flower_level.upper())
     if not any(isinstance(f, FlowerNoise) for f in flower.filters):
         flower.addFilter(FlowerNoise())

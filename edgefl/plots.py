@@ -11,8 +11,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from edgefl.history import RunHistory
-from edgefl.records import BUDGET_BYTES, DEVICE_CLASS, PARTITION_ID, PEAK_DEVICE_BYTES
+from edgefl.history import RunHistory, class_names, class_of
+from edgefl.records import BUDGET_BYTES, PARTITION_ID, PEAK_DEVICE_BYTES
 from edgefl.settings import DeviceClass
 
 ACCURACY_PNG = "accuracy_loss.png"
@@ -77,11 +77,15 @@ def draw_client_memory(
     """
     colours = plt.get_cmap("tab10")
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
+    fleet = [device.name for device in classes]
     partition_of = {c.node_id: c.metrics[PARTITION_ID] for c in rows}
-    class_of = {c.node_id: int(c.metrics.get(DEVICE_CLASS, -1)) for c in rows}
+    node_class = {c.node_id: class_of(c, fleet) for c in rows}
     nodes = sorted(partition_of, key=partition_of.__getitem__)
-    for index in sorted(set(class_of.values())):
-        members = [n for n in nodes if class_of[n] == index]
+    names = class_names(rows, fleet)
+    for index, name in enumerate(names):
+        members = [n for n in nodes if node_class[n] == name]
+        if not members:
+            continue
         colour, marker = colours(index % 10), _MARKERS[index % len(_MARKERS)]
         for rank, node in enumerate(members):
             mine = sorted((c for c in rows if c.node_id == node), key=lambda c: c.server_round)
@@ -97,7 +101,7 @@ def draw_client_memory(
             )
         by_round: dict[int, list[float]] = {}
         for c in rows:
-            if class_of[c.node_id] == index:
+            if node_class[c.node_id] == name:
                 by_round.setdefault(c.server_round, []).append(c.metrics[PEAK_DEVICE_BYTES] / _MIB)
         rounds = sorted(by_round)
         ax.fill_between(
@@ -108,14 +112,11 @@ def draw_client_memory(
             alpha=0.15,
             lw=0,
         )
-    for index, device in enumerate(classes):  # budgets as the clients resolved them
-        budgets = [c.metrics[BUDGET_BYTES] for c in rows if c.metrics[DEVICE_CLASS] == index]
+    for index, name in enumerate(names):  # budgets as the clients resolved them
+        budgets = [c.metrics[BUDGET_BYTES] for c in rows if node_class[c.node_id] == name]
         if budgets:
             ax.axhline(
-                max(budgets) / _MIB,
-                ls="--",
-                color=colours(index % 10),
-                label=f"budget {device.name}",
+                max(budgets) / _MIB, ls="--", color=colours(index % 10), label=f"budget {name}"
             )
     if unmanaged_peak_bytes:
         ax.axhline(unmanaged_peak_bytes / _MIB, ls=":", color="black", label="unmanaged peak")

@@ -14,7 +14,7 @@ source is its first step's, unless a later step fell back (see ``edgefl.train.tr
 Results (clients.csv) show the names again (``plan_source_name``).
 """
 
-from flwr.app import MetricRecord
+from flwr.app import ConfigRecord, MetricRecord
 
 import vtensor
 from edgefl.node import NodeProfile
@@ -29,6 +29,7 @@ from strategies.replies import TRAIN_S as TRAIN_S
 # -- record names of a message's RecordDict (those Flower's strategies use) -------------------
 ARRAYS = "arrays"
 METRICS = "metrics"
+NODE = "node"  # a reply's ConfigRecord of what the node is (``node_record``)
 
 # -- a train/evaluate instruction's ConfigRecord (sent by the server or strategy) ----------
 SERVER_ROUND = "server-round"  # set by Flower's strategies
@@ -50,7 +51,9 @@ STALL_S = "stall-s"
 TRAIN_CPU_S = "train-cpu-s"  # the client process's CPU time over train-s (NOTE [reference round])
 PLAN_SOURCE = "plan-source"  # NOTE [plan-source codes]
 PARTITION_ID = "partition-id"
-DEVICE_CLASS = "device-class"  # index of the node's device class in the fleet; -1 deployed
+# The index of the node's device class in the fleet (-1: a deployed node) in a MetricRecord;
+# its name in the NODE ConfigRecord.
+DEVICE_CLASS = "device-class"
 EVAL_LOSS = "eval-loss"
 EVAL_ACC = "eval-acc"
 TRAIN_METRIC_KEYS = (
@@ -104,6 +107,21 @@ def plan_source_name(code: float) -> str:
     """``"unmanaged"`` or the plan source's name (``"profiled"``, ``"cached"``, ...)."""
     source = plan_source_of(code)
     return UNMANAGED if source is None else str(source)
+
+
+def node_record(node: NodeProfile) -> ConfigRecord:
+    """What a reply says of its node: the device class by name (a MetricRecord holds numbers).
+
+    A deployed node's class is the name in its node config, which the server cannot know
+    otherwise; results and tables name every class by this name.
+    """
+    return ConfigRecord({DEVICE_CLASS: node.device_class})
+
+
+def device_class_name(record: ConfigRecord | None) -> str:
+    """The device class a reply's NODE record names; "" for a reply without one."""
+    value = None if record is None else record.get(DEVICE_CLASS)
+    return value if isinstance(value, str) else ""
 
 
 def train_metrics(outcome: TrainOutcome, node: NodeProfile, budget_bytes: int) -> MetricRecord:

@@ -2,8 +2,8 @@
 
 Their folder is checked before the run starts (``check_output_dir``).
 
-clients.csv has a row per reply, its metrics as sent, except the plan source shown by name
-(NOTE [plan-source codes] in edgefl.records).
+clients.csv has a row per reply, its metrics as sent, except the plan source and the device
+class shown by name (NOTE [plan-source codes] in edgefl.records; ``edgefl.history.class_of``).
 """
 
 import csv
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from edgefl.errors import ConfigError
-from edgefl.history import RunHistory
-from edgefl.records import PLAN_SOURCE, plan_source_name
+from edgefl.history import ClientRound, RunHistory, class_of
+from edgefl.records import DEVICE_CLASS, PLAN_SOURCE, plan_source_name
 from edgefl.settings import RunSettings
 
 ROUNDS_JSON, ROUNDS_CSV = "rounds.json", "rounds.csv"
@@ -58,13 +58,14 @@ def write_results(
     rounds = [dataclasses.asdict(r) for r in history.rounds]
     (out_dir / ROUNDS_JSON).write_text(json.dumps({"rounds": rounds, **extra}, indent=2))
     _write_csv(out_dir / ROUNDS_CSV, rounds)
+    fleet = [device.name for device in settings.client.fleet.classes]
     clients = [
         {
             "server_round": c.server_round,
             "phase": c.phase,
             "node_id": c.node_id,
             "error": c.error or "",
-            **_named(c.metrics),
+            **_named(c, fleet),
         }
         for c in history.clients
     ]
@@ -76,11 +77,14 @@ def write_results(
     return [out_dir / n for n in (ROUNDS_JSON, ROUNDS_CSV, CLIENTS_CSV, MODEL_FILE, SETTINGS_JSON)]
 
 
-def _named(metrics: dict[str, float]) -> dict[str, float | str]:
-    """A reply's metrics as clients.csv shows them: the plan source by name, not its code."""
-    if PLAN_SOURCE not in metrics:
-        return dict(metrics)
-    return {**metrics, PLAN_SOURCE: plan_source_name(metrics[PLAN_SOURCE])}
+def _named(reply: ClientRound, fleet: list[str]) -> dict[str, float | str]:
+    """A reply's metrics as clients.csv shows them: plan source and device class by name."""
+    named: dict[str, float | str] = dict(reply.metrics)
+    if PLAN_SOURCE in named:
+        named[PLAN_SOURCE] = plan_source_name(reply.metrics[PLAN_SOURCE])
+    if DEVICE_CLASS in named:
+        named[DEVICE_CLASS] = class_of(reply, fleet)
+    return named
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

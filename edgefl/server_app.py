@@ -11,6 +11,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
+from flwr.superlink.grid import InMemoryGrid
 from torch import nn
 
 from edgefl.checkpoint import (
@@ -96,7 +97,9 @@ def run_federation(
     torch.manual_seed(s.client.seed)
     model = build_model(s.client.model.name, info, s.client.model.options)
     key = run_key(s)
-    start = _starting_state(s, key, model, test_set, peak, reference)
+    # Deployed clients train on their own devices: a round timed here says nothing of theirs.
+    simulated = isinstance(grid, InMemoryGrid)
+    start = _starting_state(s, key, model, test_set, peak, reference, simulated)
     _log_model(s, model, info.name, start.extra)
     guard = _privacy_guard(s, start.strategy)
     hooks = _RoundHooks(s, model, test_set, start, guard, key, out_dir, info.accuracy)
@@ -104,7 +107,7 @@ def run_federation(
     result = run_rounds(
         start.strategy,
         RecordingGrid(
-            grid, [start.history.on_exchange, _log_errors, *observers], TrainProgress().update
+            grid, [start.history.on_exchange, ErrorLog(), *observers], TrainProgress().update
         ),
         ArrayRecord(model.state_dict()),
         _round_plan(s, start.first_round),
@@ -149,8 +152,12 @@ def _starting_state(
     test_set: ArrayDataset,
     peak: PeakMeasurement | None,
     reference: ReferenceRound | None,
+    time_reference: bool,
 ) -> _Start:
-    """Resume the checkpoint (loading ``model`` and the RNGs from it), or start a new run."""
+    """Resume the checkpoint (loading ``model`` and the RNGs from it), or start a new run.
+
+    A new run times the reference round here if not given one and ``time_reference``.
+    """
     resumed = _resume(s, key)
     if resumed is not None:
         model.load_state_dict(resumed.state_dict)
@@ -168,31 +175,37 @@ def _starting_state(
             momentum=s.client.train.momentum,
             settings=s.client.vtensor if s.client.vtensor.enabled else None,
         )
-    if reference is None:
+    if reference is None and time_reference:
         reference = time_unmanaged_round(s.client, s.server.num_supernodes)
-    extra = {
+    extra: dict[str, Any] = {
         "unmanaged_peak_bytes": peak.unmanaged_peak_bytes,
         "min_budget_bytes": peak.min_budget_bytes,
         "state_bytes": peak.state_bytes,
         "peak_batch_size": peak.batch_size,
         "smaller_batch_peaks": [list(pair) for pair in peak.smaller_batch_peaks],
-        "reference_train_s": reference.train_s,
-        "reference_examples_processed": reference.examples_processed,
-        "reference_cpu_s": reference.cpu_s,
     }
+    if reference is not None:  # else not measured: no "x unmanaged" (``_reference``)
+        extra["reference_train_s"] = reference.train_s
+        extra["reference_examples_processed"] = reference.examples_processed
+        extra["reference_cpu_s"] = reference.cpu_s
     return _Start(strategy, history, 1, extra)
 
 
 def _log_model(s: RunSettings, model: nn.Module, dataset: str, extra: dict[str, Any]) -> None:
+    reference = (
+        f"an unmanaged client trains a round in {extra['reference_train_s']:.2f} s"
+        if "reference_train_s" in extra
+        else "the clients' unmanaged round time is not measured (they train on other machines)"
+    )
     logger.info(
         "model %s (%d parameters) on %s: unmanaged training peak %.1f MiB at batch %d "
-        "(measured by the server); an unmanaged client trains a round in %.1f s",
+        "(measured by the server); %s",
         s.client.model.name,
         sum(p.numel() for p in model.parameters()),
         dataset,
         extra["unmanaged_peak_bytes"] / 2**20,
         s.client.train.batch_size,
-        extra.get("reference_train_s", float("nan")),
+        reference,
     )
 
 
@@ -376,11 +389,24 @@ def _resume(s: RunSettings, key: dict[str, Any]) -> Checkpoint | None:
     return checkpoint
 
 
-def _log_errors(exchange: Exchange) -> None:
-    """Log every error reply (Flower's strategies log them at INFO, hidden by default)."""
-    for reply in exchange.replies:
-        if reply.has_error():
-            logger.warning(
+class ErrorLog:
+    """Log each node's error replies (Flower's strategies log them at INFO, hidden by default).
+
+    A node's first reply with an error code is logged with its reason; the same error from it
+    in later rounds only at DEBUG: the round lines count failures, summary.txt has every reason.
+    """
+
+    def __init__(self) -> None:
+        self._said: set[tuple[int, int]] = set()  # (node, error code)
+
+    def __call__(self, exchange: Exchange) -> None:
+        """Log the error replies of ``exchange`` (an observer of the RecordingGrid)."""
+        for reply in exchange.replies:
+            if not reply.has_error():
+                continue
+            said = (reply.metadata.src_node_id, reply.error.code)
+            logger.log(
+                logging.DEBUG if said in self._said else logging.WARNING,
                 "round %d %s: node %d replied with error %d: %s",
                 exchange.server_round,
                 exchange.message_type,
@@ -388,6 +414,7 @@ def _log_errors(exchange: Exchange) -> None:
                 reply.error.code,
                 reply.error.reason,
             )
+            self._said.add(said)
 
 
 app: ServerApp = build_server_app()

@@ -21,7 +21,7 @@ from edgefl.errors import ConfigError
 from edgefl.models import build_model
 from edgefl.node import NodeProfile
 from edgefl.peak import measure_unmanaged_peak, resolve_budget
-from edgefl.records import ARRAYS, ERROR_CODE_BUDGET, METRICS, train_metrics
+from edgefl.records import ARRAYS, ERROR_CODE_BUDGET, METRICS, NODE, node_record, train_metrics
 from edgefl.settings import ClientSettings
 from edgefl.train import LocalRound, train_local
 from strategies.heterofl import WIDTH_RATIO, WIDTH_RATIOS, check_ratios, scaled_width
@@ -123,7 +123,13 @@ def train_submodel(
     logger.debug(
         "client %d trained width ratio %g: loss %.4f", node.partition_id, ratio, outcome.loss
     )
-    content = RecordDict({ARRAYS: ArrayRecord(model.state_dict()), METRICS: MetricRecord(metrics)})
+    content = RecordDict(
+        {
+            ARRAYS: ArrayRecord(model.state_dict()),
+            METRICS: MetricRecord(metrics),
+            NODE: node_record(node),
+        }
+    )
     return Message(content, reply_to=msg)
 
 

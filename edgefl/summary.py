@@ -4,13 +4,12 @@ import re
 from collections.abc import Sequence
 
 import vtensor
-from edgefl.history import ClientRound, RoundRecord, RunHistory
+from edgefl.history import ClientRound, RoundRecord, RunHistory, class_names, class_of
 from edgefl.peak import PeakMeasurement
 from edgefl.records import (
     BUDGET_BYTES,
     BYTES_SWAPPED_IN,
     BYTES_SWAPPED_OUT,
-    DEVICE_CLASS,
     EXAMPLES_PROCESSED,
     PEAK_DEVICE_BYTES,
     PLAN_SOURCE,
@@ -162,10 +161,11 @@ def class_table(
     )
     lines = [floors_line(floors), header, "-" * len(header)]
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
-    for index, device in enumerate(classes):
-        mine = [c for c in rows if int(c.metrics.get(DEVICE_CLASS, -1)) == index]
+    fleet = [device.name for device in classes]
+    for name in class_names(rows, fleet):  # a deployed node's class: the name it sent
+        mine = [c for c in rows if class_of(c, fleet) == name]
         if not mine:
-            lines.append(f"{device.name:<14} {0:>7}  (no successful round)")
+            lines.append(f"{name:<14} {0:>7}  (no successful round)")
             continue
         budget = int(max(c.metrics[BUDGET_BYTES] for c in mine))
         share = f"({100 * budget / unmanaged_peak_bytes:.0f}%)" if unmanaged_peak_bytes else ""
@@ -176,7 +176,7 @@ def class_table(
         round_s = _num(_mean([c.metrics[TRAIN_S] for c in decided]) if decided else None, 1)
         deciding_s = _num(_mean([c.metrics[TRAIN_S] for c in deciding]) if deciding else None, 1)
         lines.append(
-            f"{device.name:<14} {len({c.node_id for c in mine}):>7} "
+            f"{name:<14} {len({c.node_id for c in mine}):>7} "
             f"{format_bytes(budget) + ' ' + share:>17} "
             f"{format_bytes(int(max(c.metrics[PEAK_DEVICE_BYTES] for c in mine))):>13} "
             f"{format_bytes(int(swapped)):>13} {round_s:>7} {ratio:>11} {deciding_s:>10}  "

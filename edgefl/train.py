@@ -77,11 +77,15 @@ class EvalOutcome:
     accuracy: float
 
 
+# NOTE [deterministic ops]: ``torch.use_deterministic_algorithms`` also sets the flag of
+# torch.compile's inductor, and importing the inductor for it takes about 2 s: paid by every
+# process, and a deployed node starts one per message (Flower's process per message). edgefl
+# never compiles, so only the flag of the eager ops is set, as that function sets it.
 def seed_everything(seed: int, threads: int) -> None:
     """Make a client's round deterministic: one seed, a fixed thread count, deterministic ops."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch._C._set_deterministic_algorithms(True, warn_only=True)  # NOTE [deterministic ops]
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from cryptography import x509
 
 from edgefl.deploy import pki
 from edgefl.deploy.commands import (
+    DEFAULT_FLOWER_LOG_LEVEL,
     ConfigValue,
     flower_env,
     register_argv,
@@ -23,9 +24,12 @@ from edgefl.deploy.commands import (
 from edgefl.deploy.connection import write_connection
 from edgefl.deploy.errors import DeployError
 from edgefl.deploy.processes import (
+    RETRYING,
     UNAVAILABLE,
+    FilteredEcho,
     FlowerProcess,
-    announce_superlink,
+    SuperLinkWatch,
+    below_level,
     check_port_free,
     check_reachable,
     connection_failed,
@@ -51,6 +55,7 @@ class ServerOptions:
     database: Path | None
     flwr_home: Path
     ready_timeout_s: float = 60.0
+    flower_log_level: str = DEFAULT_FLOWER_LOG_LEVEL
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class ClientOptions:
     flwr_home: Path
     data: Path | None = None
     device_class: str | None = None
+    flower_log_level: str = DEFAULT_FLOWER_LOG_LEVEL
 
 
 def make_certs(
@@ -93,18 +99,22 @@ def serve(opts: ServerOptions) -> int:
         pki.check_tls_files(opts.tls)
         _warn_unnamed_host(opts.tls.server_cert, opts.host)
     check_port_free(opts.host, opts.port, "pick another port with --port")
-    env = flower_env(opts.flwr_home)
+    env = flower_env(opts.flwr_home, flower_log_level=opts.flower_log_level)
     argv = superlink_argv(env, opts.host, opts.port, opts.tls, opts.database)
-    proc = FlowerProcess(argv, env, sys.stdout)
+    echo = FilteredEcho(sys.stdout, below_level(opts.flower_log_level))
+    proc = FlowerProcess(argv, env, echo)
     try:
         proc.wait_listening(opts.host, opts.port, opts.ready_timeout_s, "the SuperLink")
     except DeployError:
         proc.stop()
+        echo.release()
         raise
     address = format_address(opts.host, opts.port)
     mode = "TLS, registered SuperNodes only" if opts.tls else "INSECURE: no TLS, any SuperNode"
     print(f"edgefl: SuperLink ready at {address} ({mode})", file=sys.stderr, flush=True)
-    return proc.wait()
+    rc = proc.wait()
+    echo.release()
+    return rc
 
 
 def register(public_keys: list[Path], superlink: str, ca_cert: Path, flwr_home: Path) -> int:
@@ -158,13 +168,23 @@ def client(opts: ClientOptions) -> int:
     check_port_free(
         "127.0.0.1", opts.local_port, "give each client on this machine its own --local-port"
     )
-    env = flower_env(opts.flwr_home)
+    env = flower_env(opts.flwr_home, flower_log_level=opts.flower_log_level)
     argv = supernode_argv(
         env, opts.superlink, opts.local_port, node_config, opts.ca_cert, opts.private_key
     )
-    announce_superlink(opts.superlink)
-    proc = FlowerProcess(argv, env, sys.stdout, watch=[*REFUSED_MARKERS, TLS_FAILED])
+    superlink = SuperLinkWatch(opts.superlink)
+    superlink.waiting()  # says so when nothing answers there yet
+    quiet = below_level(opts.flower_log_level)
+    echo = FilteredEcho(
+        sys.stdout, lambda line: quiet(line) or (RETRYING in line and superlink.waiting())
+    )
+    proc = FlowerProcess(argv, env, echo, watch=[*REFUSED_MARKERS, TLS_FAILED])
     rc = proc.wait()
+    known = rc != 0 and any(proc.seen(m) for m in (*REFUSED_MARKERS, TLS_FAILED))
+    if known:
+        echo.discard()  # Flower's exit report: edgefl's one line below says what to do
+    else:
+        echo.release()
     if rc != 0 and proc.seen(TLS_FAILED):
         raise DeployError(
             f"the SuperLink's certificate did not verify with {opts.ca_cert}: pass --ca with the "

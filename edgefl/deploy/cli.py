@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from edgefl.deploy import actions, submit
+from edgefl.deploy.commands import DEFAULT_FLOWER_LOG_LEVEL, FLOWER_LOG_LEVELS
 from edgefl.deploy.errors import DeployError
 from edgefl.deploy.pki import CA_CERT, MaterialFile, TlsFiles
 from edgefl.errors import EdgeFLError
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flwr_home(server, "DIR/flwr-home")
     _insecure(server)
+    _flower_log_level(server)
     server.set_defaults(handler=_server)
 
     reg = _command(commands, "register", "allow SuperNode public keys to join the SuperLink")
@@ -128,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ca(client)
     _flwr_home(client, "DIR/supernode-LOCAL_PORT")
     _insecure(client)
+    _flower_log_level(client)
     client.set_defaults(handler=_client)
 
     run = _command(commands, "run", "run the edgefl app on the SuperLink and stream its logs")
@@ -151,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ca(run)
     _flwr_home(run, "DIR/flwr-home")
     _insecure(run)
+    _flower_log_level(run)
     run.set_defaults(handler=_run)
     return parser
 
@@ -177,6 +181,18 @@ def _insecure(parser: argparse.ArgumentParser) -> None:
         "--insecure",
         action="store_true",
         help="no TLS and no node authentication: for local tests only",
+    )
+
+
+def _flower_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--flower-log-level",
+        type=str.upper,
+        choices=FLOWER_LOG_LEVELS,
+        default=DEFAULT_FLOWER_LOG_LEVEL,
+        help="level of Flower's own log lines in the processes this command starts "
+        "(default: %(default)s, as a simulation's; INFO shows what -c debug=verbose shows "
+        "of a simulation)",
     )
 
 
@@ -239,6 +255,7 @@ def _server(args: argparse.Namespace) -> int:
         database=args.database or args.dir / "superlink.db",
         flwr_home=_home(args, "flwr-home"),
         ready_timeout_s=args.ready_timeout,
+        flower_log_level=args.flower_log_level,
     )
     if opts.database is not None:
         opts.database.parent.mkdir(parents=True, exist_ok=True)
@@ -269,6 +286,7 @@ def _client(args: argparse.Namespace) -> int:
         flwr_home=_home(args, f"supernode-{args.local_port}"),
         data=args.data,
         device_class=args.device_class,
+        flower_log_level=args.flower_log_level,
     )
     return actions.client(opts)
 
@@ -277,7 +295,10 @@ def _run(args: argparse.Namespace) -> int:
     config = submit.build_run_config(
         submit.app_run_config(args.app), args.run_config, args.rounds, args.output_dir
     )
-    return submit.submit(args.app, args.superlink, _ca_cert(args), _home(args, "flwr-home"), config)
+    home = _home(args, "flwr-home")
+    return submit.submit(
+        args.app, args.superlink, _ca_cert(args), home, config, args.flower_log_level
+    )
 
 
 if __name__ == "__main__":

@@ -18,18 +18,32 @@ OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "TQDM_DISABLE": "1",
 }
+# A SuperExec (one beside the SuperLink, one per SuperNode) asks every interval whether a
+# ServerApp or ClientApp process is to be started: once per message on a SuperNode. Flower's
+# default is 1 s; a quarter of it costs a loopback request four times a second.
+SUPEREXEC_POLL_ENV = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.25"}
+FLOWER_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_FLOWER_LOG_LEVEL = "WARNING"  # as simulation.flower_log_level; debug=verbose: INFO
 CONNECTION = "edgefl"  # the SuperLink connection's name in $FLWR_HOME/config.toml
 ConfigValue = str | int | float | bool
 
 
-def flower_env(flwr_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def flower_env(
+    flwr_home: Path,
+    base: Mapping[str, str] | None = None,
+    flower_log_level: str = DEFAULT_FLOWER_LOG_LEVEL,
+) -> dict[str, str]:
     """Environment for a Flower process: ``flwr_home`` as FLWR_HOME, offline, this venv on PATH.
 
     Flower starts its helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name, so
     the folder of this interpreter goes first on PATH even when the venv is not activated.
+    ``flower_log_level`` is Flower's console level in them (FLWR_LOG_LEVEL; its HTTP servers'
+    access logs follow it), which their helpers inherit.
     """
     env = dict(os.environ if base is None else base)
     env.update(OFFLINE_ENV)
+    env.update(SUPEREXEC_POLL_ENV)
+    env["FLWR_LOG_LEVEL"] = flower_log_level.upper()
     env["FLWR_HOME"] = str(Path(flwr_home).resolve())
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bin_dir, *(p for p in env.get("PATH", "").split(os.pathsep))])

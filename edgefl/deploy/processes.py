@@ -11,10 +11,10 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from edgefl.deploy.errors import DeployError
 
@@ -23,6 +23,13 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TAIL_LINES = 200
 # The flwr CLI's report of a failed connection (a wrong CA, TLS against an insecure SuperLink).
 UNAVAILABLE = "Connection to the SuperLink is unavailable"
+EXIT_REPORT = "Exit Code: "  # the first line of the report a Flower process exits with
+RETRYING = "Connection attempt failed, retrying in"  # Flower's warning on each retry
+# Lines below WARNING that Flower's FLWR_LOG_LEVEL does not reach: the default log format of
+# the SuperNode's own HTTP server (uvicorn), and the note each ClientApp process prints when
+# it unpacks the app.
+_UVICORN_INFO = re.compile(r"^(DEBUG|INFO):\s")
+_APP_INSTALLED = "Successfully installed "
 
 
 def parse_address(address: str, what: str) -> tuple[str, int]:
@@ -87,11 +94,23 @@ def check_reachable(superlink: str) -> None:
         )
 
 
+def below_level(flower_log_level: str) -> Callable[[str], bool]:
+    """A test of a Flower process's output line: is it below ``flower_log_level``?
+
+    Only for the lines Flower prints whatever its level (``_UVICORN_INFO``, ``_APP_INSTALLED``);
+    Flower's own logger follows FLWR_LOG_LEVEL (``flower_env``).
+    """
+    if logging.getLevelName(flower_log_level.upper()) <= logging.INFO:
+        return lambda _line: False
+    return lambda line: bool(_UVICORN_INFO.match(line)) or line.startswith(_APP_INSTALLED)
+
+
 def announce_superlink(superlink: str, poll_s: float = 2.0) -> threading.Thread | None:
     """Say when nothing answers at ``superlink`` yet, and (from a daemon thread) when it does.
 
-    A SuperNode retries a missing SuperLink without a word; this is its node's only sign of
-    what it waits for. Returns the watching thread, or None when the SuperLink answers now.
+    Flower's SuperNode warns at each retry without saying what it waits for; this says it once
+    (``SuperLinkWatch`` drops those warnings meanwhile). Returns the watching thread, or None
+    when the SuperLink answers now.
     """
     host, port = parse_address(superlink, "--superlink")
     if is_listening(host, port, timeout_s=1.0):
@@ -106,6 +125,80 @@ def announce_superlink(superlink: str, poll_s: float = 2.0) -> threading.Thread 
     thread = threading.Thread(target=watch, name="superlink-watch", daemon=True)
     thread.start()
     return thread
+
+
+class SuperLinkWatch:
+    """A node's own word on a SuperLink it cannot reach, in place of Flower's retry warnings.
+
+    ``waiting()`` is asked at the start and at each of Flower's retry warnings: while nothing
+    answers at the SuperLink's address, the node says so once (``announce_superlink``) and once
+    more when it answers; Flower's warnings then say nothing more and may be dropped.
+    """
+
+    def __init__(self, superlink: str, poll_s: float = 2.0) -> None:
+        self._superlink = superlink
+        self._poll_s = poll_s
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def waiting(self) -> bool:
+        """Whether nothing answers at the SuperLink now (said once per outage)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = announce_superlink(self._superlink, self._poll_s)
+            return self._thread is not None
+
+
+class Sink(Protocol):
+    """Where a Flower process's output lines are echoed (a text stream, or a filter of one)."""
+
+    def write(self, text: str, /) -> object:
+        """Write one line (with its newline)."""
+
+    def flush(self) -> object:
+        """Flush what was written."""
+
+
+class FilteredEcho:
+    """Echo a Flower process's lines to ``stream``, less those ``drop`` rejects.
+
+    From a line holding Flower's ``EXIT_REPORT`` on, lines are held until ``release()`` (echo
+    them) or ``discard()`` (edgefl says what went wrong instead, in one line of its own).
+    ``drop`` sees each line without colour codes.
+    """
+
+    def __init__(self, stream: TextIO, drop: Callable[[str], bool] = lambda _line: False) -> None:
+        self._stream = stream
+        self._drop = drop
+        self._held: list[str] | None = None
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        """Echo, drop or hold one line."""
+        plain = _ANSI.sub("", text)
+        with self._lock:
+            if self._held is None and EXIT_REPORT in plain:
+                self._held = []
+            if self._held is not None:
+                self._held.append(text)
+            elif not self._drop(plain):
+                self._stream.write(text)
+
+    def flush(self) -> None:
+        """Flush the stream."""
+        self._stream.flush()
+
+    def release(self) -> None:
+        """Echo the held lines (Flower's exit report, and what followed it)."""
+        with self._lock:
+            self._stream.writelines(self._held or [])
+            self._held = None
+        self._stream.flush()
+
+    def discard(self) -> None:
+        """Drop the held lines."""
+        with self._lock:
+            self._held = None
 
 
 def connection_failed(superlink: str) -> DeployError:
@@ -127,7 +220,7 @@ class FlowerProcess:
         self,
         argv: Sequence[str],
         env: Mapping[str, str],
-        echo: TextIO | None = None,
+        echo: Sink | None = None,
         *,
         watch: Sequence[str] = (),
         new_session: bool = False,

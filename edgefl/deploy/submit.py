@@ -10,12 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import edgefl
-from edgefl.deploy.commands import ConfigValue, flower_env, run_argv, run_status_argv
+from edgefl.deploy.commands import (
+    DEFAULT_FLOWER_LOG_LEVEL,
+    ConfigValue,
+    flower_env,
+    run_argv,
+    run_status_argv,
+)
 from edgefl.deploy.connection import write_connection
 from edgefl.deploy.errors import DeployError
 from edgefl.deploy.processes import (
     UNAVAILABLE,
+    FilteredEcho,
     FlowerProcess,
+    below_level,
     check_reachable,
     connection_failed,
 )
@@ -81,15 +89,18 @@ def submit(
     ca_cert: Path | None,
     flwr_home: Path,
     run_config: Mapping[str, ConfigValue],
+    flower_log_level: str = DEFAULT_FLOWER_LOG_LEVEL,
 ) -> int:
     """``flwr run`` the app on the SuperLink, stream its logs; 0 if the run completed, else 1."""
     app_run_config(app_dir)  # not a Flower app: say so before Flower builds a bundle
     check_reachable(superlink)
     write_connection(flwr_home, superlink, ca_cert)
-    env = flower_env(flwr_home)
+    env = flower_env(flwr_home, flower_log_level=flower_log_level)
     argv = run_argv(env, Path(app_dir).resolve(), run_config)
-    proc = FlowerProcess(argv, env, sys.stdout, watch=[STARTED, UNAVAILABLE])
+    echo = FilteredEcho(sys.stdout, below_level(flower_log_level))
+    proc = FlowerProcess(argv, env, echo, watch=[STARTED, UNAVAILABLE])
     rc = proc.wait()
+    echo.release()
     match = _RUN_ID.search(proc.seen(STARTED) or "")
     if match is None and proc.seen(UNAVAILABLE):
         raise connection_failed(superlink)

@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from edgefl.records import METRICS, TRAIN_LOSS
+from edgefl.records import METRICS, NODE, TRAIN_LOSS
 from edgefl.secagg import crypto
 from edgefl.secagg.client_state import NodeState, clear_state, load_state, store_state
 from edgefl.secagg.errors import SecAggProtocolError
@@ -112,6 +112,8 @@ def make_secagg_mod(
                 METRICS: metrics,
             }
         )
+        if NODE in reply.content.config_records:  # the node's device class, in the clear
+            content[NODE] = reply.content.config_records[NODE]
         return Message(content, reply_to=msg)
 
     return secagg_mod

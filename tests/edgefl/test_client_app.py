@@ -1,6 +1,7 @@
 """The ClientApp called directly with real Flower messages (no simulation engine)."""
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 import vtensor
+from edgefl import client_data
 from edgefl.budget import Budget
 from edgefl.client_app import build_client_app
 from edgefl.data import load_dataset
+from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
 from edgefl.peak import measure_unmanaged_peak
 from edgefl.records import (
@@ -256,3 +259,54 @@ def test_client_offloads_parameters_when_they_crowd_the_budget(
     )
     refused = build_client_app(never)(msg, _context(SIM_NODE))
     assert refused.has_error() and refused.error.code == ERROR_CODE_BUDGET
+
+
+def _deployed_node(tmp_path: Path, budget: str) -> dict[str, int | str]:
+    """A deployed node's config, as ``edgefl client --device-class pi4`` sets it."""
+    return {
+        **SIM_NODE,
+        "memory-budget": budget,
+        "device-class": "pi4",
+        "plan-cache-dir": str(tmp_path / "plans"),
+    }
+
+
+def test_a_deployed_node_names_its_class_and_keeps_its_split(
+    smoke_settings: RunSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = build_client_app(smoke_settings.client)
+    context = _context(_deployed_node(tmp_path, "1GiB"))
+    reply = app(_message(smoke_settings, MessageType.TRAIN), context)
+    assert reply.content["node"]["device-class"] == "pi4"  # the name, to results and tables
+    assert reply.content["metrics"]["device-class"] == -1
+    assert len(list((tmp_path / "plans" / "splits").glob("split-*.npz"))) == 1
+
+    def no_decoding(*_args: object) -> None:
+        raise AssertionError("the node's later processes read its split from its cache")
+
+    client_data.client_split.cache_clear()  # as in the node's next process
+    monkeypatch.setattr(client_data, "load_dataset", no_decoding)
+    evaluated = app(_message(smoke_settings, MessageType.EVALUATE), context)
+    assert evaluated.content["node"]["device-class"] == "pi4"
+    assert evaluated.content["metrics"]["num-examples"] > 0
+
+
+def test_a_deployed_node_says_its_budget_error_once_a_run(
+    smoke_settings: RunSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = build_client_app(smoke_settings.client)
+    context = _context(_deployed_node(tmp_path, "64KiB"))  # one node: its state across rounds
+    own = logging.getLogger("edgefl")
+    configure_logging()  # edgefl's loggers: their own handler, not propagating
+    own.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgefl.client_app"):
+            replies = [
+                app(_message(smoke_settings, MessageType.TRAIN, server_round=r), context)
+                for r in (1, 2)
+            ]
+    finally:
+        own.removeHandler(caplog.handler)
+    assert all(r.has_error() and r.error.code == ERROR_CODE_BUDGET for r in replies)
+    warnings = [r for r in caplog.records if "cannot train within its budget" in r.getMessage()]
+    assert len(warnings) == 1

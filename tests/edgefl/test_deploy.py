@@ -41,7 +41,8 @@ READY = "SuperLink ready"  # edgefl server's line once the SuperLink listens
 FLOWER_REFUSAL = "Failed to activate SuperNode"  # Flower's report of an unknown key [code: 2004]
 EDGEFL_REFUSAL = "refused this node"  # edgefl client's line naming the fix
 NODE_LINE = "client 0 (deployed) round 1: budget"  # a node's own line per round
-WATCH = (READY, FLOWER_REFUSAL, EDGEFL_REFUSAL, NODE_LINE)
+FLOWER_INFO = "Receiving: train message"  # one of Flower's INFO lines per message on a node
+WATCH = (READY, FLOWER_REFUSAL, EDGEFL_REFUSAL, NODE_LINE, FLOWER_INFO)
 
 
 def _free_port() -> int:
@@ -149,6 +150,7 @@ def test_tls_deployment_trains_under_budgets_and_refuses_unregistered_node(
     assert "completed" in run.stderr
 
     rounds = json.loads((out / "rounds.json").read_text())["rounds"]
+    assert "unmanaged round time is not measured" in run.stdout  # devices train elsewhere
     assert [r["server_round"] for r in rounds] == [0, 1, 2]
     for r in rounds[1:]:
         assert r["clients_trained"] == 2 and r["clients_failed"] == 0
@@ -157,7 +159,10 @@ def test_tls_deployment_trains_under_budgets_and_refuses_unregistered_node(
     with (out / "clients.csv").open() as f:
         rows = [row for row in csv.DictReader(f) if row["phase"] == "train"]
     assert len(rows) == 4
-    assert {int(float(row["partition-id"])) for row in rows} == {0, 1}
+    classes = {int(float(row["partition-id"])): row["device-class"] for row in rows}
+    assert classes == {0: "deployed", 1: "small"}  # by the names the nodes' configs give
+    table = (out / "summary.txt").read_text().split("without vtensor\n")[1].splitlines()
+    assert [line.split()[:2] for line in table[1:3]] == [["deployed", "1"], ["small", "1"]]
     for row in rows:
         assert float(row["budget-bytes"]) == budget  # the node config reached the ClientApp
         assert float(row["peak-device-bytes"]) <= budget
@@ -165,7 +170,8 @@ def test_tls_deployment_trains_under_budgets_and_refuses_unregistered_node(
 
     line = node_1.seen(NODE_LINE)  # budget, peak, swapped bytes and plan source
     assert line is not None and "swapped" in line and "plan " in line, node_1.tail()
+    assert node_1.seen(FLOWER_INFO) is None, node_1.tail()  # Flower at WARNING on the node
     assert stranger.wait(timeout_s=120) == 2
-    assert stranger.seen(FLOWER_REFUSAL) is not None
     refusal = stranger.seen(EDGEFL_REFUSAL)
     assert refusal is not None and "edgefl register" in refusal and "stranger.pub" in refusal
+    assert stranger.seen(FLOWER_REFUSAL) is None, stranger.tail()  # edgefl's line says it

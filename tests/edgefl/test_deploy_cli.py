@@ -1,6 +1,7 @@
 """The ``edgefl`` command line without Flower processes: help texts, one-line errors, formats."""
 
 import argparse
+import io
 import logging
 import socket
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from edgefl.deploy.commands import CONNECTION, config_arg, flower_env, superlink
 from edgefl.deploy.connection import write_connection
 from edgefl.deploy.errors import DeployError
 from edgefl.deploy.pki import TlsFiles
-from edgefl.deploy.processes import announce_superlink
+from edgefl.deploy.processes import FilteredEcho, announce_superlink, below_level
 
 
 @pytest.fixture
@@ -235,3 +236,37 @@ def test_a_node_says_it_waits_for_a_missing_superlink_and_when_it_answers(
             own.removeHandler(caplog.handler)
     assert not watcher.is_alive()
     assert f"the SuperLink at {address} answers" in caplog.text
+
+
+def test_flower_processes_log_at_the_chosen_level_and_poll_often(tmp_path: Path) -> None:
+    env = flower_env(tmp_path)
+    assert env["FLWR_LOG_LEVEL"] == "WARNING"  # as a simulation: Flower's INFO lines hidden
+    assert float(env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"]) < 1.0  # Flower's default: 1 s
+    assert flower_env(tmp_path, flower_log_level="info")["FLWR_LOG_LEVEL"] == "INFO"
+    args = build_parser().parse_args(["client", "--budget", "1MiB", "--plan-cache", "p",
+                                      "--partition-id", "0", "--num-partitions", "1",
+                                      "--flower-log-level", "info"])  # fmt: skip
+    assert args.flower_log_level == "INFO"
+    quiet, verbose = below_level("WARNING"), below_level("INFO")
+    uvicorn = "INFO:     Started server process [14310]"
+    installed = "Successfully installed edgefl to /tmp/apps/edgefl.0.1.0."
+    assert quiet(uvicorn) and quiet(installed) and not quiet("WARNING :   Option `--insecure`")
+    assert not verbose(uvicorn) and not verbose(installed)
+
+
+def test_flowers_exit_report_is_held_until_edgefl_knows_its_cause() -> None:
+    out = io.StringIO()
+    echo = FilteredEcho(out, lambda line: "retrying" in line)
+    for line in (
+        "\x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in 0.56 seconds\n",
+        "edgefl's own line\n",
+        "\x1b[91mERROR \x1b[0m:     Exit Code: 305\n",
+        "[code: 2004] Failed to activate SuperNode.\n",
+    ):
+        echo.write(line)
+    assert out.getvalue() == "edgefl's own line\n"
+    echo.discard()  # a known cause: edgefl says it in one line instead
+    assert out.getvalue() == "edgefl's own line\n"
+    echo.write("ERROR :     Exit Code: 1\n")
+    echo.release()  # an unknown one: Flower's report is shown
+    assert out.getvalue().endswith("Exit Code: 1\n")

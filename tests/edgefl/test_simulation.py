@@ -131,13 +131,15 @@ def test_only_arrays_metrics_and_configs_travel(
         for reply in exchange.replies:
             assert not reply.has_error()
             content = reply.content
-            assert not content.config_records
+            # The one config a reply holds: its node's device class, by name (edgefl.records).
+            assert set(content.config_records) == {"node"}
+            assert dict(content["node"]) == {"device-class": "tight"}
             if exchange.message_type == MessageType.TRAIN:
-                assert set(content) == {"arrays", "metrics"}
+                assert set(content) == {"arrays", "metrics", "node"}
                 _check_arrays(content["arrays"], shapes)
                 assert tuple(content["metrics"]) == TRAIN_METRIC_KEYS
             else:
-                assert set(content) == {"metrics"}
+                assert set(content) == {"metrics", "node"}
                 assert tuple(content["metrics"]) == EVAL_METRIC_KEYS
             assert all(isinstance(v, int | float) for v in content["metrics"].values())
 

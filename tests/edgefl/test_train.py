@@ -1,6 +1,8 @@
 """The memory rules of local training: when parameters are offloaded, when evaluation streams."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,17 @@ def test_evaluation_streams_layers_when_parameters_exceed_half_the_budget() -> N
     assert streams_layers(VTensorSettings(), MODEL, 2 * PARAMS - 2)
     assert not streams_layers(VTensorSettings(), MODEL, 2 * PARAMS)
     assert not streams_layers(VTensorSettings(enabled=False), MODEL, PARAMS)
+
+
+def test_seed_everything_sets_deterministic_ops_without_the_compiler() -> None:
+    """A deployed node pays each import in every message's process (NOTE [deterministic ops])."""
+    code = (
+        "import sys, torch\n"
+        "from edgefl.train import seed_everything\n"
+        "seed_everything(0, 1)\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert torch.is_deterministic_algorithms_warn_only_enabled()\n"
+        "assert 'torch._inductor' not in sys.modules, 'the inductor was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
