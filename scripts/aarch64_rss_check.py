@@ -136,10 +136,19 @@ def _vmrss_bytes(pid: int) -> int | None:
 
 
 def _monitor(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--iters", str(args.iters),
-           "--batch", str(args.batch)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--iters",
+        str(args.iters),
+        "--batch",
+        str(args.batch),
+    ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent
+    )
     assert proc.stdout is not None
     state = {"phase": "start"}
     entry: dict[str, int] = {}  # phase -> last RSS sampled in the quiet pause before it
@@ -158,7 +167,7 @@ def _monitor(args: argparse.Namespace) -> int:
                     peak[phase] = max(peak.get(phase, 0), sample or 0)
                 state["phase"] = phase
             elif line.startswith("RESULT "):
-                result.append(json.loads(line[len("RESULT "):]))
+                result.append(json.loads(line[len("RESULT ") :]))
             else:
                 print("child:", line, end="")
 
@@ -183,19 +192,25 @@ def _monitor(args: argparse.Namespace) -> int:
     mib = 1 << 20
     budget = int(out["budget_bytes"])  # type: ignore[call-overload]
     limit = int(budget * (1 + args.tolerance) + args.slack_mib * mib)
-    print(f"rss-check: torch {out['torch']}, batch {args.batch}, sampled every "
-          f"{args.interval_ms} ms from outside, {wall:.0f} s")
-    print(f"rss-check: unmanaged peak (manager, 1 TiB budget) {out['unmanaged_peak_bytes'] / mib:.2f} MiB;"
-          f" budget {budget / mib:.2f} MiB; RSS-rise limit {limit / mib:.2f} MiB"
-          f" (+{args.tolerance:.0%} +{args.slack_mib} MiB)")
+    print(
+        f"rss-check: torch {out['torch']}, batch {args.batch}, sampled every "
+        f"{args.interval_ms} ms from outside, {wall:.0f} s"
+    )
+    print(
+        f"rss-check: unmanaged peak (manager, 1 TiB budget) {out['unmanaged_peak_bytes'] / mib:.2f} MiB;"
+        f" budget {budget / mib:.2f} MiB; RSS-rise limit {limit / mib:.2f} MiB"
+        f" (+{args.tolerance:.0%} +{args.slack_mib} MiB)"
+    )
     failures: list[str] = []
 
     def rise(phase: str) -> int:
         return peak.get(phase, 0) - entry.get(phase, 0)
 
     for phase in [p for p in peak if p.startswith(("unmanaged", "unlimited"))]:
-        print(f"  {phase:11s} entry RSS {entry.get(phase, 0) / mib:8.2f} MiB, "
-              f"rise {rise(phase) / mib:7.2f} MiB")
+        print(
+            f"  {phase:11s} entry RSS {entry.get(phase, 0) / mib:8.2f} MiB, "
+            f"rise {rise(phase) / mib:7.2f} MiB"
+        )
     for r in out["unlimited"]:  # type: ignore[union-attr]
         print(f"  {r['phase']:11s} report peak {r['peak_device_bytes'] / mib:7.2f} MiB")
     unmanaged_rise = max(rise(p) for p in peak if p.startswith("unmanaged"))
@@ -210,11 +225,13 @@ def _monitor(args: argparse.Namespace) -> int:
         phase = str(r["phase"])
         ok_report = r["peak_device_bytes"] <= r["budget_bytes"]
         ok_rss = rise(phase) <= limit
-        print(f"  {phase:11s} [{r['plan_source']}] report peak {r['peak_device_bytes'] / mib:7.2f} MiB"
-              f" {'<=' if ok_report else '>'} budget; RSS rise {rise(phase) / mib:7.2f} MiB "
-              f"{'<=' if ok_rss else '>'} limit (entry {entry.get(phase, 0) / mib:.2f}, peak "
-              f"{peak.get(phase, 0) / mib:.2f} MiB); out {r['bytes_out'] / mib:.2f} MiB; "
-              f"{r['wall_s']:.1f} s")
+        print(
+            f"  {phase:11s} [{r['plan_source']}] report peak {r['peak_device_bytes'] / mib:7.2f} MiB"
+            f" {'<=' if ok_report else '>'} budget; RSS rise {rise(phase) / mib:7.2f} MiB "
+            f"{'<=' if ok_rss else '>'} limit (entry {entry.get(phase, 0) / mib:.2f}, peak "
+            f"{peak.get(phase, 0) / mib:.2f} MiB); out {r['bytes_out'] / mib:.2f} MiB; "
+            f"{r['wall_s']:.1f} s"
+        )
         if not ok_report:
             failures.append(f"{phase}: report peak {r['peak_device_bytes']} > budget {budget}")
         if not ok_rss:
@@ -228,9 +245,11 @@ def _monitor(args: argparse.Namespace) -> int:
     for f in failures:
         print(f"rss-check: {f}")
     verdict = "PASS" if not failures else "FAIL"
-    print(f"rss-check: {verdict}: budget {budget / mib:.2f} MiB, report peak {max_report / mib:.2f} MiB,"
-          f" RSS rise {max_rise / mib:.2f} MiB (limit {limit / mib:.2f} MiB), unmanaged RSS rise "
-          f"{unmanaged_rise / mib:.2f} MiB")
+    print(
+        f"rss-check: {verdict}: budget {budget / mib:.2f} MiB, report peak {max_report / mib:.2f} MiB,"
+        f" RSS rise {max_rise / mib:.2f} MiB (limit {limit / mib:.2f} MiB), unmanaged RSS rise "
+        f"{unmanaged_rise / mib:.2f} MiB"
+    )
     return 0 if not failures else 1
 
 
