@@ -408,7 +408,7 @@ class MemoryManager:
                 # each at most the largest parameter (the probe's pool held no more than a unit).
                 peak = books.peak_bytes + pending
                 need = max(need, owned.budget_bytes, peak + MIN_BUDGET_MARGIN_BYTES + peak // 100)
-                need += 2 * max((e.nbytes for e in owned.pool.tensors), default=0)
+                need += 2 * owned.pool.largest_bytes()
                 side = state_bytes(model, user_optimizer, pending) if user_optimizer else 0
                 needed = side > AUTO_OFFLOAD_SHARE * need  # offloaded at that budget too
                 breakdown = dataclasses.replace(breakdown, offload_needed=needed)

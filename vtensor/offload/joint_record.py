@@ -101,16 +101,12 @@ class ParamRecorder:
         self.pool.reap(block=True)
 
     def largest_bytes(self) -> int:
-        """Bytes of its largest movable tensor: it moves whole."""
-        return max((e.nbytes for e in self.pool.tensors if not self.pool.is_fixed(e)), default=0)
+        """Bytes of its largest movable tensor, which moves whole."""
+        return self.pool.largest_bytes()
 
     def pinned_bytes(self) -> int:
         """Bytes of movable parameter-side tensors that a use holds in memory now."""
-        return sum(
-            e.nbytes
-            for e in self.pool.tensors
-            if e.in_memory and e.pins and not self.pool.is_fixed(e)
-        )
+        return self.pool.pinned_bytes()
 
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """The recorded tensors as trace tensors, by name, numbered from ``first_vid``."""

@@ -238,6 +238,16 @@ class OffloadPool:
             f"state are in use and {format_bytes(nbytes)} more are needed",
         )
 
+    def pinned_bytes(self) -> int:
+        """Bytes of movable tensors in memory that a use holds now."""
+        return sum(
+            e.nbytes for e in self.tensors if e.in_memory and e.pins and not self.is_fixed(e)
+        )
+
+    def largest_bytes(self) -> int:
+        """Bytes of the largest movable tensor: it moves whole."""
+        return max((e.nbytes for e in self.tensors if not self.is_fixed(e)), default=0)
+
     def _victims(self) -> list[OffloadedTensor]:
         movable = [e for e in self.tensors if e.in_memory and not e.pins and not self.is_fixed(e)]
         return sorted(movable, key=lambda e: (e.wanted, -self._wanted_at.get(id(e), 0)))
