@@ -42,7 +42,9 @@ def configure_logging(flower_level: str = "WARNING") -> None:
     flower.setLevel(flower_level.upper())
     # Flower's console handler takes its level from FLWR_LOG_LEVEL, which edgefl's deploy
     # commands set for the processes they start: in those, this run's setting decides.
+    shared = logging.getLogger().handlers  # a job's log file, lent to Flower: not its to set
     for flower_handler in flower.handlers:
-        flower_handler.setLevel(flower_level.upper())
+        if flower_handler not in shared:
+            flower_handler.setLevel(flower_level.upper())
     if not any(isinstance(f, FlowerNoise) for f in flower.filters):
         flower.addFilter(FlowerNoise())

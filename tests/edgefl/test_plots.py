@@ -52,7 +52,7 @@ def test_sweep_bar_labels_sit_inside_the_bars(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows = [
-        JobRow(str(i), (f"x={i}",), JobState.OK, "", 0.9, 0.3, 1, 1.0, f, 0, 1.0, "")
+        JobRow(str(i), (f"x={i}",), JobState.OK, "", True, 0.9, 0.3, 1, 1.0, f, 0, 1.0, "")
         for i, f in enumerate((0.97, 0.99))
     ]
     figures: list[Figure] = []

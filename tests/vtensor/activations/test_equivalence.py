@@ -286,7 +286,11 @@ def test_equivalence_managed_training_is_bit_identical(
         sources = [(report.plan_source, report.policy) for report in result.reports]
         profiled = 2 if recomputed[1] and sources[1][0] == "profiled" else 1
         assert all(s == ("profiled", "reactive") for s in sources[:profiled]), f"{what}: {sources}"
-        replayed = sources[profiled:]
+        # A forced recomputation whose replay breaks the budget is dropped for swapping alone
+        # ("fallback", NOTE [one decision]); every other replay follows its plan.
+        replayed = [
+            s for s in sources[profiled:] if not (granularity == "hybrid" and s[0] == "fallback")
+        ]
         assert all(s == ("planned", "planned") for s in replayed), f"{what}: {sources}"
     if budget_spec in (0.5, SMALLEST):
         bytes_out = sum(report.bytes_out for report in result.reports)
