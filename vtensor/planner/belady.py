@@ -67,12 +67,8 @@ def plan_lgm(
         chunk_bytes: unit of eviction; None for whole tensors; default: the trace's.
         write_bytes_per_s: swap-out bandwidth of the slower tier.
         read_bytes_per_s: swap-in bandwidth of the slower tier.
-        floors_over: a step whose floor lies above ``budget_bytes`` is planned at its floor
-            (everything evictable away there), the others at the budget, and the plan's
-            ``budget_bytes`` is the highest of those (NOTE [floor over the budget]).
-
-    Returns:
-        The plan, with its predicted peak and stall.
+        floors_over: a step whose floor lies above ``budget_bytes`` is planned at its floor, and
+            the plan's budget is the highest of those (NOTE [floor over the budget]).
 
     Raises:
         InfeasibleBudgetError: even with every evictable byte away some step exceeds the budget
@@ -120,8 +116,7 @@ def plan_lgm(
 def _evict_farthest(lgm: LayeredGraph, resident: Bytes, caps: Bytes) -> list[_Window]:
     """Walk the layers; at each over its cap, evict exactly the deficit, farthest next use first.
 
-    A victim stays away for its whole gap between uses (``_schedule_prefetches`` then moves its
-    return earlier). ``resident`` is updated in place.
+    A victim stays away for its whole gap between uses; ``resident`` is updated in place.
     """
     starting: dict[int, list[TraceTensor]] = {}
     for t in lgm.trace.tensors:
@@ -153,10 +148,8 @@ def _cost_weight(lgm: LayeredGraph, t: TraceTensor, use: int | None) -> float:
     """How much farther a clean tensor's next use counts than a dirty one's.
 
     NOTE [cost-weighted distance]: evicting an activation costs a write and a read; evicting a
-    persistent tensor unchanged since its last write-back (a parameter between its forward and
-    its update) is a drop and costs only the read. So a clean victim's distance is multiplied by
-    ``(1/write + 1/read) / (1/read)``: at equal cost per step of distance the cheaper bytes go
-    first. Activations are never clean and keep plain farthest next use.
+    persistent tensor unchanged since its last write-back is a drop and costs only the read. So
+    a clean victim's distance is multiplied by ``(1/write + 1/read) / (1/read)``.
     """
     clean = t.persistent and use is not None and (t.dirty_step < 0 or use <= t.dirty_step)
     return 1.0 + lgm.read_bytes_per_s / lgm.write_bytes_per_s if clean else 1.0
@@ -247,8 +240,7 @@ def _trim_overshoot(
 def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) -> list[_Window]:
     """Make each persistent tensor's residency at the end of the iteration match its start.
 
-    Iterations repeat: a parameter away after its last use is still away at the next start, so
-    it gets the window before its first use too, and conversely; either only frees bytes.
+    Iterations repeat: one away after its last use is still away at the next start.
     """
     n = lgm.n_steps
     by_vid: dict[int, list[_Window]] = {}

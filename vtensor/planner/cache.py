@@ -76,17 +76,6 @@ def _set_mtime_now(path: Path) -> None:
         os.utime(path)
 
 
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the file ``path`` (created if missing), across processes."""
-    with open(path, "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
 def _encode_entry(key: PlanKey, plan: Plan) -> bytes:
     text = plan.to_json()
     entry: dict[str, Any] = {
@@ -134,7 +123,15 @@ class PlanCache:
             VTensorError: the directory cannot be created or written.
         """
         data = _encode_entry(key, plan)
-        self._store(self.path_for(key), data)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._write_atomic(self.path_for(key), data)
+            self._evict()
+        except OSError as exc:
+            raise VTensorError(
+                f"cannot write the plan cache at {self.directory} ({exc}); make the directory "
+                "writable, or point the plan cache at a writable directory"
+            ) from exc
         logger.debug("plan cache: stored %s (%d bytes)", self.path_for(key).name, len(data))
 
     def lean_path(self, key: PlanKey) -> Path:
@@ -142,10 +139,10 @@ class PlanCache:
         return self.directory / f"{key.digest()}.lean"
 
     def mark_lean(self, key: PlanKey, plan: Plan) -> None:
-        """Note that a full replay of ``plan``, cached under ``key``, needed nothing from the guard.
+        """Note that a full replay of ``plan`` needed nothing from the guard.
 
-        The note holds the plan's digest, so it covers no plan stored since. A failed write
-        only costs the next manager a full replay.
+        The note holds the plan's digest, so it covers no plan stored since; a failed write
+        costs the next manager only a full replay.
         """
         try:
             self._write_atomic(self.lean_path(key), plan.digest().encode())
@@ -158,18 +155,6 @@ class PlanCache:
             return self.lean_path(key).read_bytes() == plan.digest().encode()
         except OSError:
             return False
-
-    def _store(self, path: Path, data: bytes) -> None:
-        """Write ``data`` to ``path`` atomically, then evict beyond ``max_entries``."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._write_atomic(path, data)
-            self._evict()
-        except OSError as exc:
-            raise VTensorError(
-                f"cannot write the plan cache at {self.directory} ({exc}); make the directory "
-                "writable, or point the plan cache at a writable directory"
-            ) from exc
 
     def _load(self, key: PlanKey) -> Plan | None:
         path = self.path_for(key)
@@ -200,25 +185,20 @@ class PlanCache:
                 self._warned_utime = True
                 logger.warning("plan cache: cannot update %s (%s); LRU order is stale", path, exc)
 
-    def _write_atomic(self, path: Path, data: bytes, durable: bool = True) -> None:
-        """Write ``data`` to ``path`` whole or not at all; ``durable``: through a crash too."""
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        """Write ``data`` to ``path`` whole or not at all, through a crash too."""
         fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".json", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
-                if durable:
-                    os.fsync(handle.fileno())
+                os.fsync(handle.fileno())
             _set_mtime_now(Path(temp))
             os.replace(temp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
-        if durable:
-            self._fsync_directory()
-
-    def _fsync_directory(self) -> None:
         # Makes the rename itself durable; some file systems refuse, which costs only durability.
         with contextlib.suppress(OSError):
             dir_fd = os.open(self.directory, os.O_RDONLY)
@@ -227,12 +207,13 @@ class PlanCache:
             finally:
                 os.close(dir_fd)
 
-    def _locked(self) -> contextlib.AbstractContextManager[None]:
-        return locked(self.directory / _LOCK_NAME)
-
     def _evict(self) -> None:
-        """Delete the least recently used entries beyond ``max_entries`` and stale temp files."""
-        with self._locked():
+        """Delete the least recently used entries beyond ``max_entries`` and stale temp files.
+
+        Serialised across processes by ``flock`` on the lock file.
+        """
+        with open(self.directory / _LOCK_NAME, "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             entries = sorted(self._scan())
             for _, path in entries[: max(0, len(entries) - self.max_entries)]:
                 with contextlib.suppress(FileNotFoundError):

@@ -1,13 +1,11 @@
 """The step-time model: constants measured on this machine, and the time it predicts (pure).
 
 NOTE [calibrated model]
-A step under a plan takes its measured compute, plus the seconds it waits for transfers
-(``predict_stalls``: one FIFO channel at the tier's write and read bandwidth), plus the swap
-engine's CPU time per byte moved (on a CPU it shares the cores with compute), plus the measured
-cost of recomputing the units it recomputes (``whole_s``). The bandwidths come from the profiled
-iteration's own transfers; the per-byte cost starts at 0 and is corrected once, from what a
-validating replay took beyond its prediction. Keep, swap and recompute are all priced by this
-one model; no option is tried in an iteration of its own.
+A step under a plan takes its measured compute, plus its waits for transfers (``predict_stalls``),
+plus the swap engine's CPU time per byte moved, plus its recomputations (``whole_s``). The
+bandwidths come from the profiled iteration's transfers; the per-byte cost starts at 0 and is
+corrected once from a validating replay. Keep, swap and recompute are priced by this one model;
+no option is tried in an iteration of its own.
 """
 
 from dataclasses import dataclass, replace
@@ -58,10 +56,7 @@ class Costs:
         return compute + sum(stalls) + self.swap_cpu_s_per_byte * moved_bytes(plan, trace)
 
     def corrected(self, plan: Plan, trace: Trace, measured_s: float) -> "Costs":
-        """The per-byte CPU cost that explains ``measured_s``, a replay of ``plan`` on ``trace``.
-
-        Unchanged where the plan moves nothing: the residual is then no cost of swapping.
-        """
+        """The per-byte CPU cost that explains ``measured_s``; unchanged if nothing moves."""
         moved = moved_bytes(plan, trace)
         if moved == 0:
             return self

@@ -59,11 +59,10 @@ def _module_records(model: nn.Module) -> Iterator[tuple[object, ...]]:
 
 
 def architecture_fingerprint(model: nn.Module) -> str:
-    """A stable SHA-256 hex digest of ``model``'s structure (only inspected), never its values.
+    """A stable SHA-256 of ``model``'s structure, never its values.
 
-    Covers the module tree (qualified names and classes), torch modules' ``extra_repr``,
-    parameter and buffer names, shapes, dtypes, ``requires_grad`` and weight tying: fresh
-    instances of one architecture agree whatever their weights.
+    Covers modules, torch modules' ``extra_repr``, tensor names, shapes, dtypes,
+    ``requires_grad`` and weight tying.
     """
     text = json.dumps(list(_module_records(model)), separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
@@ -87,22 +86,15 @@ def _describe(value: object) -> str:
 
 
 def input_signature(*inputs: object) -> str:
-    """A readable signature of a model's positional inputs: shapes, dtypes and device types.
+    """A readable signature of a model's inputs, e.g. ``"(torch.float32[8,3,32,32]@cpu,)"``.
 
-    Tensors may be nested in tuples, lists and mappings; Python scalars enter by value (they can
-    steer the forward), other objects by class name. For example
-    ``"(torch.float32[8,3,32,32]@cpu, torch.int64[8]@cpu)"``.
+    Python scalars enter by value (they can steer the forward), other objects by class name.
     """
     return _describe(inputs)
 
 
-def parameter_dtype(model: nn.Module) -> str:
-    """The dtype of a model's parameters (mixed: sorted and joined by ``+``; none: ``"none"``)."""
-    return dtype_of(model.parameters())
-
-
 def dtype_of(parameters: Iterable[torch.Tensor]) -> str:
-    """:func:`parameter_dtype` of a model whose parameters are ``parameters``."""
+    """The dtype of a model's parameters (mixed: sorted and joined by ``+``; none: ``"none"``)."""
     dtypes = sorted(str(dtype) for dtype in {p.dtype for p in parameters})
     return "+".join(dtypes) if dtypes else "none"
 
@@ -112,16 +104,10 @@ class PlanKey:
     """Everything a cached plan depends on; equal keys may share one plan.
 
     Attributes:
-        architecture: :func:`architecture_fingerprint` of the model.
-        input_signature: :func:`input_signature` of one iteration's inputs.
-        dtype: :func:`parameter_dtype` of the model.
-        budget_bytes: the memory budget the plan is for.
-        chunk_bytes: chunk size of the plan (None: tensor granularity).
+        dtype: :func:`dtype_of` the model's parameters.
         device_kind: torch device type the model trains on (``"cpu"``, ``"cuda"``).
-        planner_version: name and version of the planner; bump it when plans change meaning.
-        torch_version: ``torch.__version__``; autograd's saved tensors change between releases.
-        params: what a joint plan with parameter offloading depends on
-            (``ParamOffload.plan_signature()``); empty when activations are planned alone.
+        torch_version: autograd's saved tensors change between releases.
+        params: ``ParamOffload.plan_signature()`` of a joint plan; empty for activations alone.
     """
 
     architecture: str
@@ -168,16 +154,13 @@ def plan_key(
     chunk_bytes: int | None,
     planner_version: str,
 ) -> PlanKey:
-    """The :class:`PlanKey` of ``model``, one iteration's ``inputs`` and a budget.
-
-    The device kind is that of the model's first parameter (CPU if it has none).
-    """
+    """The :class:`PlanKey` of ``model``, one iteration's ``inputs`` and a budget."""
     first = next(model.parameters(), None)
     device_kind = first.device.type if first is not None else "cpu"
     return PlanKey(
         architecture=architecture_fingerprint(model),
         input_signature=input_signature(*inputs),
-        dtype=parameter_dtype(model),
+        dtype=dtype_of(model.parameters()),
         budget_bytes=budget_bytes,
         chunk_bytes=chunk_bytes,
         device_kind=device_kind,

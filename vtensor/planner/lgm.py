@@ -39,9 +39,7 @@ FROM_TRACE: Literal[TraceDefault.TRACE] = TraceDefault.TRACE
 class LayeredGraph:
     """The Layered Graph Model: one layer per trace step, each vTensor live over an interval.
 
-    Per layer, the bytes no plan can move (``floors``) and those resident with nothing moved
-    (``full_resident``); per vTensor, its life, uses and chunk count. Layers are not objects:
-    the planner walks the lives directly, linear in the trace. The bandwidths price the moves.
+    Layers are not objects: the planner walks the lives directly, linear in the trace.
     """
 
     trace: Trace

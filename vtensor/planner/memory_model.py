@@ -94,10 +94,7 @@ def unmanaged_peak(trace: Trace) -> int:
 
 
 def simulate(plan: Plan, trace: Trace) -> list[int]:
-    """Resident device bytes at each step of ``trace`` when ``plan`` is replayed.
-
-    NOTE [memory model]: evictions and prefetches take effect from their issue step on.
-    """
+    """Resident device bytes at each step of ``trace`` when ``plan`` is replayed."""
     n = len(trace.steps)
     delta = _kept(trace)
     for m in plan.moves:
@@ -125,15 +122,14 @@ def watched_steps(
     slack_bytes: int,
     stride: int = READING_STRIDE,
 ) -> tuple[int, ...]:
-    """The steps a lean replay reads the tracked bytes at (NOTE [lean replay]).
+    """The steps near the budget and the peak's that a lean replay reads at.
 
-    Of the steps predicted within ``margin_bytes`` of the budget (where the guard may act) and
-    the predicted peak's, those NOTE [confirmed readings] keeps.
+    NOTE [confirmed readings] picks them from those predicted within ``margin_bytes``.
     """
     resident = simulate(plan, trace)
     if not resident:
         return ()
-    top = _peak_step(resident)
+    top = max(range(len(resident)), key=resident.__getitem__)
     near = plan.budget_bytes - margin_bytes
     candidates = [i for i, b in enumerate(resident) if b >= near or i == top]
     return confirming_readings(resident, candidates, top, slack_bytes, stride)
@@ -142,11 +138,7 @@ def watched_steps(
 def confirming_readings(
     resident: list[int], candidates: list[int], top: int, slack_bytes: int, stride: int
 ) -> tuple[int, ...]:
-    """Of ``candidates`` (ascending steps), those NOTE [confirmed readings] reads at.
-
-    A candidate is read if it is ``top``, the first, predicted more than ``slack_bytes`` above
-    the last one read, or the ``stride``-th unread candidate since that one.
-    """
+    """Of ``candidates`` (ascending steps), those NOTE [confirmed readings] reads at."""
     if stride < 1:
         raise ValueError(f"stride={stride}: a lean replay must read at least every candidate")
     chosen: list[int] = []
@@ -164,8 +156,7 @@ def confirming_readings(
 def watched_events(plan: Plan, trace: Trace, steps: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """The first saved-tensor event at or after each of ``steps`` (NOTE [hookless replay]).
 
-    ``(vid, 0)``: the save of activation ``vid``; ``(vid, 1)``: its first unpack (a save first
-    within a step). Each event once, in order; empty when a step has none after it.
+    Each event once, in order; empty when a step has none after it.
     """
     events = [(t.saved_step, 0, t.vid) for t in trace.tensors[: plan.activation_count]]
     events += [
@@ -183,23 +174,13 @@ def watched_events(plan: Plan, trace: Trace, steps: Sequence[int]) -> tuple[tupl
     return tuple(chosen)
 
 
-def _peak_step(resident: list[int]) -> int:
-    """The first step of the predicted peak."""
-    return max(range(len(resident)), key=resident.__getitem__)
-
-
 def step_headroom(plan: Plan, trace: Trace) -> tuple[int, ...]:
     """Per step, the plan's budget less the bytes it predicts resident there (never below 0)."""
     return tuple(max(0, plan.budget_bytes - b) for b in simulate(plan, trace))
 
 
 def check_plan(plan: Plan, trace: Trace, budget_bytes: int) -> list[str]:
-    """Every way ``plan`` breaks the rules on ``trace`` under ``budget_bytes``; empty if none.
-
-    The plan must be for this trace, every move legal (whole tail chunks, at or after the
-    vTensor became evictable, no use while away, one vTensor's windows disjoint) and the
-    resident bytes within the budget.
-    """
+    """Every way ``plan`` breaks the rules on ``trace`` under ``budget_bytes``; empty if none."""
     names = tuple(s.name for s in trace.steps)
     sizes = tuple(t.nbytes for t in trace.tensors)
     if plan.step_names != names or plan.tensor_bytes != sizes:
@@ -267,8 +248,8 @@ def predict_stalls(
 ) -> list[float]:
     """Seconds compute waits for transfers at the start of each step when ``plan`` is replayed.
 
-    One FIFO channel (the tier's I/O thread); each step issues its evictions, then its restores.
-    A restore is due at its next use; an eviction at the first step over budget without it.
+    One FIFO channel; a restore is due at its next use, an eviction at the first step over
+    budget without it.
     """
     resident = np.array(simulate(plan, trace), dtype=np.int64)
     issued: dict[int, list[tuple[float, int]]] = {}  # step -> (seconds of I/O, step it is due)
@@ -290,9 +271,8 @@ def predict_stalls(
 def writing_moves(plan: Plan, trace: Trace) -> set[TensorMove]:
     """The moves whose eviction writes bytes; the others drop a copy the tier already holds.
 
-    Activations write at every eviction. A persistent tensor keeps its last written copy (NOTE
-    [write-back residency] in ``offload/offloaded.py``): only its first move after its change
-    (``dirty_step``, cyclically) writes; one never changed never writes.
+    A persistent tensor keeps its last written copy (NOTE [write-back residency]): only its
+    first move after its change (``dirty_step``, cyclically) writes.
     """
     writes: set[TensorMove] = set()
     by_vid: dict[int, list[TensorMove]] = {}

@@ -10,12 +10,9 @@ PLAN_SCHEMA_VERSION = 14
 
 @dataclass(frozen=True)
 class TensorMove:
-    """The swap of one vTensor (a saved storage of the trace, by ``vid``: order of first save).
+    """``evict_bytes`` (whole tail chunks) of vTensor ``vid`` away in its window.
 
-    ``evict_bytes`` (whole tail chunks; at tensor granularity the whole tensor) are away during
-    ``[evict_step, prefetch_step)``: evicted at or after the trace's ``evictable_step``, restored
-    at or before the next use; ``prefetch_step == len(step_names)``: never (no later use). A
-    vTensor used at scattered steps may have several moves whose windows never overlap.
+    ``prefetch_step == len(step_names)``: never restored. One vTensor's windows never overlap.
     """
 
     vid: int
@@ -32,34 +29,22 @@ class Plan:
     """A swap plan for one model, input signature and budget, replayed every iteration.
 
     Attributes:
-        budget_bytes: the budget it was planned for.
-        chunk_bytes: chunk size (None: whole tensors).
         moves: the swaps, ordered by ``evict_step`` then ``vid``.
-        step_names, tensor_bytes: the trace's step names and vTensor sizes by vid, to recognise
-            a diverging iteration.
+        step_names, tensor_bytes: the trace's, to recognise a diverging iteration.
         tensor_names: the parameter-side tensors' names by vid, empty for activations (which
-            come first); empty when there are none (NOTE [one plan]).
-        predicted_peak_bytes, predicted_stall_s: the model's largest device bytes at any step,
-            and the transfer time compute waits for.
-        planner: name and version of the planner that made it.
-        schema_version: bumped when fields change meaning.
-        reserve_bytes: the largest growth between two hook points while profiling: the guard
-            keeps it from a replaying process's first iteration.
-        recompute: modules (qualified names) whose forward runs again in backward (NOTE
-            [recompute]); the moves are planned with them recomputed.
+            come first) (NOTE [one plan]).
+        reserve_bytes: the largest growth between two hook points while profiling.
+        recompute: modules whose forward runs again in backward (NOTE [recompute]).
         predicted_step_s: measured compute, recomputation included, plus the predicted stall.
-        min_budget_bytes: the profiled iteration's stated minimum (NOTE [minimum budget]), which
-            a lean replay reports (NOTE [lean replay]).
+        min_budget_bytes: the profiled iteration's stated minimum (NOTE [minimum budget]).
         watched_steps: where a lean replay reads the tracked bytes (NOTE [confirmed readings]).
-        step_headroom_bytes: per step, the budget less the predicted resident bytes: the writes
-            a lean replay may leave in flight as it begins (NOTE [lean waits]); empty: none.
-        watched_events: per watched step, the first saved-tensor event at or after it, where a
-            hookless replay reads: ``(vid, 0)`` a save, ``(vid, 1)`` a first unpack (NOTE
-            [hookless replay]); empty: a watched step has none after it.
-        encoded: made where the clamps saved their output; its replays do too (NOTE [mask
-            encoding]).
-        step_reserve_bytes: per step and hook event, the headroom the guard keeps there while a
-            replay follows the plan (NOTE [step reserve]); empty: ``reserve_bytes`` everywhere.
+        step_headroom_bytes: per step, the budget less the predicted resident bytes (NOTE
+            [lean waits]).
+        watched_events: per watched step, the first event after it, ``(vid, 0)`` a save,
+            ``(vid, 1)`` a first unpack (NOTE [hookless replay]).
+        encoded: made where the clamps saved their output (NOTE [mask encoding]).
+        step_reserve_bytes: per step and hook event, the headroom the guard keeps there (NOTE
+            [step reserve]); empty: ``reserve_bytes`` everywhere.
     """
 
     budget_bytes: int
@@ -97,11 +82,7 @@ class Plan:
         return 2 * sum(m.evict_bytes for m in self.moves)
 
     def to_json(self) -> str:
-        """Serialize to JSON text: that of ``dataclasses.asdict``, built field by field.
-
-        ``asdict`` deep-copies every leaf, slow in the first step of every manager that replays
-        a cached plan (``digest``); the fields are plain values that JSON writes the same way.
-        """
+        """JSON text, built field by field: ``asdict`` deep-copies every leaf, slow here."""
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
         plain["moves"] = [{n: getattr(m, n) for n in _MOVE_FIELDS} for m in self.moves]
         return json.dumps(plain, sort_keys=True)

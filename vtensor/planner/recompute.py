@@ -1,14 +1,12 @@
 """Which modules to recompute instead of keeping or swapping what they save (pure).
 
 NOTE [hybrid plan]
-Every saved byte is kept, swapped or recomputed. Recomputing a unit (NOTE [recompute] in
-``activations/recompute/checkpointed.py``) frees its inner tensors from its forward to its
-backward, at its measured forward and checkpointing cost (``whole_s``), and brings them back at
-once when its backward starts (NOTE [recomputed lifetimes] in ``recomputed.py``). Two options are
-priced: the cheapest cover of the deficit (cheapest per freed byte first, NOTE [cheapest finish];
-never two nested units; each only where a feasible floor remains), and every outermost safe unit
-(checkpointing every block). ``PlanBook._solve`` prices each, with the swapping left to do, on
-the calibrated model (NOTE [calibrated model] in ``costs.py``) against swapping alone.
+Every saved byte is kept, swapped or recomputed. Recomputing a unit frees its inner tensors from
+its forward to its backward at its measured cost (``whole_s``). Two options are priced: the
+cheapest cover of the deficit (cheapest per freed byte first, never two nested units, each only
+where a feasible floor remains) and every outermost safe unit (checkpointing every block). The
+decision prices each, with the swapping left to do, on the calibrated model against swapping
+alone.
 """
 
 from collections.abc import Sequence
@@ -29,12 +27,8 @@ def inner_bytes(trace: Trace, unit: TraceUnit) -> int:
 def unit_regrowth(trace: Trace) -> dict[str, int]:
     """Per safe unit, what recomputing it holds at once.
 
-    NOTE [regrowth bound]
-    A profile that recomputes makes room for each unit before it runs again (NOTE [recomputed
-    growth] in ``activations/runtime/policy.py``). The bound is the unit's working set measured
-    by a profile that ran it once (NOTE [recomputation's working set] in
-    ``activations/runtime/recorder.py``); where none was measured, twice what it saved but its
-    inputs: it makes those afresh and holds unsaved outputs too.
+    NOTE [regrowth bound]: the unit's measured working set (NOTE [recomputation's working set]);
+    where none was measured, twice what it saved but its inputs (it also holds unsaved outputs).
     """
     bounds = {}
     for unit in trace.units:
@@ -54,10 +48,7 @@ def unit_regrowth(trace: Trace) -> dict[str, int]:
 
 
 def choose_recompute(trace: Trace, budget_bytes: int) -> Names:
-    """The cheapest units of ``trace`` to recompute to cover its deficit at ``budget_bytes``.
-
-    Sorted, maybe empty; ties are broken by name.
-    """
+    """The cheapest units of ``trace`` to recompute to cover its deficit at ``budget_bytes``."""
     # What the iteration would hold if nothing moved (the profiled one already swapped).
     demand = simulate(empty_plan(trace, budget_bytes, trace.chunk_bytes), trace)
     deficit = max(demand, default=0) - budget_bytes
@@ -104,12 +95,9 @@ def _cheapest_finish(
 ) -> tuple[float, str] | None:
     """The option of least time, under ``below``, that alone frees ``left`` more bytes.
 
-    NOTE [cheapest finish]
-    Cheapest per freed byte first can overshoot: a cheaper unit may cover the rest alone. So at
-    every point of the ratio order the cheapest option that finishes the cover on its own is
-    priced too (the classic guard of greedy covering), and the least total time wins. A finish
-    counts only where the iteration with it, nothing moved, peaks within the budget: freed
-    bytes not live at the peak lower nothing.
+    NOTE [cheapest finish]: cheapest per freed byte first can overshoot, so at every point of the
+    ratio order the cheapest unit that finishes the cover alone is priced too (greedy covering's
+    classic guard). A finish counts only where the iteration then peaks within the budget.
     """
     for unit, seconds, _ in sorted((o for o in options if o[2] >= left), key=lambda o: o[1]):
         if seconds >= below:
@@ -124,10 +112,9 @@ def _cheapest_finish(
 
 
 def recompute_outermost(trace: Trace, budget_bytes: int) -> Names:
-    """Every outermost safe unit of ``trace``: what checkpointing every block does.
+    """Every outermost safe unit of ``trace`` (checkpointing every block).
 
-    A unit that would leave no feasible floor at ``budget_bytes`` gives way to its outermost
-    safe descendants. Sorted, maybe empty.
+    A unit that would leave no feasible floor gives way to its outermost safe descendants.
     """
     safe = sorted((u for u in trace.units if u.safe), key=lambda u: u.name)
     frontier = _outermost(safe)

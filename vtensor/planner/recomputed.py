@@ -7,27 +7,19 @@ from vtensor.planner.trace import Trace, TraceStep, TraceUnit
 
 
 def whole_s(unit: TraceUnit) -> float:
-    """What recomputing ``unit`` costs: its forward and checkpointing's own work.
-
-    NOTE [mechanism cost] is in ``activations/recompute/profile/cost.py``.
-    """
+    """What recomputing ``unit`` costs: its forward and checkpointing's own work."""
     return unit.forward_s + unit.overhead_s
 
 
 def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
     """What ``trace`` would be with the units ``names`` recomputed (a model, for choosing).
 
-    A unit's inner tensors are gone; what recomputation brings back is held as unmanaged bytes
-    (NOTE [recomputed lifetimes]), with the unit's working set where it runs again
-    (``_add_working``). Its inputs cannot move: checkpointing's frame holds them. Vids are
-    renumbered in order.
+    Inner tensors are gone, what recomputation brings back is unmanaged, inputs cannot move
+    (checkpointing's frame holds them); vids are renumbered in order.
 
-    NOTE [recomputed lifetimes]
-    A unit's forward runs again at the first unpack of anything it saved, so everything it brings
-    back appears at once, at the start of its backward. torch's checkpoint holds each recomputed
-    tensor under a weak reference and drops it at its unpack, so each is freed once the backward
-    node that used it is done: in its last use step, in the part that used it last (NOTE
-    [backward parts] in ``memory_model.py``).
+    NOTE [recomputed lifetimes]: a unit runs again at the first unpack of anything it saved, so
+    all it brings back appears at the start of its backward; torch's checkpoint drops each at its
+    unpack, so each is freed in the part that used it last (NOTE [backward parts]).
     """
     chosen = set(names)
     units = [u for u in trace.units if u.name in chosen]
@@ -45,7 +37,6 @@ def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
                 extra[index] += tensor.nbytes
             parts = len(trace.steps[freed].part_peak_bytes)
             if freed == max(tensor.use_steps, default=-1) and 0 <= tensor.last_part < parts:
-                # Freed in the part that used it last (NOTE [backward parts] in memory_model.py).
                 by_part = part_extra.setdefault(freed, [0] * parts)
                 for j in range(tensor.last_part + 1):
                     by_part[j] += tensor.nbytes
@@ -73,18 +64,10 @@ def _add_working(
 ) -> None:
     """Hold the working set ``unit`` runs again with, less what it brings back (held already).
 
-    It runs at the first unpack, from ``first`` (its first backward step) on, of anything the
-    unit saved: in that step, through the earliest part in which one of those tensors was last
-    used (every part where none was). NOTE [recomputation's working set] is in
-    ``activations/runtime/recorder.py``.
-
-    NOTE [working set at an unpack]
-    A recomputation runs inside the unpack that begins a part, before that part's backward node
-    allocates, and lets go of its temporaries before the node starts: the part peaks at the
-    larger of the two, not their sum (held on top, plans near a floor were judged not to fit).
-    So a part holds what the working set adds above the highest base (first sample, at that
-    unpack) of the parts it may run in, where that exceeds the part's own peak. Without bases
-    (a step in one part) it is held on top.
+    NOTE [working set at an unpack]: a recomputation runs inside the unpack that begins a part
+    and lets go of its temporaries before the part's node allocates, so the part peaks at the
+    larger of the two, not their sum: it holds what the working set adds above the highest base
+    of the parts it may run in, beyond the part's own peak. Without bases it is held on top.
     """
     held = sum(trace.tensors[v].nbytes for v in unit.inner_vids)
     more = unit.working_bytes - held

@@ -2,27 +2,22 @@
 
 NOTE [step reserve]
 Between two points where the guard can act (a step's start, a pack, an unpack) the bytes rise
-where no hook can make room (an op's output, a backward node's working set); one headroom for
-the whole iteration would sit under the plan's peak and the guard would evict at every replay.
-So the profile books per step and hook event how far the bytes rose after the guard acted there,
-less the manager's own restores, reads and recomputations (``TraceStep.growth_bytes``, carried
-as ``Plan.step_reserve_bytes``), and a replay following its plan keeps that (at least a chunk; a
-lean replay, the step start's: NOTE [lean replay]). Joint or diverged replays keep the largest.
+where no hook can make room; one headroom for the whole iteration would sit under the plan's peak
+and the guard would evict at every replay. So the profile books per step and hook event how far
+the bytes rose after the guard acted there, less the manager's own restores and recomputations
+(``TraceStep.growth_bytes``, ``Plan.step_reserve_bytes``), and a replay following its plan keeps
+that (at least a chunk). Joint or diverged replays keep the largest.
 
 NOTE [planned headroom]
-A plan need not also leave the rises free: their bytes are in the trace's step model already
-(what is still allocated at the next reading is in that step's unmanaged peak), and planning
-under the largest rise at every step would move bytes for one step's rise at all of them. So a
-plan leaves the guard one chunk (the largest rise, where that is less), or the largest rise
-where the guard keeps it everywhere. What the model misses shows as bytes the guard moves beyond
-the plan, and the validating replay makes the plan again that much lower (NOTE [one decision] in
-``activations/plan/decision.py``).
+The rises are in the trace's step model already, and planning under the largest at every step
+would move bytes for one step's rise at all of them. So a plan leaves the guard one chunk (the
+largest rise, where less), or the largest rise where the guard keeps it everywhere; what the model
+misses, the validating replay corrects (NOTE [one decision]).
 
 NOTE [gross rise]
 The rise booked to a point counts everything allocated until the guard could act again, even
-where evictions completed in between. While profiling, the guard's evictions complete before its
-next reading; a replay's writes complete when the disk lets them, so a point with one still in
-flight rises by all the allocations: headroom booked net of the writes would be too small.
+where evictions completed in between: a replay's writes complete when the disk lets them, so
+headroom booked net of them would be too small.
 """
 
 from vtensor.planner.trace import Trace
@@ -44,11 +39,7 @@ def step_reserves(trace: Trace) -> tuple[tuple[int, ...], ...]:
 def planned_headroom(
     reserves: tuple[tuple[int, ...], ...], reserve_bytes: int, chunk_bytes: int | None
 ) -> int:
-    """What a plan leaves its guard free under the budget (NOTE [planned headroom]).
-
-    ``reserves`` are the rises per point the guard keeps while the replay follows its plan
-    (empty: it keeps ``reserve_bytes`` everywhere); ``chunk_bytes`` is the plan's chunk.
-    """
+    """What a plan leaves its guard free under the budget (NOTE [planned headroom])."""
     if not reserves:
         return reserve_bytes
     return min(chunk_bytes or GUARD_MIN_BYTES, reserve_bytes)

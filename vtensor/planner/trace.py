@@ -31,24 +31,14 @@ class TraceStep:
     """One layer of the Layered Graph Model: the execution between two module boundaries.
 
     Attributes:
-        index: position in execution order.
         name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
-        phase: forward, backward or other.
-        duration_s: measured wall time of the step.
         live_bytes_start, peak_live_bytes: tracked device bytes at its start, and the most sampled.
-        unmanaged_peak_bytes: the most tracked bytes sampled outside managed vTensors
-            (parameters, gradients, unsaved outputs, temporaries), plus ``transient_bytes``
-            when the manager counts op workspaces.
-        transient_bytes: what one op's workspaces needed beyond the sampled peak (from the RSS
-            high-water mark on CPU; 0 where unmeasured).
-        growth_bytes: per hook event (0: the start, then each pack, unpack and backward node),
-            how far the bytes rose after the guard acted there before it could act again
-            (NOTE [step reserve] in ``planner/reserves.py``); trailing zeros left out.
-        part_peak_bytes: a backward step's unmanaged peak per part (NOTE [backward parts] in
-            ``planner/memory_model.py``); empty where the step is one part.
-        part_base_bytes: per part, its first unmanaged sample, at the unpack that began it:
-            where a recomputation run there starts from (``_add_working`` in
-            ``planner/recomputed.py``); empty where the step is one part.
+        unmanaged_peak_bytes: the most tracked bytes outside managed vTensors, plus
+            ``transient_bytes`` (op workspaces beyond the sampled peak) where counted.
+        growth_bytes: per hook event, how far the bytes rose after the guard acted there
+            (NOTE [step reserve]); trailing zeros left out.
+        part_peak_bytes, part_base_bytes: a backward step's unmanaged peak and first sample per
+            part (NOTE [backward parts]); empty where the step is one part.
     """
 
     index: int
@@ -70,22 +60,14 @@ class TraceTensor:
 
     Attributes:
         vid: identity, in order of first save.
-        nbytes: size of its storage.
-        dtypes: dtypes of the views saved of it.
-        saved_step: step index of the first save.
-        evictable_step: the first step at whose start only autograd referenced it (swappable
-            from then on); -1 if never.
+        evictable_step: the first step at whose start only autograd referenced it; -1 if never.
         use_steps: step indices at which backward unpacked it, in order.
-        kind: a saved activation, or a tensor of parameter offloading (NOTE [one plan]).
-        name: a parameter-side tensor's name in its ``ParamOffload``
-            (``"fc.weight#state:exp_avg"``); empty for activations, matched by position.
-        persistent: it outlives the iteration (parameters, optimizer state, kept gradients):
-            live through the last step; one with ``saved_step`` 0 away at the end of an
-            iteration is away at its start too.
+        name: a parameter-side tensor's name (``"fc.weight#state:exp_avg"``); empty for
+            activations, matched by position.
+        persistent: it outlives the iteration (parameters, optimizer state, kept gradients).
         whole: it moves as one piece whatever the chunk size (parameter-side tensors).
         dirty_step: the last step that changed it (an update, an accumulation), -1 if none.
-        last_part: the part of its last use step in which it was last unpacked; -1 where that
-            step is one part or it is not known.
+        last_part: the part of its last use step where it was last unpacked; -1: one part.
     """
 
     vid: int
@@ -107,21 +89,16 @@ class TraceUnit:
     """A module whose forward the manager could run again in backward (NOTE [recompute]).
 
     Attributes:
-        name: the module's qualified name in the model.
         first_step, last_step: the first and last forward steps of its forward.
-        forward_s: measured wall time of its forward run again on its own (NOTE [unit time] in
-            ``activations/recompute/profile/units.py``).
+        forward_s: wall time of its forward run again on its own (NOTE [unit time]).
         inner_vids: vTensors saved inside its forward and used only by its own backward: the
             bytes recomputing it would not keep.
         input_vids: vTensors saved inside its forward that are its inputs: recomputed, it holds
             them from its forward to its backward.
-        safe: running it again reproduced its outputs bit for bit, with no in-place input
-            change, custom autograd Function or attribute change (NOTE [safe to recompute]).
-        why_unsafe: the first reason it is not safe ("" when safe).
-        working_bytes: the most its forward held of what it made, saved tensors included
-            (NOTE [recomputation's working set] in ``activations/runtime/recorder.py``).
-        overhead_s: checkpointing's own work beyond the forward, measured once per process
-            (NOTE [mechanism cost] in ``activations/recompute/profile/cost.py``).
+        safe, why_unsafe: whether running it again is exact (NOTE [safe to recompute]).
+        working_bytes: the most its forward held of what it made (NOTE [recomputation's working
+            set]).
+        overhead_s: checkpointing's own work beyond the forward (NOTE [mechanism cost]).
     """
 
     name: str
@@ -141,16 +118,11 @@ class Trace:
     """A profiled iteration, the input of the planner.
 
     Attributes:
-        steps: the steps in execution order.
-        tensors: the saved storages the manager could move.
         unmanaged_saved_bytes: bytes saved for backward that stay resident (parameters, tiny).
         baseline_bytes: tracked device bytes at the start (parameters, gradients, state, inputs).
-        budget_bytes: the budget the iteration ran under.
         chunk_bytes: chunk size (None: whole tensors).
-        device: device type, "cpu" or "cuda".
-        schema_version: bumped when fields change meaning.
         incomplete: not a steady-state iteration (its first update created optimizer state).
-        units: the modules that could be recomputed, outermost first (``recompute=True`` only).
+        units: the modules that could be recomputed, outermost first.
         recomputed: the modules recomputed while this iteration ran.
         encoded: its clamps saved their output, not their input (NOTE [mask encoding]).
     """
@@ -171,11 +143,8 @@ class Trace:
     def holding(self, state_bytes: int) -> "Trace":
         """This iteration as it would run with ``state_bytes`` more held throughout.
 
-        NOTE [state to come]
-        A model's first iteration runs before its first update makes the optimizer's state,
-        which every later iteration holds throughout. So its trace is planned with that state
-        added to every step, as the stated minimum adds it: otherwise the guard would evict at
-        every replay, and a budget under the floor with the state would break once it appears.
+        NOTE [state to come]: a first iteration runs before the optimizer's state exists, which
+        every later one holds throughout; planned without it, every replay would evict.
         """
         if state_bytes == 0:
             return self
@@ -194,16 +163,8 @@ class Trace:
             self, steps=steps, baseline_bytes=self.baseline_bytes + state_bytes
         )
 
-    def live_curve(self) -> list[tuple[int, int]]:
-        """(step index, peak tracked device bytes) per step."""
-        return [(s.index, s.peak_live_bytes) for s in self.steps]
-
     def to_json(self) -> str:
-        """Serialize to JSON text: that of ``dataclasses.asdict``, built field by field.
-
-        ``asdict`` deep-copies every leaf, slow for a large trace; the leaves are plain values
-        that JSON writes the same way.
-        """
+        """JSON text, built field by field: ``asdict`` deep-copies every leaf, slow here."""
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("steps", "tensors", "units"):
             plain[name] = [_shallow(item) for item in plain[name]]

@@ -19,8 +19,8 @@ from vtensor.planner.cache import CACHE_SCHEMA_VERSION, PlanCache
 from vtensor.planner.keys import (
     PlanKey,
     architecture_fingerprint,
+    dtype_of,
     input_signature,
-    parameter_dtype,
     plan_key,
 )
 from vtensor.planner.plan import PLAN_SCHEMA_VERSION, Plan, TensorMove
@@ -199,7 +199,7 @@ def test_plan_key_of_a_model() -> None:
     key = plan_key(model, (x,), budget_bytes=2**20, chunk_bytes=None, planner_version="v")
     assert key.architecture == architecture_fingerprint(model)
     assert key.input_signature == input_signature(x)
-    assert key.dtype == parameter_dtype(model) == "torch.float32"
+    assert key.dtype == dtype_of(model.parameters()) == "torch.float32"
     assert key.device_kind == "cpu"
 
 
