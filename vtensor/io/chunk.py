@@ -7,9 +7,8 @@ from enum import StrEnum
 from vtensor.errors import IllegalMoveError
 
 # NOTE [default chunk size]
-# 1 MiB: smaller chunks barely cut the bytes swapped (docs/vtensor.md) but make every transfer
-# syscall- and latency-bound (DeepSpeed's MIN_AIO_BYTES is 1 MiB for the same reason). It is a
-# multiple of every page size in use (4, 16 and 64 KiB), so file offsets stay page-aligned.
+# 1 MiB: smaller chunks barely cut the bytes swapped but make every transfer syscall-bound. It is
+# a multiple of every page size in use (4, 16 and 64 KiB), so file offsets stay page-aligned.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -45,10 +44,7 @@ class Chunk:
     """One fixed-size piece of a vTensor's bytes.
 
     Attributes:
-        index: position within its vTensor.
         offset_bytes: start within the vTensor's storage.
-        nbytes: length (the last chunk may be shorter than the chunk size).
-        state: current residency.
         slot: where the bytes are in the slower tier while not on the device, else None.
     """
 
@@ -83,10 +79,8 @@ def split_on_pages(
 ) -> tuple[list[Chunk], int]:
     """Cut the whole pages of ``[address, address + nbytes)`` into page-aligned chunks.
 
-    NOTE [release in place] in ``io/pages.py``: a chunk released in place must be whole pages,
-    so the chunks cover only the pages strictly inside the range, starting on a page boundary,
-    each ``chunk_bytes`` rounded up to whole pages (None: the interior is one chunk). The partial
-    pages at the two ends never leave: they may share a page with the allocator or a neighbour.
+    A chunk released in place must be whole pages (NOTE [release in place]): the partial end
+    pages never leave, and ``chunk_bytes`` is rounded up to whole pages.
 
     Returns:
         The chunks (offsets relative to ``address``) and the bytes that never leave.

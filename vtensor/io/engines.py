@@ -1,12 +1,9 @@
 """Which tier takes a device's evicted bytes, and the transfer engine that moves them there.
 
 NOTE [tier choice]
-On CPU evicted bytes go to the swap file. On a CUDA device with its own memory they go to
-pinned host memory (``HOST``): fast, and it frees device memory. On an integrated GPU (Jetson:
-``is_integrated``) CPU and GPU share one DRAM, so pinned host memory is the very memory being
-freed and the host tier frees nothing: ``AUTO`` sends the bytes to the sealed swap file there,
-through a few pinned staging slots (NOTE [staged swap] in ``io/staged.py``). ``STORAGE`` asks
-for the swap file on any device.
+On CPU evicted bytes go to the swap file; on a CUDA device with its own memory, to pinned host
+memory. On an integrated GPU pinned host memory is the very memory being freed, so ``AUTO`` sends
+the bytes to the sealed swap file through staging slots (NOTE [staged swap]).
 """
 
 from enum import StrEnum
@@ -71,11 +68,7 @@ def engine_for(
 ) -> TransferEngine:
     """The engine that moves ``device``'s chunks to the tier ``resolve_tier`` picks.
 
-    ``staging_bytes``: one pinned staging slot of the CUDA storage tier (the chunk size;
-    None: ``DEFAULT_CHUNK_BYTES``).
-
-    Raises:
-        VTensorError: as ``resolve_tier``.
+    ``staging_bytes``: one staging slot of the CUDA storage tier (None: the default chunk).
     """
     chosen = resolve_tier(device, tier)
     if device.type == "cuda" and chosen is Tier.HOST:

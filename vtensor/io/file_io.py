@@ -1,11 +1,8 @@
-"""The one I/O thread of a swap file: its jobs, the read-ahead window, the write-behind.
-
-Both file engines (``FileTransferEngine`` on CPU, ``StagedTransferEngine`` on CUDA) move their
-bytes through it.
-"""
+"""The one I/O thread of a swap file, with read-ahead and write-behind."""
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -39,13 +36,10 @@ class ThreadTransfer:
 class ReadAhead:
     """Swap-file ranges that queued restores will read, asked of the kernel ahead of the reads.
 
-    NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is still busy
-    with earlier jobs, so the job finds them in the page cache. Pages read ahead stay cached
-    until their job reads and drops them, so the bytes asked for and not yet read are capped
-    (``limit_bytes``); each staging buffer read frees room for the next bytes, of this restore
-    or the ones queued behind it. Only the I/O thread asks (``posix_fadvise(WILLNEED)`` blocks
-    while it queues the reads), and it takes a range out of the queue before reading it, so no
-    range is asked for after its job dropped it (which would leave its pages cached).
+    NOTE [read-ahead]: the disk reads a restore's bytes while the I/O thread is busy with earlier
+    jobs. Pages read ahead stay cached until read and dropped, so the bytes asked for and not yet
+    read are capped (``limit_bytes``). Only the I/O thread asks, and it takes a range out of the
+    queue before reading it, so no range is asked for after its job dropped it.
     """
 
     def __init__(self, tier: StorageTier, limit_bytes: int = READ_AHEAD_BYTES) -> None:
@@ -126,10 +120,22 @@ class SwapFileIo:
 
         return ThreadTransfer(self._pool.submit(timed), nbytes)
 
-    # NOTE [page-cache bound]: sealed transfers move one staging buffer per vectored call and
-    # drop its pages right after it (a write once the next one's write-back has started: NOTE
-    # [write behind] in io/tiers.py), so the swap file holds about two staging buffers of page
-    # cache, not a whole eviction run or restore.
+    def submit_write(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
+        """``submit`` a job that writes: it ends with its bytes out of the page cache."""
+
+        def settled() -> None:
+            try:
+                job()
+            except BaseException:
+                with contextlib.suppress(OSError):  # the first error is the one to report
+                    self.behind.settle()
+                raise
+            self.behind.settle()
+
+        return self.submit(settled, nbytes)
+
+    # NOTE [page-cache bound]: each staging buffer's pages are dropped right after its call (a
+    # write once the next one's write-back began), so the cache holds about two staging buffers.
     def write_dropped(self, offset: int, views: list[memoryview]) -> None:
         """Write ``views`` at ``offset``; their pages leave the cache once the next write began."""
         self.tier.writev(offset, views)

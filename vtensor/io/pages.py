@@ -2,17 +2,12 @@
 
 NOTE [release in place]
 On CPU a chunk leaves memory without a copy: once its bytes are in the swap tier, the whole
-pages inside its byte range go back to the kernel (``madvise(MADV_DONTNEED)``). The range stays
-mapped and owned by the storage, RSS drops at once, and the next touch maps a zero page, so a
-restore reads the bytes back into the same addresses and a use before it reads zeros, never
-stale data.
-
-Only whole pages strictly inside the storage's range are released, never the partial end pages,
-which may hold the allocator's headers or a neighbour's bytes; so such a storage is cut into
-chunks on the page grid (``split_on_pages`` in ``io/chunk.py``). The allocator keeps nothing
-inside a live allocation, and glibc's heap and mmap blocks are both private anonymous memory, so
-releasing is invisible to it. The copy path (``resize_``) stays where pages cannot be released:
-on CUDA, and for shared-memory or file-backed storages, whose pages are not private.
+pages inside its range go back to the kernel (``madvise(MADV_DONTNEED)``). The range stays mapped,
+RSS drops at once, and a restore reads the bytes back into the same addresses (a use before it
+reads zeros, never stale data). Only whole pages strictly inside the storage are released (the
+end pages may hold the allocator's headers), so such a storage is chunked on the page grid
+(``split_on_pages``). The copy path (``resize_``) stays where pages are not private: on CUDA,
+and for shared-memory or file-backed storages.
 """
 
 import ctypes
@@ -60,10 +55,8 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
 def populate(address: int, nbytes: int) -> int:
     """Fault in the whole pages inside the range now, as writable; returns the bytes populated.
 
-    A restore into pages released in place fills them as its reads land; a counter of resident
-    pages would see it grow only then. Populated at the restore's start, the pages count from
-    there, as under the heap counter (NOTE [CPU counter] in ``measure/counter.py``). Where the
-    kernel lacks ``MADV_POPULATE_WRITE`` one byte of each page is written (they hold zeros).
+    So a restore's pages count from its start, as under the heap counter (NOTE [CPU counter]).
+    Without ``MADV_POPULATE_WRITE`` one byte of each page is written (they hold zeros).
     """
     start, length = whole_pages(address, nbytes)
     if not length:

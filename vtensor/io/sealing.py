@@ -1,25 +1,18 @@
 """Authenticated encryption of swapped chunks under a per-run key that never leaves memory.
 
 NOTE [sealed swap]
-Each chunk written to the swap file is sealed with an AEAD cipher (AES-256-GCM by default) in
-segments of at most ``SEGMENT_BYTES``, so the staging buffer stays small at any chunk size.
+Each chunk written to the swap file is sealed with an AEAD cipher in segments of at most
+``SEGMENT_BYTES``, so the staging buffer stays small at any chunk size.
 
-- Key: 32 bytes from ``os.urandom``, one per ``Sealer`` (one per memory manager), held only by
-  the cipher object in process memory; never written anywhere, dropped by ``close``.
+- Key: 32 bytes from ``os.urandom`` per ``Sealer``, held only by the cipher object; never written.
 - Nonce: a 96-bit counter, one value per sealed segment, never reused under one key.
-- Tag: kept in memory, keyed by the segment's file offset, with the nonce and the generation
-  (one per eviction run); the file holds ciphertext only, at the same offsets as plaintext
-  would be, so the extent allocator and page alignment are unchanged.
-- Associated data: the chunk's identity (its vTensor's storage, its index, the segment's
-  place and length) and the write generation. A restore recomputes it from the chunk being
-  restored, so a modified extent, a stale one (an earlier write at that offset) or another
-  chunk's extent fails authentication (``SwapAuthenticationError``) instead of returning
-  wrong bytes; the destination segment is zeroed so unauthenticated plaintext is never seen.
+- Tag: kept in memory by the segment's file offset, with the nonce and generation; the file holds
+  ciphertext only, at plaintext's offsets, so extents and page alignment are unchanged.
+- Associated data: the chunk's identity (storage, index, segment place and length) and the
+  write generation, recomputed at restore: a modified, stale or another chunk's extent fails
+  authentication (``SwapAuthenticationError``) and its destination is zeroed.
 
-Sealing encrypts from tensor memory straight into a staging buffer laid out as
-``[ciphertext | tag]`` per segment, and one ``pwritev`` writes the ciphertext parts of a whole
-staging buffer (the tags stay in memory); opening reads with one ``preadv`` into the same
-layout, puts each tag after its ciphertext and decrypts straight into tensor memory.
+One ``pwritev``/``preadv`` moves a whole staging buffer of ``[ciphertext | tag]`` segments.
 """
 
 import ctypes
@@ -68,13 +61,9 @@ class Piece:
     """One chunk to seal or open: its place in the file and in memory, and whose it is.
 
     Attributes:
-        file_offset: where its bytes start in the swap file.
-        address: where its bytes start in memory.
-        nbytes: its length.
         owner: identity of its vTensor (the storage's address), fixed while it is swapped.
         index: its position within its vTensor.
-        part_offset: where it starts within its chunk, when a chunk is sealed in parts
-            (``io/staged.py``); part of its identity.
+        part_offset: where it starts within its chunk, when sealed in parts (``io/staged.py``).
     """
 
     file_offset: int
@@ -102,9 +91,7 @@ def _segments(piece: Piece, segment_bytes: int) -> Iterator[tuple[int, int]]:
 class Sealer:
     """Seals pieces on their way to storage and opens them on their way back.
 
-    Not thread-safe for concurrent ``seal``/``open`` calls: the transfer engine runs them on
-    its one I/O thread (``forget`` may come from another thread). The AEAD calls release the
-    GIL, so sealing overlaps compute like the raw I/O does.
+    ``seal`` and ``open`` run on the engine's one I/O thread; the AEAD calls release the GIL.
     """
 
     def __init__(
@@ -149,11 +136,7 @@ class Sealer:
         return _AAD.pack(_DOMAIN, piece.owner, piece.index, where, nbytes, generation)
 
     def _batches(self, pieces: Sequence[Piece]) -> Iterator[list[tuple[Piece, int, int, int]]]:
-        """Segments grouped by what one staging buffer and one vectored call can carry.
-
-        Each item is (piece, offset within the piece, bytes, position in the staging buffer);
-        a group is contiguous in the file.
-        """
+        """(piece, offset, bytes, staging position) groups, each one staging buffer of file."""
         batch: list[tuple[Piece, int, int, int]] = []
         position = 0
         file_end = -1

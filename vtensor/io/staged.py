@@ -1,19 +1,13 @@
 """Device chunks to the sealed swap file and back, through a bounded set of pinned staging slots.
 
 NOTE [staged swap]
-On a GPU that shares its DRAM with the CPU (Jetson: ``is_integrated``) pinned host memory is
-the same memory as the device's, so the host tier frees nothing: evicted chunks must go to the
-swap file. They go device -> staging slot -> file on eviction and file -> staging slot ->
-device on restore, in parts of at most one slot. The slots are allocated once
-(``slots * slot_bytes`` of pinned memory, the whole of it, ever) and reused by every transfer
-on the one I/O thread. With two or more slots the device copy of the next part runs while the
-thread seals and writes the current one (or, restoring, reads and opens the next part while
-the device copies the current one in). Each part is sealed as its own piece (its place in the
-chunk is part of its identity: NOTE [sealed swap] in ``io/sealing.py``), so the file holds
-ciphertext only, at the chunk's offsets, as ``FileTransferEngine`` writes it.
+On a GPU sharing its DRAM with the CPU (``is_integrated``) the host tier frees nothing, so chunks
+go device -> staging slot -> file and back, in parts of at most one slot. The slots are
+allocated once (``slots * slot_bytes`` of pinned memory, ever); with two or more, the device
+copy of the next part runs while the I/O thread seals and writes the current one. Each part is
+sealed as its own piece, at the chunk's offsets, as ``FileTransferEngine`` writes it.
 """
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +19,7 @@ from vtensor.io.file_io import SwapFileIo
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.io.staging import DeviceCopier, Fence
 from vtensor.io.tiers import StorageTier, buffer_at
-from vtensor.io.transfer import Transfer, contiguous_runs
+from vtensor.io.transfer import Transfer, contiguous_runs, place_run
 
 STAGING_SLOTS = 2  # one part in a device copy while the other is sealed and written
 
@@ -100,29 +94,20 @@ class StagedTransferEngine:
         self.io = SwapFileIo(tier, "vtensor-staged")
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
-        total = sum(c.nbytes for c in chunks)
-        slot = self.tier.extents.alloc(total)  # one extent per run, as FileTransferEngine
-        for chunk in chunks:
-            chunk.slot = slot
-            slot += chunk.nbytes
+        _, total = place_run(self.tier, chunks)
         parts = parts_of(chunks, self.slot_bytes)
         # The job drops the storage before it ends: the store counts its references once the
-        # transfer is done (NOTE [cuda transfers] in io/transfer.py).
+        # transfer is done (NOTE [cuda transfers]).
         held = [_bytes_of(storage)]
         after, owner = self.copier.mark(), storage._cdata
 
         def job() -> None:
             try:
                 self._write_parts(held[0], parts, after, owner)
-            except BaseException:
-                with contextlib.suppress(OSError):  # the first error is the one to report
-                    self.io.behind.settle()
-                raise
             finally:
                 held.clear()
-            self.io.behind.settle()  # the transfer ends with its bytes out of the page cache
 
-        return self.io.submit(job, total)
+        return self.io.submit_write(job, total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         parts = parts_of(chunks, self.slot_bytes)

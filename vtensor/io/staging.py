@@ -1,8 +1,6 @@
-"""Copies between device memory and pinned host staging buffers, behind an injectable interface.
+"""Copies between device memory and pinned staging buffers, behind an injectable interface.
 
-The staged engine (``io/staged.py``) moves device bytes to the swap file through a few pinned
-host buffers; how a copy runs and how its end is awaited is the copier's. ``CudaCopier`` runs
-the copies on a side stream; a test can pass a copier of plain CPU tensors instead.
+``CudaCopier`` runs the copies on a side stream; a test can pass one of plain CPU tensors.
 """
 
 from typing import Protocol
@@ -41,12 +39,9 @@ class DeviceCopier(Protocol):
 class CudaCopier:
     """Copies on one side stream of ``device``, each after the compute work it must follow.
 
-    A copy into a chunk's device memory (a restore) follows the compute stream's work queued
-    when the transfer was asked for: the allocator may have handed that memory out while
-    kernels on the compute stream still used it. A copy out of it (an eviction) follows the
-    work that produced the bytes. The staged engine waits on each copy's event on its I/O
-    thread before it writes or reuses the staging buffer, so the host never reads a buffer
-    the device is still writing, nor the device one the host is still filling.
+    A restore's copy follows the compute work queued when it was asked for (the allocator may
+    have handed that memory out under running kernels); an eviction's follows the work that made
+    the bytes. The staged engine waits on each copy's event before touching the staging buffer.
     """
 
     def __init__(self, device: torch.device) -> None:

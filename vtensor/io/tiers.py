@@ -39,9 +39,7 @@ def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
 def _anonymous_file(directory: Path) -> int:
     """A read-write descriptor of a file in ``directory`` that has no name at any moment.
 
-    ``O_TMPFILE`` creates the inode without a directory entry, so not even a crash between
-    creating and unlinking can leave a named file behind; filesystems without it get
-    ``mkstemp`` and an immediate unlink.
+    ``O_TMPFILE`` leaves no named file even after a crash; elsewhere ``mkstemp`` and unlink.
     """
     try:
         return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -56,12 +54,11 @@ def _anonymous_file(directory: Path) -> int:
 class ExtentAllocator:
     """First-fit allocator of page-aligned byte extents in a growing file; frees coalesce.
 
-    Extents are whole pages of ``page_bytes`` (None: the system's page, ``pages.PAGE_BYTES``),
-    fixed for the allocator's life so that frees round as their allocations did.
+    The page size is fixed for the allocator's life so that frees round as allocations did.
     """
 
-    def __init__(self, page_bytes: int | None = None) -> None:
-        self.page_bytes = pages.PAGE_BYTES if page_bytes is None else page_bytes
+    def __init__(self) -> None:
+        self.page_bytes = pages.PAGE_BYTES
         self._free: list[tuple[int, int]] = []  # sorted (offset, length)
         self.end_bytes = 0  # file size high-water mark
         self.used_bytes = 0
@@ -98,20 +95,15 @@ class ExtentAllocator:
 
 
 # NOTE [write-back]
-# Dirty pages cannot be dropped from the page cache; they must be written back first. The swap
-# file needs no durability (it dies with the process), so only the written range is written
-# back and waited for (``sync_file_range``), without the journal commit and device cache flush
-# of ``fdatasync``, which makes it much faster. Where the call is missing (not Linux),
-# ``fdatasync`` does it.
+# Dirty pages must be written back before they can leave the page cache. The swap file needs no
+# durability, so only the written range is written back and waited for (``sync_file_range``),
+# without ``fdatasync``'s journal commit and cache flush; ``fdatasync`` where the call is missing.
 #
 # NOTE [write behind]
-# Waiting for each range's write-back before sealing the next leaves the device idle while the
-# I/O thread seals, and the thread idle while the device writes. So a transfer of several ranges
-# starts each range's write-back without waiting (``SYNC_FILE_RANGE_WRITE``) and waits for, and
-# drops, the range before it; the last is settled before the transfer ends (``WriteBehind``).
-# The page cache holds at most two ranges, and a transfer still ends only once all its bytes are
-# on the device and out of the cache, so a failed write-back fails that transfer before the
-# store releases the chunk's memory.
+# A transfer of several ranges starts each range's write-back without waiting and then waits for,
+# and drops, the range before it, so the device writes while the I/O thread seals. The cache holds
+# at most two ranges, and a transfer ends only once all its bytes are out of the cache, so a failed
+# write-back fails that transfer before the store releases the chunk's memory.
 _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -138,13 +130,10 @@ class StorageTier:
     """One swap file per session, read and written with raw ``pwrite``/``preadv``.
 
     NOTE [anonymous swap file]
-    The file is created without a name in ``directory`` (``O_TMPFILE``; elsewhere ``mkstemp``
-    and an immediate unlink): it lives only as long as this process holds its descriptor, so it
-    is gone after a normal exit, an exception, Ctrl-C and even SIGKILL, and no other process can
-    open it by name. What it holds is sealed by default (``io/sealing.py``). After every write the
-    pages are written back (NOTE [write-back]) and dropped from the page cache
-    (``POSIX_FADV_DONTNEED``): without that, "swapped out" bytes would only move from the process
-    into the page cache and the machine's RAM would not shrink.
+    The file has no name (``_anonymous_file``): it lives only while this process holds its
+    descriptor, so it is gone even after SIGKILL, and no other process can open it by name. After
+    every write its pages are written back and dropped from the page cache: otherwise "swapped
+    out" bytes would only move into the page cache and RAM would not shrink.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None, drop_page_cache: bool = True):
@@ -164,10 +153,8 @@ class StorageTier:
         self.extents = ExtentAllocator()
         self.page_bytes = self.extents.page_bytes
         if drop_page_cache:
-            # NOTE [no kernel read-ahead]: the kernel's own read-ahead would pull neighbouring
-            # extents, other chunks still swapped out, into the page cache, where they stay
-            # until read and dropped themselves: bytes outside the budget. Restores ask for
-            # exactly their own ranges instead (``read_ahead``).
+            # The kernel's read-ahead would pull other swapped-out chunks into the page cache,
+            # bytes outside the budget; restores ask for exactly their ranges (``read_ahead``).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     @property
@@ -220,11 +207,7 @@ class StorageTier:
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def start_write_back(self, offset: int, nbytes: int) -> bool:
-        """Start writing the range back without waiting (NOTE [write behind]).
-
-        Returns False where it cannot start one (no page-cache drop, or no ``sync_file_range``):
-        ``release_cache`` then does all of it.
-        """
+        """Start writing the range back without waiting (NOTE [write behind]); False: cannot."""
         if not self.drop_page_cache or _sync_file_range is None:
             return False
         if _sync_file_range(self.fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
@@ -252,10 +235,7 @@ class StorageTier:
 
 
 class WriteBehind:
-    """The ranges one transfer writes, each written back behind the next (NOTE [write behind]).
-
-    Used by one thread at a time (the engine's I/O thread).
-    """
+    """The ranges one transfer writes, each written back behind the next (NOTE [write behind])."""
 
     def __init__(self, tier: StorageTier) -> None:
         self.tier = tier

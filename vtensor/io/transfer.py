@@ -1,6 +1,5 @@
 """Asynchronous transfer engines: a background thread for file I/O, a side stream for CUDA."""
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,11 +61,9 @@ class TransferEngine(Protocol):
     """Moves chunk bytes between a storage's memory and a slower tier.
 
     Attributes:
-        lands_in: the state an evicted chunk is in once its transfer completed: ``HOST``
-            (pinned host memory) or ``STORAGE`` (the swap file).
-        host_pages: the storages it moves are host memory, whose whole pages an evicted chunk
-            may release in place (NOTE [release in place] in ``io/pages.py``); False for
-            device memory.
+        lands_in: an evicted chunk's state once its transfer completed: ``HOST`` or ``STORAGE``.
+        host_pages: it moves host memory, whose pages may be released in place (NOTE [release
+            in place]).
     """
 
     lands_in: ChunkState
@@ -90,11 +87,7 @@ class TransferEngine(Protocol):
 
 
 class FileTransferEngine:
-    """Storage-tier transfers on one background thread (raw syscalls and AEAD release the GIL).
-
-    With ``encrypt`` (the default) every chunk is sealed before it reaches the file and
-    authenticated when it comes back (NOTE [sealed swap] in ``vtensor/io/sealing.py``).
-    """
+    """Storage-tier transfers on one background thread; ``encrypt`` seals (NOTE [sealed swap])."""
 
     lands_in = ChunkState.STORAGE
     host_pages = True
@@ -107,33 +100,19 @@ class FileTransferEngine:
         self.io = SwapFileIo(tier, "vtensor-io")
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
-        # The chunks of one eviction are contiguous in memory (a tail of the storage): give them
-        # one contiguous extent so the whole run is one write (sealed: one per staging buffer)
-        # and one cache drop.
-        total = sum(c.nbytes for c in chunks)
-        start = self.tier.extents.alloc(total)
-        slot = start
-        for chunk in chunks:
-            chunk.slot = slot
-            slot += chunk.nbytes
+        start, total = place_run(self.tier, chunks)
         address = storage.data_ptr() + chunks[0].offset_bytes
         sealer = self.sealer
         pieces = _pieces(storage, chunks) if sealer is not None else []
 
         def job() -> None:
-            try:
-                if sealer is None:
-                    self.tier.write(start, address, total)
-                    self.tier.release_cache(start, total, dirty=True)
-                else:
-                    sealer.seal(pieces, self.io.write_dropped)
-            except BaseException:
-                with contextlib.suppress(OSError):  # the first error is the one to report
-                    self.io.behind.settle()
-                raise
-            self.io.behind.settle()  # the transfer ends with its bytes out of the cache
+            if sealer is None:
+                self.tier.write(start, address, total)
+                self.tier.release_cache(start, total, dirty=True)
+            else:
+                sealer.seal(pieces, self.io.write_dropped)
 
-        return self.io.submit(job, total)
+        return self.io.submit_write(job, total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         base = storage.data_ptr()
@@ -172,6 +151,20 @@ class FileTransferEngine:
             self.sealer.close()
 
 
+def place_run(tier: StorageTier, chunks: Sequence[Chunk]) -> tuple[int, int]:
+    """Give one eviction's chunks (a tail, contiguous in memory) one contiguous extent.
+
+    So the run is one write (sealed: one per staging buffer) and one cache drop. Returns the
+    extent's start and bytes.
+    """
+    total = sum(c.nbytes for c in chunks)
+    start = slot = tier.extents.alloc(total)
+    for chunk in chunks:
+        chunk.slot = slot
+        slot += chunk.nbytes
+    return start, total
+
+
 def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piece]:
     """The chunks as sealing sees them: file slot, memory address, identity."""
     base = storage.data_ptr()
@@ -202,16 +195,12 @@ class CudaTransferEngine:
     """Host-tier transfers on a side CUDA stream into a pool of pinned buffers.
 
     NOTE [cuda transfers]
-    Copies are ordered after the compute stream's pending work (``wait_stream``) and fenced by
-    an event. The store waits on every transfer (``wait``: the compute stream waits on the
-    event) before it shrinks, grows or frees the storage, so the allocator, which orders reuse
-    on the compute stream, never hands the bytes out under a copy; this is used instead of
-    ``record_stream``, whose deferred frees make allocation non-deterministic. The transfer
-    holds no reference to the storage itself: the store counts the storage's references to know
-    that no one else holds it (``ChunkStore._finish``). A restore waits on the compute stream,
-    so an unpack never sees partial data and the host never blocks. Pinned buffers are only
-    taken and copied on the one side stream, so one given back is reused by a later copy on the
-    same stream: no host synchronisation.
+    Copies follow the compute stream's pending work (``wait_stream``) and end in an event. The
+    store waits on every transfer before it shrinks, grows or frees the storage, so the allocator
+    never hands the bytes out under a copy (``record_stream``'s deferred frees would make
+    allocation non-deterministic). A transfer holds no reference to the storage: the store counts
+    its references (``ChunkStore._finish``). Pinned buffers are used only on the one side stream,
+    so one given back is reused by a later copy there without host synchronisation.
     """
 
     lands_in = ChunkState.HOST
