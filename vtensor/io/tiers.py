@@ -17,7 +17,8 @@ from vtensor.io import pages
 logger = logging.getLogger(__name__)
 
 
-def _round_up(nbytes: int, multiple: int) -> int:
+def round_up(nbytes: int, multiple: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``multiple``."""
     return -(-nbytes // multiple) * multiple
 
 
@@ -26,7 +27,7 @@ def buffer_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
+def skip_filled(views: list[memoryview], nbytes: int) -> list[memoryview]:
     """The part of ``views`` left after the first ``nbytes`` (after a short vectored transfer)."""
     while views and nbytes >= len(views[0]):
         nbytes -= len(views[0])
@@ -65,7 +66,7 @@ class ExtentAllocator:
 
     def alloc(self, nbytes: int) -> int:
         """Return the offset of a free extent of at least ``nbytes`` (page-rounded)."""
-        size = _round_up(nbytes, self.page_bytes)
+        size = round_up(nbytes, self.page_bytes)
         for i, (offset, length) in enumerate(self._free):
             if length >= size:
                 if length == size:
@@ -81,7 +82,7 @@ class ExtentAllocator:
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return an extent given by :meth:`alloc`."""
-        size = _round_up(nbytes, self.page_bytes)
+        size = round_up(nbytes, self.page_bytes)
         self.used_bytes -= size
         i = bisect.bisect_left(self._free, (offset, 0))
         self._free.insert(i, (offset, size))
@@ -180,7 +181,7 @@ class StorageTier:
             while views:
                 wrote = os.pwritev(self.fd, views, offset + done)
                 done += wrote
-                views = _skip(views, wrote)
+                views = skip_filled(views, wrote)
         except OSError as exc:
             raise StorageTierError(
                 exc.errno or errno.EIO,
@@ -199,7 +200,7 @@ class StorageTier:
                     errno.EIO, f"swap file ended at {offset + done}, expected {nbytes} bytes"
                 )
             done += got
-            views = _skip(views, got)
+            views = skip_filled(views, got)
 
     def read_ahead(self, offset: int, nbytes: int) -> None:
         """Ask the kernel to start reading a range into the page cache (returns at once)."""
@@ -223,9 +224,7 @@ class StorageTier:
             return
         if dirty:
             _write_back(self.fd, offset, nbytes)
-        os.posix_fadvise(
-            self.fd, offset, _round_up(nbytes, self.page_bytes), os.POSIX_FADV_DONTNEED
-        )
+        os.posix_fadvise(self.fd, offset, round_up(nbytes, self.page_bytes), os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         """Close (and so delete) the swap file."""

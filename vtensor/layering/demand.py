@@ -1,18 +1,12 @@
 """Demand layering: run a model's forward with its parameters streamed layer by layer from a file.
 
 NOTE [demand layering] (docs/demand-layering.md): a *layer* is a module that owns parameters or
-persistent buffers directly, or a module named in ``group`` with its whole subtree. Between uses
-each of its tensors is a ``meta`` placeholder that holds no memory; a forward pre-hook binds views
-of the layer's bytes, a forward hook puts the placeholders back. The first forward loads each
-layer synchronously and records the order of calls (a module called twice is two calls); later
-forwards must follow that order, while a background thread reads up to ``lookahead`` calls ahead
-with ``preadv`` into one preallocated buffer, at places fixed by the plan so that the steady
-state allocates nothing and calls held together never overlap. A call whose forward encloses
-other calls (a parent that owns a parameter) gets a buffer of its own.
-
-The pieces: ``records`` (slots, layers, calls, buffer views), ``discovery`` (the first forward's
-check), ``placement`` (where calls go in the ring), ``reader`` (the reads and the read-ahead
-thread), ``report``; this module ties them to the model's hooks.
+persistent buffers directly, or a module named in ``group`` with its subtree. Between uses its
+tensors are ``meta`` placeholders; a forward pre-hook binds views of the layer's bytes and a
+forward hook puts the placeholders back. The first forward loads each layer synchronously and
+records the order of calls; later forwards follow it while a thread reads up to ``lookahead``
+calls ahead into one preallocated buffer, at places fixed so the steady state allocates nothing.
+A call whose forward encloses other calls gets a buffer of its own.
 """
 
 import logging

@@ -1,8 +1,4 @@
-"""First forward of demand layering: the use of an unloaded tensor is an error that names the fix.
-
-See NOTE [demand layering] in vtensor.layering.demand: the first forward loads each layer as its
-forward starts, so a tensor used outside its own module's forward is still a meta placeholder.
-"""
+"""First forward of demand layering: using an unloaded tensor is an error that names the fix."""
 
 from typing import Any
 
@@ -16,9 +12,8 @@ from vtensor.errors import LayeringError
 class Discovery(TorchFunctionMode):
     """First forward only: turns the use of an unloaded tensor into a LayeringError.
 
-    A function mode, not a dispatch mode: it sees the parameters themselves and costs no imports
-    (a Python dispatch mode pulls in sympy). Reading metadata such as ``.shape``
-    of an unloaded tensor is fine: only calls that return tensors (or fail) count as uses.
+    A function mode sees the parameters themselves and costs no imports (a dispatch mode pulls
+    in sympy). Reading metadata such as ``.shape`` is no use.
     """
 
     def __init__(self, owners: dict[int, tuple[str, str]], running: list[str]) -> None:

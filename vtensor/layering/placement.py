@@ -1,8 +1,6 @@
 """Where demand layering holds each call's bytes: pure placement of calls in one read buffer.
 
-See NOTE [demand layering] in vtensor.layering.demand: calls at most ``lookahead`` apart are held
-together, so they must not overlap in the buffer; a call whose use encloses later calls (a
-parent module owning a parameter) cannot be released in order and gets a buffer of its own.
+Calls at most ``lookahead`` apart are held together, so they must not overlap in the buffer.
 """
 
 
@@ -36,10 +34,8 @@ def ring_positions(sizes: list[int], capacity: int) -> list[int]:
 def place_calls(sizes: list[int], lookahead: int) -> tuple[dict[int, int], int]:
     """Offsets in one buffer for the calls of nonzero size, and the buffer's size.
 
-    Call j is held from when call j - ``lookahead`` starts until it ends, so calls at most
-    ``lookahead`` apart must not overlap; then the reader never waits for room. Greedy by size,
-    each at the lowest offset clear of the conflicting calls placed before it (offline dynamic
-    storage allocation); offsets stay multiples of the sizes' common alignment.
+    Greedy by size, each at the lowest offset clear of the conflicting calls placed before it
+    (offline dynamic storage allocation); then the reader never waits for room.
     """
     at: dict[int, int] = {}
     for j in sorted((j for j, size in enumerate(sizes) if size), key=lambda j: (-sizes[j], j)):

@@ -1,9 +1,8 @@
 """Demand layering's reads: a layer's bytes into its buffer, and the thread that reads ahead.
 
-See NOTE [demand layering] in layering/demand.py. Once the first forward is planned, a thread of
-its own reads the calls of each forward in order, at most ``lookahead`` ahead of the running
-one and never into ring bytes that a call still holds. The forward (compute thread) and that
-thread share the state below ``cond``: both change it under that lock and wake each other.
+Once the first forward is planned, a thread reads each forward's calls in order, at most
+``lookahead`` ahead and never into ring bytes a call still holds; it and the forward share the
+state under ``cond``.
 """
 
 import threading
@@ -11,16 +10,13 @@ import time
 
 import torch
 
+from vtensor.io.tiers import buffer_at
 from vtensor.layering.records import Call, Layer
-from vtensor.layering.weightfile import ALIGN_BYTES, WeightFile, memory_at
+from vtensor.layering.weightfile import ALIGN_BYTES, WeightFile
 
 
 class LayerReader:
-    """Reads layers from ``file``: now on the caller's thread (``fill``), or ahead (``start``).
-
-    It also counts, under ``cond``: bytes of calls read and not yet released (``live_bytes``,
-    with their peak), bytes read, seconds spent in reads and checksums, seconds forwards waited.
-    """
+    """Reads layers from ``file``: now on the caller's thread (``fill``), or ahead (``start``)."""
 
     def __init__(
         self, file: WeightFile, *, lookahead: int | None, verify: str, drop_page_cache: bool
@@ -48,7 +44,7 @@ class LayerReader:
         nbytes = 0
         for file_offset, pieces in layer.runs:
             views = [
-                self._scratch[:n] if at is None else memory_at(base + at, n) for at, n in pieces
+                self._scratch[:n] if at is None else buffer_at(base + at, n) for at, n in pieces
             ]
             self.file.read(file_offset, views, direct=self.direct)
             run_bytes = sum(n for _, n in pieces)
@@ -58,7 +54,7 @@ class LayerReader:
         for slot in layer.slots:
             name = slot.entry.name
             if self._verify == "always" or (self._verify == "first" and name not in self._verified):
-                self.file.check_crc(slot.entry, memory_at(base + slot.offset, slot.entry.nbytes))
+                self.file.check_crc(slot.entry, buffer_at(base + slot.offset, slot.entry.nbytes))
                 self._verified.add(name)
         return nbytes, time.perf_counter() - started
 

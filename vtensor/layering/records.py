@@ -1,8 +1,7 @@
 """The layers of a model under demand layering: the tensors each loads, where, and as what views.
 
-See NOTE [demand layering] in vtensor.layering.demand. A *slot* is one managed tensor of a module; a
-*layer* packs its slots' bytes in one buffer, read from the file in runs; a *call* is one use of
-a layer in the forward, with the buffer it is read into and the views bound while it runs.
+A *slot* is one managed tensor of a module; a *layer* packs its slots' bytes in one buffer, read
+in runs; a *call* is one use of a layer in the forward, with its buffer and views.
 """
 
 from dataclasses import dataclass
@@ -93,9 +92,7 @@ def views(layer: Layer, buffer: torch.Tensor) -> list[torch.Tensor]:
 def find_slots(modules: dict[str, nn.Module], units: set[str]) -> ModelSlots:
     """Every parameter and persistent buffer of ``modules``, as a slot with a meta placeholder.
 
-    A module named in ``units`` (group or resident) takes the slots of its whole subtree; a
-    tensor shared by several modules gets one placeholder. Entries are stand-ins until the
-    caller looks the names up in the weight file.
+    A module named in ``units`` takes the slots of its whole subtree; a shared tensor gets one.
     """
     found = ModelSlots({}, {}, {}, set())
     seen: set[tuple[int, str]] = set()
@@ -131,9 +128,8 @@ def find_slots(modules: dict[str, nn.Module], units: set[str]) -> ModelSlots:
 def make_layer(name: str, module: nn.Module, slots: list[Slot], direct: bool) -> Layer:
     """Place the slots' tensors in the layer's buffer and group their file bytes into runs.
 
-    A run is a contiguous range of the file read with one ``preadv``: its pieces land at the
-    tensors' places and the padding between tensors in a scratch buffer (None), so the buffer
-    holds the tensors packed. ``O_DIRECT`` needs every piece 4 KiB-aligned: the padding stays.
+    A run is a contiguous range of the file read with one ``preadv``; the padding between
+    tensors lands in a scratch buffer (None), so the buffer holds the tensors packed.
     """
     align = ALIGN_BYTES if direct else PACK_BYTES
     runs: list[tuple[int, list[tuple[int | None, int]]]] = []

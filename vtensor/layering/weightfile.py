@@ -1,16 +1,12 @@
 """Weight files: write any state_dict with 4 KiB-aligned tensor data, and open and check one.
 
-NOTE [weight file format v1] (docs/demand-layering.md has the full description): a 24-byte
-preamble (magic ``b"VTWEIGHT"``, u32 format version, u32 CRC-32 of the header, u64 header
-length, little-endian), a UTF-8 JSON header (per tensor: name, dtype, shape, offset, nbytes,
-crc32; the file's total size), zero padding to 4096 bytes, then each tensor's bytes at an offset
-that is a multiple of 4096, the file padded to a multiple of 4096. Aligned offsets, lengths and
-buffers are what ``O_DIRECT`` needs; the size check catches truncation on open, the per-tensor
-CRC-32 catches corruption when the bytes are read. safetensors files are read as well (no
-checksums, no alignment).
+NOTE [weight file format v1] (docs/demand-layering.md describes it in full): a 24-byte preamble
+(magic, version, header CRC-32 and length), a JSON header (per tensor: name, dtype, shape,
+offset, nbytes, crc32; the file's size), then each tensor's bytes at a 4096-aligned offset, as
+``O_DIRECT`` needs. The size check catches truncation on open, the per-tensor CRC-32 corruption
+on read. safetensors files are read as well (no checksums, no alignment).
 """
 
-import ctypes
 import json
 import os
 import struct
@@ -31,6 +27,7 @@ from vtensor.errors import (
     WeightFileTruncatedError,
     WeightFileVersionError,
 )
+from vtensor.io.tiers import buffer_at, round_up, skip_filled
 
 MAGIC = b"VTWEIGHT"
 FORMAT_VERSION = 1
@@ -54,18 +51,9 @@ class TensorEntry:
     crc32: int | None  # None for safetensors files, which carry no checksums
 
 
-def _round_up(nbytes: int, multiple: int) -> int:
-    return -(-nbytes // multiple) * multiple
-
-
-def memory_at(address: int, nbytes: int) -> memoryview:
-    """A writable byte view of raw memory (a tensor's data), for I/O without a copy."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     # Through the address, not .numpy(): that would mark a model's storage non-resizable.
-    return memory_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return buffer_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -85,11 +73,7 @@ def write_weights(
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``state_dict`` as a weight file at ``path``, atomically; returns the path.
-
-    The file appears whole or not at all: it is written to a temporary file in the same
-    directory, flushed to disk and renamed over ``path``.
-    """
+    """Write ``state_dict`` as a weight file at ``path``, atomically; returns the path."""
     target = Path(path)
     tensors: list[tuple[str, torch.Tensor]] = []
     for name, value in state_dict.items():
@@ -112,7 +96,7 @@ def write_weights(
             {"name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "crc32": crc}
         )
         relative.append(data_bytes)
-        data_bytes += _round_up(nbytes, ALIGN_BYTES)
+        data_bytes += round_up(nbytes, ALIGN_BYTES)
     # The header holds absolute offsets, whose digits depend on where the data starts, which
     # depends on the header's length: grow the data start until the header fits before it.
     data_start = ALIGN_BYTES
@@ -122,7 +106,7 @@ def write_weights(
         header = _header_json(entries, data_start, data_start + data_bytes, metadata)
         if _PREAMBLE.size + len(header) <= data_start:
             break
-        data_start = _round_up(_PREAMBLE.size + len(header), ALIGN_BYTES)
+        data_start = round_up(_PREAMBLE.size + len(header), ALIGN_BYTES)
     preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, zlib.crc32(header), len(header))
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -346,11 +330,7 @@ class WeightFile:
                     self.path, f"ended at byte {offset} while reading; {_FIX_REWRITE}"
                 )
             offset += got
-            while views and got >= len(views[0]):  # a short read: skip what was filled
-                got -= len(views[0])
-                views = views[1:]
-            if views and got:
-                views[0] = views[0][got:]
+            views = skip_filled(views, got)
 
     def check_crc(self, entry: TensorEntry, view: memoryview) -> None:
         """Raise ``WeightFileChecksumError`` unless ``view`` holds ``entry``'s bytes."""
