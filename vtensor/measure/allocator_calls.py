@@ -1,20 +1,13 @@
 """The call that makes the allocator serving torch hand back the freed memory it still keeps.
 
-Under the resident counter (NOTE [CPU counter] in ``measure/counter.py``) a step's growth is read
-against the resident pages at its entry, and a step can grow into pages the allocator freed but
-keeps for reuse without the reading moving (mimalloc keeps an emptied page per size class,
-jemalloc dirty pages until they decay). So before a step's entry reading the allocator is asked
-to hand back what it keeps:
+Under the resident counter (NOTE [CPU counter]) a step could grow into pages the allocator keeps
+without the reading moving, so before a step's entry reading the allocator hands them back:
 
-- mimalloc: ``mi_collect(true)``. Preloaded, it is an exported symbol. PyTorch's aarch64 wheels
-  link mimalloc into ``libc10`` with hidden symbols; their static symbol table still names it, so
-  its address is read there (``_local_function``) and checked to lie in libc10's code.
+- mimalloc: ``mi_collect(true)``, exported when preloaded; PyTorch's aarch64 wheels link it into
+  ``libc10`` with hidden symbols, so its address is read from the static symbol table and checked
+  to lie in libc10's code. ``purge_at_once`` sets its purge delay to 0 there.
 - jemalloc: ``mallctl("arena.4096.purge")`` (4096: every arena).
 - glibc: none is needed, the heap counter reads live bytes.
-
-Inside a step the allocator must hand freed pages back at once for the resident pages to follow
-the tensors (the counter's probe checks it). For the mimalloc inside libc10, which its users do
-not choose, ``purge_at_once`` sets that option, as ``MIMALLOC_PURGE_DELAY=0`` would at start.
 """
 
 import ctypes
@@ -39,10 +32,7 @@ _JEMALLOC_PURGE_ALL = b"arena.4096.purge"
 
 @functools.cache
 def allocator_collect() -> Callable[[], None] | None:
-    """The call that hands back the freed memory the allocator keeps; None where none is known.
-
-    Found once per process: reading libc10's symbol table is slow.
-    """
+    """The call that hands back the freed memory the allocator keeps; None where none is known."""
     process = ctypes.PyDLL(None)
     exported = getattr(process, "mi_collect", None)
     if exported is not None:
@@ -69,8 +59,7 @@ def _libc10() -> Path:
 def purge_at_once() -> bool:
     """Have the mimalloc inside libc10 hand freed pages back at once; whether it now does.
 
-    Left alone where the user set ``MIMALLOC_PURGE_DELAY``, and where the option does not read
-    its default (another mimalloc, whose options are numbered otherwise).
+    Left alone where the user set ``MIMALLOC_PURGE_DELAY`` or the option is not at its default.
     """
     if "MIMALLOC_PURGE_DELAY" in os.environ:
         return os.environ["MIMALLOC_PURGE_DELAY"].strip() == "0"
@@ -98,11 +87,7 @@ def _bool_call(address: int) -> Callable[[], None] | None:
 
 
 def _local_function(library: Path, name: bytes) -> int:
-    """The address of function ``name`` of the loaded ``library`` from its static symbol table.
-
-    0 where the library is not loaded, has no symbol table or no such function, or the address
-    falls outside its executable mappings.
-    """
+    """The address of function ``name`` of the loaded ``library`` from its symbol table; 0: none."""
     mappings = _mappings(library)
     if not mappings:
         return 0

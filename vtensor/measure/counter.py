@@ -1,25 +1,17 @@
 """Which counter measures a device's bytes: on CPU, glibc's heap or the resident pages.
 
 NOTE [CPU counter]
-The manager reads a step's bytes many times per iteration, so its CPU counter must be cheap and
-never read less than the tensors alive.
+The CPU counter is read many times per iteration: it must be cheap and never read less than the
+tensors alive. glibc's heap counter (``mallinfo2``) is exact but blind when torch allocates
+through another allocator; the anonymous resident pages (``/proc/self/statm``) work under any
+allocator and see pages released in place, but follow live bytes only where freed memory goes
+back at once; counting storages through torch (``measure/dispatch.py``) costs every op.
 
-- glibc's heap counter (``mallinfo2``): exact live bytes, but blind when torch allocates through
-  another allocator (jemalloc or mimalloc preloaded, or the mimalloc PyTorch's aarch64 wheels
-  link into ``libc10`` with hidden symbols).
-- the anonymous resident pages (``/proc/self/statm``): cheap, under any allocator, what the
-  kernel charges, and they see pages released in place; but they follow the live bytes only
-  where the allocator hands freed memory back at once, else a step grows into kept pages unseen.
-- live storages counted through torch (``measure/dispatch.py``): exact, but a cost on every op:
-  a check for tests, not a counter.
-
-So the heap counter is used where a torch allocation moves it; elsewhere the resident pages, once
-a probe shows that allocations raise them and frees lower them at once, and before each step's
-entry reading the allocator is asked to hand back the pages it keeps
-(``measure/allocator_calls.py``). Where neither holds the manager refuses to start
-(``UnmeasurableMemoryError``) and names the allocator's option that returns memory at once: a
-budget it cannot measure is one it cannot keep. The free space inside pages held for live small
-objects stays unseen; no call hands it back.
+So the heap counter is used where a torch allocation moves it; elsewhere the resident pages,
+once a probe shows allocations raise them and frees lower them at once, with the allocator's
+kept pages handed back before each step (``allocator_calls.py``). Where neither holds the manager
+refuses to start (``UnmeasurableMemoryError``), naming the allocator's option that returns memory
+at once: a budget it cannot measure is one it cannot keep.
 """
 
 import ctypes
@@ -90,7 +82,7 @@ def _mimalloc_version() -> int:
 def _moves(tracker: DeviceTracker, *, freed_too: bool) -> bool:
     """Whether allocating the probe raises the reading and, with ``freed_too``, freeing lowers it.
 
-    Lowered at once, without ``settle``: inside a step nothing settles.
+    At once, without ``settle``: inside a step nothing settles.
     """
     read = tracker.current_bytes
     for _ in range(PROBE_TRIES):

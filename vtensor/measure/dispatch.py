@@ -1,8 +1,6 @@
 """An independent check of device bytes: a dispatch mode that counts distinct live storages.
 
-``LiveStorageTracker`` does not depend on anything the manager does, so tests use it to check
-that the manager keeps its budget. Like any Python dispatch mode it adds a cost to every op:
-profiling and tests only.
+It depends on nothing the manager does; like any dispatch mode it costs every op: tests only.
 """
 
 import functools
@@ -41,17 +39,10 @@ def _on_device(device: torch.device, wanted: torch.device) -> bool:
 class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the bytes of distinct live storages on one device, independently of the manager.
 
-    Every tensor output by an op while the mode is active is counted once per storage (views share
-    their base's storage); tensors that already exist are counted once passed to ``track`` (or once
-    an op returns them). A storage leaves the count when it is freed. ``UntypedStorage.resize_``
-    calls made from Python while the mode is active are seen, so bytes the manager swaps out by
-    shrinking a storage leave the count too. On CPU, pages released in place (NOTE [release in
-    place] in ``io/pages.py``) are seen through the page tables (``mincore``): a storage counts
-    only its resident bytes (so fresh pages, of a ``torch.empty`` say, count once touched). That
-    check runs only when the count could make a new peak, so it costs little while the count
-    stays below it. Tensors made without an op (``torch.from_numpy``) are not seen until an op
-    returns them. Dispatch modes are per thread: ops run on other Python threads (a transfer
-    worker) are not seen, while their ``resize_`` calls and frees are.
+    Each storage an op outputs counts once until freed; older tensors count once passed to
+    ``track``. ``UntypedStorage.resize_`` from Python is seen, so shrunk storages leave the count.
+    On CPU a storage counts only its resident pages (``mincore``), asked only when the count
+    could make a new peak. Ops on other threads are not seen; their resizes and frees are.
 
     Usage::
 

@@ -16,11 +16,9 @@ class PeakSource(StrEnum):
 
 
 class IndependentPeak:
-    """Measures each iteration's independent peak, when asked to (``enabled``).
+    """Measures each iteration's independent peak, when ``enabled``.
 
-    Measuring resets process-wide high-water marks that other tools read (VmHWM through
-    ``/proc/self/clear_refs`` on CPU, ``torch.cuda``'s peak statistics on CUDA); disabled, it
-    touches nothing and every peak is None.
+    Measuring resets process-wide high-water marks other tools read; disabled, every peak is None.
     """
 
     def __init__(self, device: torch.device, *, enabled: bool, rss: bool = False) -> None:
@@ -59,11 +57,7 @@ class IndependentPeak:
     def peak(self, baseline_bytes: int, seen_peak_bytes: int) -> int | None:
         """The iteration's peak: ``baseline_bytes`` plus the rise of RSS (CPU) or CUDA's count.
 
-        On CUDA the rise is the allocator's high-water mark over its level at the start, as the
-        tracked readings count (``LiveBytes``).
-
-        ``seen_peak_bytes`` is the highest RSS a profiling iteration read per step (it resets
-        the high-water mark at every step and keeps the maximum).
+        ``seen_peak_bytes``: the highest RSS a profiling iteration read per step.
         """
         if not self.enabled:
             return None

@@ -26,9 +26,8 @@ def measure_state(
 ) -> StateShape:
     """Measure the state ``optimizer`` keeps per parameter of ``group``, on a 2-element proxy.
 
-    A twin optimizer of the same class and settings steps the proxy once. State tensors with as
-    many elements as the proxy scale with the parameter (momentum, Adam's moments); the others
-    (Adam's ``step``) are fixed. Whatever the twin raises propagates.
+    A twin optimizer steps the proxy once: state with the proxy's element count scales with the
+    parameter, the rest (Adam's ``step``) is fixed.
     """
     proxy = torch.zeros(2, dtype=dtype, requires_grad=True)
     make: Any = type(optimizer)
@@ -51,9 +50,7 @@ def pending_state_bytes(
 ) -> int:
     """Bytes of state ``optimizer`` will create at its next step for parameters without any.
 
-    Before its first step an optimizer holds no state, so an iteration's floor misses what every
-    later iteration holds; this is what it misses. ``shapes`` caches one measurement per group
-    and dtype (None: the optimizer could not be measured, counted as nothing).
+    ``shapes`` caches one measurement per group and dtype (None: not measurable, counted as 0).
     """
     pending = 0
     for index, group in enumerate(optimizer.param_groups):

@@ -1,8 +1,6 @@
 """Which bytes of a range are physically resident, asked of the kernel (``mincore``).
 
-The dispatch tracker uses it to see pages that were released in place (NOTE [release in place]
-in ``io/pages.py``) without asking the manager: it is an independent check, so it reads the
-page tables rather than the manager's own books.
+The dispatch tracker is an independent check, so it reads the page tables, not the manager's books.
 """
 
 import ctypes
@@ -21,8 +19,7 @@ _LOW_BIT = bytes(b & 1 for b in range(256))
 def absent_bytes(address: int, nbytes: int) -> int:
     """Bytes of the whole pages inside ``[address, address + nbytes)`` that are not resident.
 
-    Only pages strictly inside the range count, as only those can be released on their own; a
-    page the range shares with its neighbours is taken as resident.
+    A page the range shares with its neighbours is taken as resident.
 
     Raises:
         OSError: the range is not mapped memory of this process.

@@ -119,11 +119,7 @@ class RssMeter:
 
 
 def rss_is_honest() -> bool:
-    """Tells whether glibc was told to return freed memory, so RSS follows live bytes.
-
-    Reads the environment of this process, which glibc read at start-up: set the variables before
-    starting Python, not from inside it.
-    """
+    """Whether glibc was told at start-up to return freed memory, so RSS follows live bytes."""
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     if threshold is not None and threshold.isdigit() and int(threshold) <= 65536:
         return True

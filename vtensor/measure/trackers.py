@@ -1,16 +1,11 @@
 """The manager's own byte counters: on CPU glibc's heap or the resident pages, on GPU CUDA's.
 
-On CPU they count every allocation of the process, not only tensors, and are read at hook points
-and chunk moves. Which CPU counter a manager reads is decided once per process (NOTE [CPU
-counter] in ``measure/counter.py``); a heap reading (``mallinfo2()``) walks every free chunk of
-the process's heap, so its cost grows with the process, while a resident reading stays cheap.
-The independent checks are ``measure/dispatch.py`` and ``measure/rss.py``.
+On CPU they count every allocation of the process, not only tensors (NOTE [CPU counter]).
 
 NOTE [readings hold the GIL]
-The counters are read through ``ctypes.PyDLL``, which keeps the GIL during the call, not
-``ctypes.CDLL``, which gives it up: taking it back while another thread runs Python can wait a
-whole switch interval (5 ms by default) per reading. The calls block on nothing but the
-allocator's own locks, so holding the GIL costs the other threads no more than the reading.
+The counters are read through ``ctypes.PyDLL``, which keeps the GIL during the call: taking it
+back after ``ctypes.CDLL`` gave it up can wait a whole switch interval (5 ms) per reading while
+another thread runs Python. The calls block on nothing but the allocator's own locks.
 """
 
 import ctypes
@@ -72,11 +67,9 @@ class _MallInfo2(ctypes.Structure):
 
 def _mkl_pool_reader() -> Callable[[], int] | None:
     """Bytes held by MKL's memory manager now (NOTE [MKL buffer pool]); None without MKL."""
-    # NOTE [MKL buffer pool]: MKL's GEMM (torch's CPU matmul) mallocs its packing buffers inside
-    # the first GEMM that needs them and keeps them for the life of the process. Left in the
-    # count, the first iteration of a process (or of a new GEMM shape) would see them as the
-    # step's growth and refuse budgets every later iteration meets. So the tracker leaves them
-    # out and reports them apart (``pool_bytes``, the report's ``one_time_bytes``).
+    # NOTE [MKL buffer pool]: MKL's GEMM mallocs packing buffers in the first GEMM that needs
+    # them and keeps them for the process's life; counted, a first iteration would see them as a
+    # step's growth. So they are left out and reported apart (``pool_bytes``).
     libraries: list[str | None] = [None]
     torch_cpu = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"  # MKL linked statically
     if torch_cpu.exists():
@@ -103,12 +96,7 @@ def _mkl_pool_reader() -> Callable[[], int] | None:
 
 
 class MallocTracker:
-    """Live heap bytes of this process from glibc ``mallinfo2()`` (in-use chunks + mmapped blocks).
-
-    Counts every malloc user, not only tensors, except MKL's buffer pool (NOTE [MKL buffer
-    pool]); use differences between two calls. Blind where torch allocates through another
-    allocator (NOTE [CPU counter] in ``measure/counter.py``).
-    """
+    """Live heap bytes of this process from glibc ``mallinfo2()``, less MKL's buffer pool."""
 
     counts_released_pages = False  # a released page is still allocated for the heap
 
@@ -127,10 +115,7 @@ class MallocTracker:
         self._mkl_pool = _mkl_pool_reader()
 
     def current_bytes(self) -> int:
-        """Returns the bytes in heap chunks plus mmapped blocks, over all arenas, less MKL's pool.
-
-        The pool is process memory that no step owns (NOTE [MKL buffer pool]).
-        """
+        """Returns the bytes in heap chunks plus mmapped blocks, less MKL's pool."""
         info = self._mallinfo2()
         heap = int(info.uordblks + info.hblkhd)
         if self._mkl_pool is not None:
@@ -148,9 +133,8 @@ class MallocTracker:
 class ResidentTracker:
     """Anonymous resident bytes of this process, less MKL's buffer pool (NOTE [CPU counter]).
 
-    ``/proc/self/statm``'s resident pages less its shared ones (file-backed and shared memory):
-    what the process's own allocations hold in RAM, under any allocator. Honest only where the
-    allocator hands freed memory back at once, which ``measure/counter.py`` checks first.
+    ``/proc/self/statm``'s resident less shared pages; honest only where the allocator hands
+    freed memory back at once, which ``cpu_counter`` checks first.
     """
 
     counts_released_pages = True  # a page released in place leaves the resident set at once
@@ -188,10 +172,7 @@ class ResidentTracker:
         return self._mkl_pool() if self._mkl_pool is not None else 0
 
     def settle(self) -> None:
-        """Have the allocator hand back the freed pages it keeps (``measure/allocator_calls.py``).
-
-        A step could grow into them without the resident pages moving.
-        """
+        """Have the allocator hand back the freed pages a step could grow into unseen."""
         if self._collect is not None:
             self._collect()
 
@@ -201,10 +182,7 @@ class ResidentTracker:
 
 
 class CudaTracker:
-    """Bytes held by tensors on one CUDA device, from the caching allocator's own statistics.
-
-    Counts tensor bytes (rounded up to the allocator's 512 B blocks), not reserved segments.
-    """
+    """Bytes held by tensors on one CUDA device (not reserved segments), from the allocator."""
 
     counts_released_pages = False  # device memory is never released in place
 
@@ -221,12 +199,7 @@ class CudaTracker:
         self.device = torch.device("cuda", index)
 
     def current_bytes(self) -> int:
-        """Returns the bytes currently allocated to tensors on the device.
-
-        ``torch.cuda.memory_allocated``'s figure, read from the allocator's nested statistics:
-        that function flattens and sorts every statistic into string keys for each call, and a
-        full replay or a profile reads at every hook point.
-        """
+        """``torch.cuda.memory_allocated``, without its flattening of every statistic per call."""
         return _allocated(self.device, "current")
 
     def pool_bytes(self) -> int:
@@ -254,9 +227,8 @@ def _allocated(device: torch.device, which: str) -> int:
 @contextmanager
 def quiet_heap() -> Iterator[None]:
     """Hold the cycle collector for the block (NOTE [quiet heap])."""
-    # NOTE [quiet heap]: on CPU the tracker reads the process-wide heap counter, so garbage of
-    # other code freed by the cycle collector mid-step would look like the step freeing memory.
-    # Hold the collector until the step ends (a full collection per step would be costly).
+    # NOTE [quiet heap]: the CPU counter is process-wide, so other code's garbage collected
+    # mid-step would look like the step freeing memory; a collection per step would be costly.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
