@@ -2,18 +2,13 @@
 
 NOTE [budget forms]
 - bytes (``268435456``, ``"256MiB"``): used as given.
-- ``"N%"``: N % of the unmanaged peak of this model and batch, read from the profiled trace, which
-  knows every saved tensor's life, so no unmanaged iteration (which may not fit) is needed. The
-  first iteration profiles under what the device can give (``"auto"``); the budget holds from
-  the second on.
-- ``"auto"``: what the device can give this process now (``device_budget``): on CPU the cgroup's
-  limit less the cgroup's usage where a limit is set, else ``MemAvailable``; on CUDA the free
-  device memory. ``AUTO_MARGIN`` of it is left for what no counter of the step sees (the
-  allocator's slack, other threads, the page cache the swap file goes through), and the tensors
-  the process already holds at the first step are added: they count in the budget but are not
-  free memory.
+- ``"N%"``: N % of the unmanaged peak, read from the profiled trace (no unmanaged iteration,
+  which may not fit, is needed); the first iteration profiles under ``"auto"``.
+- ``"auto"``: what the device can give now: on CPU the cgroup's limit less its usage, else
+  ``MemAvailable``; on CUDA the free device memory. ``AUTO_MARGIN`` of it is left for what no
+  counter sees, and the tensors the process already holds are added.
 A share of the peak is rounded down to a power-of-two quantum of at most 1/128 of it, so that
-processes whose peaks differ by a few KiB agree on one budget, and so share one cached plan.
+processes whose peaks differ by a few KiB share one cached plan.
 """
 
 import math
@@ -67,11 +62,7 @@ class DeviceMemory:
 
 
 def parse_budget(value: int | float | str, *, what: str = "budget") -> BudgetSpec:
-    """Parse any budget form (NOTE [budget forms]).
-
-    Raises:
-        BudgetFormatError: the value is none of the forms; the message lists them.
-    """
+    """Parse any budget form (NOTE [budget forms]); ``BudgetFormatError`` lists them."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return BudgetSpec(BudgetKind.DEVICE)
     if isinstance(value, str) and value.strip().endswith("%"):
@@ -115,7 +106,7 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
 def device_budget(device: torch.device, held_bytes: int) -> tuple[int, str] | None:
     """The ``"auto"`` budget: free memory less ``AUTO_MARGIN``, plus ``held_bytes`` already held.
 
-    Returns the bytes and a line saying where they came from; None where nothing can be read.
+    Returns the bytes and where they came from; None where nothing can be read.
     """
     memory = device_memory(device)
     if memory is None or memory.free_bytes <= 0:

@@ -2,17 +2,12 @@
 
 NOTE [mask encoding]
 ``nn.Hardtanh`` and ``nn.ReLU6`` save their input, yet backward needs only whether each element
-lay strictly inside the bounds, and the output tells the same (inside passes unchanged, at or
-beyond a bound becomes the bound, NaN stays NaN): ``aten.hardtanh_backward`` given the output
-returns every gradient bit for bit. The next layer usually saves that output anyway, so saving
-it instead of the input (``MaskedHardtanh``, as ``nn.ReLU`` does) stores one tensor where there
-were two, at the cost of one ``autograd.Function`` call. When a plan decides it (``"auto"``),
-``Plan.encoded`` records the choice.
-
-Encoded only where exact: a floating-point input that requires grad, a module of exactly those
-types, out of place, with an unpatched forward. Given up: an in-place change to the output
-before the clamp's backward raises (naming the module, suggesting ``encode_masks=False``), and
-one to the input goes unseen. Functional ``F.relu6`` calls are not encoded.
+lay strictly inside the bounds, which the output tells too: ``aten.hardtanh_backward`` given the
+output returns every gradient bit for bit. The next layer usually saves that output anyway, so
+saving it instead (``MaskedHardtanh``, as ``nn.ReLU`` does) stores one tensor where there were
+two. Encoded only where exact: a floating-point input that requires grad, a module of exactly
+those types, out of place, with an unpatched forward. An in-place change to the output before
+the clamp's backward raises; functional ``F.relu6`` calls are not encoded.
 """
 
 import contextlib
@@ -91,8 +86,7 @@ def masks_encoded(
 ) -> Iterator[int]:
     """For one step, run each of ``modules`` that may be encoded through ``MaskedHardtanh``.
 
-    ``modules``: ``ModelScan.maskable``; ``names``: by ``id``, for errors. A module of another
-    exact type, in place, or already patched keeps its forward. Yields how many were wrapped.
+    ``names``: by ``id``, for errors. Yields how many were wrapped.
     """
     wrapped: list[nn.Module] = []
     try:

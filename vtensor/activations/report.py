@@ -36,15 +36,10 @@ class StepStats:
     """What happened during one step.
 
     Attributes:
-        index: position in execution order.
         name: ``forward:<module>``, ``backward:<module>`` or ``other:<what>``.
-        phase: forward, backward or other.
-        duration_s: wall time of the step.
         peak_device_bytes: largest tracked device bytes sampled during the step.
-        bytes_out: bytes whose eviction completed during the step.
-        bytes_in: bytes whose restore completed during the step.
-        transfer_s: time the transfers completed in this step spent copying.
-        stall_s: time compute waited on transfers during the step.
+        bytes_out, bytes_in: bytes whose eviction or restore completed during the step.
+        transfer_s, stall_s: time those transfers spent copying, and compute waited on them.
     """
 
     index: int
@@ -65,35 +60,23 @@ class IterationReport:
     Attributes:
         iteration: 0 for the first managed iteration.
         policy: "planned" (a plan was replayed to the end) or "reactive".
-        granularity: "chunk" or "tensor".
         plan_source: where the swap decisions came from (:class:`PlanSource`).
-        device: "cpu" or "cuda".
-        budget_bytes: the budget.
-        chunk_bytes: chunk size (None at tensor granularity).
-        peak_device_bytes: tracked peak: the state at entry plus the allocator count's growth
-            (mallinfo2 on CPU, ``torch.cuda.memory_allocated``), sampled at every hook point.
+        peak_device_bytes: tracked peak: the state at entry plus the allocator count's growth,
+            sampled at every hook point.
         peak_independent_bytes: baseline plus the growth of peak RSS (CPU) or
             ``torch.cuda.max_memory_allocated``; None unless ``measure_peaks``.
-        independent_kind: how the independent figure was measured (None: not measured).
         min_budget_bytes: the smallest budget that would have worked for this iteration.
-        bytes_out: bytes moved to the slower tier.
-        bytes_in: bytes moved back.
-        transfer_s: time spent copying.
+        bytes_out, bytes_in: bytes moved to the slower tier and back.
         stall_s: time compute waited on transfers.
-        wall_s: wall time of the iteration.
-        steps: per-step statistics.
-        predicted_peak_bytes: the plan's predicted peak (None without a plan).
-        predicted_stall_s: the plan's predicted stall (None without a plan).
-        planning_s: time spent planning after this iteration.
-        cache_load_s: time spent loading the plan from the cache before it.
+        predicted_peak_bytes, predicted_stall_s: the plan's (None without a plan).
+        planning_s, cache_load_s: time spent planning after it, loading the plan before it.
         copied_bytes: resident prefixes copied by ``resize_`` on the copy path (CUDA, shared
-            memory); 0 where chunks are released in place (NOTE [release in place]).
-        one_time_bytes: non-tensor process memory the iteration kept for good (NOTE [MKL buffer
-            pool] in ``measure/trackers.py``), outside the tracked bytes and the budget.
+            memory).
+        one_time_bytes: non-tensor memory kept for good (NOTE [MKL buffer pool]), outside the
+            budget.
         recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
-        lean: checked at watched boundaries only (NOTE [lean replay]): ``peak_device_bytes``
-            is the highest boundary reading, ``steps`` is empty, ``min_budget_bytes`` the
-            profiled iteration's.
+        lean: checked at watched boundaries only (NOTE [lean replay]): ``steps`` is empty and
+            ``min_budget_bytes`` the profiled iteration's.
     """
 
     iteration: int

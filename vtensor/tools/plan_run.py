@@ -66,22 +66,12 @@ class Outcome:
     """What ``plan`` measured and planned.
 
     Attributes:
-        unmanaged_peak_bytes: the unmanaged peak the budget's fraction is of: the 1 TiB step's,
-            with the optimizer state its update creates (``MemoryManager.unmanaged_peak_bytes``).
-        unmanaged: the report of the step at a 1 TiB budget (nothing moves).
-        unmanaged_trace: its trace.
-        plain_step_s: seconds of a plain training step (no manager) in this process, after the
-            first (``warm_median``); the plain steps take turns with the managed ones.
-        budget_bytes: the budget of the managed run.
-        min_budget_bytes: the manager's stated minimum: the error's where the budget broke,
-            else the last iteration's report's (NOTE [minimum budget]).
-        managed: the reports of the managed iterations.
-        managed_step_s: seconds of each managed training step, timed as the plain ones.
-        param_bytes_moved: bytes each managed step's offloaded parameter side moved, both ways
-            (the reports count the activations').
-        trace: the trace the manager profiled at the budget (None if a cached plan ran).
-        plan: the plan the manager replays (None if it has none).
-        params_offloaded: the manager offloaded the parameters, gradients and optimizer state.
+        unmanaged_peak_bytes: the 1 TiB step's peak, with the optimizer state its update creates.
+        unmanaged, unmanaged_trace: the report and trace of the step at a 1 TiB budget.
+        plain_step_s: median seconds of a plain step, taking turns with the managed ones.
+        min_budget_bytes: the manager's stated minimum (NOTE [minimum budget]).
+        param_bytes_moved: bytes each managed step's parameter side moved, both ways.
+        trace, plan: what the manager profiled and replays (None: a cached plan, or no plan).
         weights_identical: managed and plain training ended with bit-identical weights.
         failure: why the managed run stopped early (an infeasible budget), None if it did not.
     """
@@ -212,10 +202,9 @@ def _train_managed(
     progress: Progress,
     between: Callable[[], None],
 ) -> tuple[list[float], list[int], InfeasibleBudgetError | None]:
-    """Train under ``mm`` until it breaks the budget, calling ``between`` between steps.
+    """Train under ``mm`` until it breaks the budget.
 
-    Returns:
-        Each step's seconds, the bytes its parameter side moved, and why it stopped (or None).
+    Returns each step's seconds, its parameter bytes moved, and why it stopped (or None).
     """
     seconds: list[float] = []
     param_moved: list[int] = []

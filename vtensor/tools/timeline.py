@@ -1,10 +1,7 @@
 """Plot of device bytes and swap traffic per step of managed iterations, written as a PNG.
 
-One line per run against the budget, the phases shaded, the planner's prediction where a plan
-and its trace are given, and below, the bytes each run moved out (up) and in (down) per step. A
-lean replay keeps no per-step statistics (NOTE [lean replay]): its line is its peak, flat across
-the iteration.
-matplotlib is imported only to draw, so the rest of vtensor does not need it.
+A lean replay keeps no per-step statistics: its line is its peak, flat. matplotlib is imported
+only to draw, so the rest of vtensor does not need it.
 """
 
 from collections.abc import Mapping, Sequence
@@ -44,16 +41,12 @@ def plot_timeline(
     """Write a PNG of device bytes per step for each run, with the budget and swap traffic.
 
     Args:
-        runs: label -> report of one iteration; each becomes a line (MiB per step; a lean
-            replay's peak, flat).
+        runs: label -> report of one iteration; each becomes a line.
         budget_bytes: drawn as a horizontal line.
         path: where the PNG goes (parent directories are created).
         trace: the profiled iteration the plan was made from.
         plan: its plan; with both, the predicted bytes per step are drawn dashed.
-        title: figure title, e.g. the model and the budget.
-
-    Returns:
-        The path written.
+        title: figure title.
 
     Raises:
         ValueError: ``runs`` is empty.

@@ -56,11 +56,9 @@ ZOO_GROUP = "vtensor.model_zoo"
 def _zoo_factory(
     name: str, batch_shape: tuple[int, ...], vocab: int | None
 ) -> Callable[[], object]:
-    """The builder of ``name`` from the first installed zoo that has it.
+    """The builder of ``name`` from the first installed zoo (entry points ``vtensor.model_zoo``).
 
-    A zoo is an entry point of group ``vtensor.model_zoo`` (edgefl installs one): ``(name,
-    batch_shape, vocab) -> builder``, raising ``LookupError`` for an unknown name and
-    ``ValueError`` for a shape its models cannot take.
+    A zoo is ``(name, batch_shape, vocab) -> builder``, raising ``LookupError`` or ``ValueError``.
     """
     zoos = sorted(importlib.metadata.entry_points(group=ZOO_GROUP), key=lambda e: e.name)
     if not zoos:

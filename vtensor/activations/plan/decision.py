@@ -1,18 +1,16 @@
 """Where an iteration's plan comes from: one decision per input signature, or the plan cache.
 
 NOTE [one decision]
-A signature's plan is decided once, in at most three iterations, from one calibrated model
-(NOTE [calibrated model] in ``planner/costs.py``):
+A signature's plan is decided once, in at most three iterations, from one calibrated model:
 
-1. PROFILE: run the reactive policy and record (with ``recompute``, also the units safe to
-   recompute). Its transfers calibrate the bandwidths; the option of least predicted step wins
-   (swap only, or a recomputation). With ``encode_masks="auto"`` clamps encode where bytes move.
+1. PROFILE: run the reactive policy and record. Its transfers calibrate the bandwidths; the
+   option of least predicted step wins (swap only, or a recomputation).
 2. REPROFILE, only if the choice recomputes or newly encodes: plan from what that really holds.
 3. VALIDATE: replay in full. If the guard moved bytes or the step missed its prediction, correct
-   the per-byte cost and plan once more from the profiles; the least predicted stands.
+   the per-byte cost and plan once more; the least predicted stands.
 
-The plan cache, the only state processes share, holds each plan from its first replay, and
-marks those proven to replay lean. A replay that leaves its plan is profiled again.
+The plan cache holds each plan from its first replay and marks those proven to replay lean. A
+replay that leaves its plan is profiled again.
 """
 
 import dataclasses
@@ -61,14 +59,10 @@ class Decision:
     """One signature's decision so far; each stage makes a new one.
 
     Attributes:
-        stage: what its next iteration does.
         plan: the plan to replay (None: none fits; the reactive policy runs).
         profiles: what the plan may be made again from: the first, then the reprofile's.
-        choice: what the reprofile recomputes, and whether it encodes.
-        encode: what the reprofile's clamps do.
-        predicted_s: the step the model predicts for ``plan``.
+        choice, encode: what the reprofile recomputes, and whether its clamps encode.
         lean: a full replay of ``plan`` needed no guard (NOTE [lean replay]).
-        cached: ``plan`` came from the plan cache.
         maskable: the model has clamps to encode (NOTE [mask encoding]).
     """
 
@@ -86,15 +80,7 @@ class Decision:
 class PlanBook:
     """Decides a plan per input signature (NOTE [one decision]) and keeps it in the cache.
 
-    Args:
-        budget_bytes: the budget plans are made for.
-        chunk_bytes: chunk size (None: tensor granularity).
-        cache_dir: plan cache directory shared by processes (None: no cache).
-        planned: False to run the reactive policy only.
-        count_workspaces: plans budget op workspaces.
-        recompute: plans may recompute modules as well as swap (NOTE [hybrid plan]).
-        encode_masks: iterations save clamps' inputs as bits (NOTE [mask encoding]); ``"auto"``:
-            where the plan would move bytes.
+    ``planned``: False runs the reactive policy only; the other settings are the manager's.
     """
 
     def __init__(
@@ -195,8 +181,7 @@ class PlanBook:
     def excuse(self, chosen: IterationPlan, was_lean: bool) -> bool:
         """An iteration broke the budget: whether it is excused (else the budget is infeasible).
 
-        A lean replay's plan is profiled again (NOTE [lean replay]); a recomputation that broke
-        it is dropped. Their gradients are right, only their peak was not.
+        A lean replay's plan is profiled again; a recomputation that broke it is dropped.
         """
         decision = self._decisions.get(chosen.signature)
         if decision is None:
@@ -229,10 +214,7 @@ class PlanBook:
     ) -> PlanSource:
         """Take the decision's next stage from a finished iteration; its source to report.
 
-        ``reserve_bytes`` (largest growth between hook points) and ``min_budget_bytes`` travel
-        with the plan; ``guard_bytes``: evicted beyond the plan; ``state_to_come_bytes``: state
-        its update makes (NOTE [state to come]); ``moved``: its transfers; ``excused``: ``excuse``
-        took its decision back.
+        ``guard_bytes``: evicted beyond the plan; ``state_to_come_bytes``: NOTE [state to come].
         """
         decision = self._decisions.get(chosen.signature)
         if excused:

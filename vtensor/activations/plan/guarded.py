@@ -24,23 +24,16 @@ def plan_within_guard(
     *,
     costs: Costs = DEFAULT_COSTS,
 ) -> Plan | None:
-    """The plan of ``trace`` under ``budget_bytes`` that leaves the guard its headroom.
+    """The plan of ``trace`` under ``budget_bytes`` that leaves the guard its headroom; None: none.
 
-    None if there is none. ``min_budget_bytes`` (the profiled iteration's stated minimum) and
-    ``reserve_bytes`` travel with the plan.
+    NOTE [plan within the guard]: the plan leaves the guard its headroom (NOTE [planned
+    headroom]), so every byte moved is the plan's; where infeasible it fills the whole budget.
+    ``margin_bytes`` more are left where a validating replay saw the guard act.
 
-    NOTE [plan within the guard]: the plan leaves the guard its headroom free (NOTE [planned
-    headroom] in ``planner/reserves.py``), so the guard moves nothing of its own and every byte
-    moved is the plan's. Where that is infeasible the plan fills the whole budget. First
-    ``margin_bytes`` more are left free, where a validating replay saw the guard act (NOTE [one
-    decision]).
-
-    NOTE [floor over the budget]
-    A step's modelled floor (its largest unmanaged bytes plus every tensor it uses) can exceed
-    what it really needed, since its unmanaged peak and its tensors' uses need not coincide.
-    Where the iteration's stated minimum fits the budget, such steps are planned at their floor,
-    the rest at the budget, and the guard keeps the budget at run time; refusing would leave the
-    much slower reactive policy. Such a plan is never replayed lean.
+    NOTE [floor over the budget]: a step's modelled floor can exceed what it really needed (its
+    unmanaged peak and its tensors' uses need not coincide). Where the stated minimum fits the
+    budget, such steps are planned at their floor and the guard keeps the budget at run time;
+    refusing would leave the much slower reactive policy. Such a plan never replays lean.
     """
     plan: Plan | None = None
     joint = any(t.kind is not TensorKind.ACTIVATION for t in trace.tensors)

@@ -13,10 +13,8 @@ from vtensor.planner.trace import Trace
 class Recomputation:
     """The modules an iteration recomputes (NOTE [recompute]).
 
-    Attributes:
-        names: the modules recomputed, sorted.
-        regrowth: per module, the bytes its recomputation brings back at once (NOTE
-            [recomputed growth]): a profile must make room for them unplanned.
+    ``regrowth``: per module, the bytes its recomputation brings back at once (NOTE
+    [recomputed growth]), for which a profile makes room unplanned.
     """
 
     names: tuple[str, ...] = ()
@@ -38,15 +36,9 @@ class IterationPlan:
 
     Attributes:
         signature: the plan key's digest ("" without planning).
-        source: where its decisions come from.
         executor: the plan it replays (None: it runs the reactive policy).
-        record_trace: it is profiled.
-        key: the plan key (None without planning).
         recomputation: what it recomputes while profiled (a replay's come from its plan).
         find_units: the profile records which modules could be recomputed.
-        encode: clamps save bits (NOTE [mask encoding]).
-        lean: the plan replays lean (NOTE [lean replay]).
-        cache_load_s: seconds the plan took to load from the cache.
     """
 
     signature: str

@@ -2,13 +2,10 @@
 
 NOTE [recompute]
 A recomputed module saves only its inputs; backward runs its forward again right before it needs
-what it saved. The mechanism is torch's non-reentrant checkpointing with the RNG state preserved
-(dropout masks repeat), wrapped around ``forward`` for the managed step only; its saved-tensor
-hooks sit inside the manager's. Two things checkpointing leaves to its caller are done here: the
-manager's module hooks ignore the recomputed forward (``target.recomputing``), and the module's
-buffers are put back afterwards (BatchNorm would update its statistics twice). The plan chooses
-the modules (``Plan.recompute``) among those the profile found safe (NOTE [safe to recompute] in
-``activations/recompute/profile/units.py``).
+what it saved, through torch's non-reentrant checkpointing with the RNG state preserved, for the
+managed step only. Done here beyond checkpointing: the manager's module hooks ignore the
+recomputed forward, and the module's buffers are put back afterwards (BatchNorm would update its
+statistics twice). The plan chooses among the modules the profile found safe.
 """
 
 import contextlib
@@ -80,11 +77,7 @@ def recompute_modules(
 ) -> Iterator[None]:
     """Wrap the forward of each named module of ``model`` in checkpointing, for one step.
 
-    ``regrowth``: the bytes each recomputation brings back at once, for a host with no plan to
-    place them (NOTE [recomputed growth] in ``activations/runtime/policy.py``).
-
-    Raises:
-        VTensorError: a name is not a module of ``model``.
+    ``regrowth``: the bytes each recomputation brings back at once (NOTE [recomputed growth]).
     """
     # By path, not by walking every module: this runs at every replay.
     modules: dict[str, nn.Module] = {}
@@ -161,12 +154,9 @@ class CallSnapshot:
 
     NOTE [call snapshot]
     Checkpointing hands a forward's tensors back one by one: a tensor passed twice comes back as
-    two objects, and a container the caller changed after the call is seen as it is then. Both
-    change the result silently (``nn.MultiheadAttention`` takes another path when ``query is
-    key``; a DenseNet layer would concatenate features appended later). So the arguments are
-    flattened at the call (pytree), each distinct tensor handed over once, and a recomputation
-    rebuilds them: the same object wherever the call repeated one, in new containers as they
-    were at the call. The forward itself runs on the caller's own arguments.
+    two objects, and a container changed after the call is seen as it is then; both change the
+    result silently (``nn.MultiheadAttention`` when ``query is key``). So the arguments are
+    flattened at the call, each distinct tensor handed over once, and rebuilt as they were.
     """
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -8,13 +8,9 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class Admission:
-    """Admits a saved tensor to the manager.
+    """Admits a saved tensor to the manager: on the device, not protected, not too small.
 
-    Args:
-        device: the managed device; tensors elsewhere are left to autograd.
-        protected_storages: storages of the model and optimizer (parameters, buffers, state),
-            which the manager never moves.
-        min_tensor_bytes: smaller storages are not worth a vTensor.
+    ``protected_storages``: the model's and optimizer's, which the manager never moves.
     """
 
     def __init__(

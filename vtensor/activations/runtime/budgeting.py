@@ -29,11 +29,7 @@ class ManagerBudget:
         self.unmanaged_peak_bytes: int | None = None
 
     def resolve_device(self, device: torch.device, held_bytes: int) -> None:
-        """``"auto"``, or what a share's first step runs under, from what ``device`` can give.
-
-        Raises:
-            BudgetFormatError: nothing says how much memory the device can give.
-        """
+        """``"auto"``, or what a share's first step runs under, from what ``device`` can give."""
         resolved = device_budget(device, held_bytes)
         if resolved is None:
             raise BudgetFormatError(

@@ -133,14 +133,6 @@ def _check_version(saved: torch.Tensor, version: int) -> None:
         )
 
 
-class Removable(Protocol):
-    """A hook registration that can be undone."""
-
-    def remove(self) -> None:
-        """Undo the registration."""
-        ...
-
-
 _SAMPLED_KEY = "vtensor.node_sampler"  # see NOTE [sampled nodes]
 _BOUNDARY_KEY = "vtensor.boundary"
 
@@ -148,19 +140,15 @@ _BOUNDARY_KEY = "vtensor.boundary"
 class _NodeSampler:
     """Post-hooks on the backward nodes of the step's graph, so the tracker samples their peak.
 
-    NOTE [node peaks]: a backward node holds its incoming gradients, its saved tensors and the
-    gradients it computed at once, and the engine frees the first two before the next hook
-    point, so sampling at hook points alone misses the iteration's largest working set. A node
-    post-hook runs before that release. AccumulateGrad nodes get none: a post-hook would keep the
-    incoming gradient referenced, making AccumulateGrad copy it instead of stealing it.
+    NOTE [node peaks]: a backward node holds its incoming gradients, saved tensors and outputs
+    at once, freed before the next hook point; a post-hook samples before that. AccumulateGrad
+    gets none: it would keep the incoming gradient referenced and make it copied, not stolen.
     """
 
     def __init__(self, target: HookTarget) -> None:
         self.target = target
-        # NOTE [sampled nodes]: a hooked node is marked in its own metadata with this step's
-        # token, not kept in a set: freed nodes' ids are reused (leaving subgraphs unhooked),
-        # and holding the nodes would keep alive the saved tensors of graphs backward never
-        # runs, such as the forward checkpointing recomputes inside backward.
+        # NOTE [sampled nodes]: a hooked node is marked in its own metadata, not kept in a set:
+        # freed nodes' ids are reused, and holding nodes would keep alive graphs never run.
         self._token = object()
         self._handles: list[RemovableHandle] = []
 
@@ -249,11 +237,7 @@ def install_module_hooks(
 ) -> ModuleHooks:
     """Mark forward and backward step boundaries of every module of a model.
 
-    ``names``: each module's step name by ``id`` (``ModelScan.names``). Torch's global module
-    hooks cost two registrations per step and leave nothing on the model. Backward boundaries
-    are pre-hooks on the autograd nodes of module outputs: full backward hooks would wrap the
-    outputs and break in-place modules such as ``ReLU(inplace=True)``. With ``sample_nodes``,
-    backward nodes also sample the tracked bytes (NOTE [node peaks]). A recomputation's forward
-    makes no steps.
+    Global module hooks leave nothing on the model. Backward boundaries are pre-hooks on the
+    output nodes: full backward hooks would wrap the outputs and break in-place modules.
     """
     return ModuleHooks(names, target, sample_nodes)

@@ -258,11 +258,9 @@ class Iteration:
         self.enforce(live_hint=live if same else None)
 
     def after_node(self) -> None:
-        """Sample a backward node's working set (NOTE [node peaks] in ``runtime/hooks.py``).
+        """Sample a backward node's working set (NOTE [node peaks]); no eviction: it is allocated.
 
-        No eviction here: the node's bytes are already allocated. The growth since the last hook
-        point is headroom the policy must keep; the floor is judged against what was evictable
-        at the previous point, which could have made room.
+        The growth since the last hook point is headroom the policy must keep.
         """
         if self._open is not None:
             self._open.node_ended = True
@@ -297,9 +295,8 @@ class Iteration:
     ) -> None:
         """Keep tracked device bytes (plus ``incoming_bytes`` about to arrive) under the budget.
 
-        ``pinned``: the vTensor about to be used, neither evicted nor counted as evictable.
-        ``judge=False`` makes room without recording feasibility. ``live_hint``: a reading still
-        valid while nothing moves (NOTE [reused readings]).
+        ``pinned``: the vTensor about to be used; ``judge=False``: no feasibility recorded;
+        ``live_hint``: a reading still valid (NOTE [reused readings]).
         """
         # NOTE [deterministic reaping]: wait here unless replaying.
         replaying = self.executor is not None and self.executor.active

@@ -10,8 +10,7 @@ from vtensor.measure.trackers import DeviceTracker
 class LiveBytes:
     """Reads the tracked bytes of one iteration and the growth between two readings.
 
-    The counters are process-wide (heap on CPU, every tensor on the device on CUDA), so the
-    growth since entry is counted on top of ``baseline_bytes``, the tensors known at entry.
+    The counters are process-wide, so the growth since entry counts on top of ``baseline_bytes``.
     """
 
     def __init__(
@@ -66,9 +65,8 @@ class LiveBytes:
     def rise(self, live: int) -> int:
         """How far the model's allocations took ``live`` above the guard's last reading.
 
-        Parameter reads, restores and recomputations are the plan's to place: left out.
-        Completed evictions are added back, since their timing depends on the disk (NOTE [gross
-        rise] in ``planner/reserves.py``).
+        The plan's own reads, restores and recomputations are left out; completed evictions are
+        added back (NOTE [gross rise]).
         """
         level, params, restored, recomputed, evicted = self._mark
         announced = max(0, self._param_bytes() - params) + recomputed

@@ -20,27 +20,21 @@ def prefetch_order(records: list[VTensor], before_vid: int) -> list[VTensor]:
 
 
 # NOTE [deterministic reaping]: while profiling or reacting, every eviction started before a hook
-# point completes at that point (``Iteration.enforce``), so the trace and the plan depend on the
-# sequence of hook events, not on disk speed. While a plan is replayed, writes in flight run on
-# (their bytes count as live) and are waited for only when the headroom needs them, so they
-# overlap compute. Restores are never waited for there: their bytes are allocated at their start.
+# point completes there, so the trace depends on hook events, not disk speed. While a plan is
+# replayed, writes run on (counted live) and are waited for only when the headroom needs them.
 
 
 class ReactivePolicy:
     """Keeps the tracked device bytes under a budget by evicting exactly the deficit.
 
     NOTE [reactive watermarks]
-    Hooks see a tensor only after its op allocated it, so the policy keeps a ``reserve`` of
-    headroom: the largest growth seen between two enforcement points. Above ``budget - reserve``
-    it frees bytes and blocks on the writes; above ``budget - 2 * reserve`` it starts writes
-    early without waiting, to overlap compute. Evictions cover the deficit in whole chunks, from
-    the victims' tails.
+    Hooks see a tensor only after its op allocated it, so the policy keeps a ``reserve``: the
+    largest growth seen between two enforcement points. Above ``budget - reserve`` it evicts and
+    waits; above ``budget - 2 * reserve`` it starts writes early to overlap compute.
 
     NOTE [guard takes whole remainders]
     While a plan is replayed, the guard cuts a victim by the deficit once; a victim already cut
-    goes whole. The guard acts about a chunk at a time, and cutting the same victim again would
-    copy its resident prefix (``resize_``) at every cut; taking every victim whole at once moves
-    more bytes. The plan's moves and profiling evictions stay exact.
+    goes whole, since each cut copies its resident prefix (``resize_``).
     """
 
     name = "reactive"
@@ -67,12 +61,10 @@ class ReactivePolicy:
         """Keep at least ``nbytes`` of headroom from now on (a growth between hook points).
 
         NOTE [recomputed growth]
-        Recomputing a unit brings all it saved back at once between two hook points, where no
-        hook can make room. Without a plan, that growth is headroom like any other, and room is
-        made before each recomputation for a bound of it (NOTE [regrowth bound]). A plan places
-        those bytes itself (its trace sampled them), so the headroom it leaves the guard is only
-        the growth outside recomputations (``plan_reserve_bytes``): kept at the whole growth, the
-        guard's watermark would sit below the plan's own peak and evict what the plan did not.
+        Recomputing a unit brings all it saved back at once, where no hook can make room.
+        Without a plan, room is made before each recomputation (NOTE [regrowth bound]). A plan
+        places those bytes itself, so its guard keeps only the growth outside recomputations
+        (``plan_reserve_bytes``); else it would evict what the plan did not.
         """
         self.plan_reserve_bytes = max(self.plan_reserve_bytes, nbytes - recomputed_bytes)
         if not self.early_eviction:
@@ -92,21 +84,13 @@ class ReactivePolicy:
         self.step_reserve = None
 
     def at_step(self, index: int, *, following: bool) -> None:
-        """Step ``index`` begins (its hook event 0); ``following``: the replay follows its plan.
-
-        NOTE [step reserve] in ``planner/reserves.py``: while it does, the guard keeps the growth
-        the profile saw after the same hook event; else its one reserve.
-        """
+        """Step ``index`` begins; ``following``: it follows its plan (NOTE [step reserve])."""
         known = following and 0 <= index < len(self.step_reserves)
         self._now = self.step_reserves[index] if known else None
         self.at_event(0)
 
     def at_plan_step(self, index: int, *, active: bool, joint: bool) -> None:
-        """Step ``index`` of a replay begins; ``active``: the replay follows its plan.
-
-        While it does, the guard keeps each point's headroom; under a joint plan, the one
-        reserve everywhere (NOTE [step reserve]).
-        """
+        """A replay's step ``index`` begins; ``active``: it follows its plan."""
         self.at_step(index, following=active and not joint)
         self.follow_plan(active)
 
@@ -120,9 +104,7 @@ class ReactivePolicy:
     def use_reserve(self, nbytes: int) -> None:
         """Keep the headroom of the plan about to be replayed: the growth its profile measured.
 
-        Not the largest over every iteration: a profile that recomputed grows more between hook
-        points, and that headroom under a swap-only plan would make the guard evict what the
-        plan did not.
+        Not the largest seen: a profile that recomputed grows more than a swap-only plan needs.
         """
         self.reserve_bytes = nbytes
         self.plan_reserve_bytes = nbytes

@@ -44,12 +44,10 @@ class OpenStep:
     def transient_bytes(self, rss_high_water: int, rss_now: int, live_now: int) -> int:
         """How far the step's peak rose above its end level, in RSS beyond what samples saw.
 
-        NOTE [transient bytes]: op workspaces (im2col buffers, say) live inside one call, where
-        no hook samples them. While profiling (and every iteration with ``count_workspaces``,
-        so the reactive policy learns them too), what a step grew in RSS high-water beyond its
-        tracked rise is its transient, which plan and policy then budget for. Both rises are
-        measured from the higher of the step's start and end levels, so memory freed during the
-        step, or still held at its end, is not mistaken for one.
+        NOTE [transient bytes]: op workspaces live inside one call, where no hook samples them:
+        what a step grew in RSS high-water beyond its tracked rise is its transient. Both rises
+        are measured from the higher of its start and end levels, so memory freed or still held
+        is not mistaken for one.
         """
         rss_rise = rss_high_water - max(self.rss_start, rss_now)
         sampled_rise = self.peak - max(self.live_start, live_now)

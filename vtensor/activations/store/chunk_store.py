@@ -186,8 +186,7 @@ class ChunkStore:
     def evict(self, record: VTensor, nbytes: int) -> int:
         """Start evicting tail chunks of ``record`` covering at least ``nbytes``; returns bytes.
 
-        Backward uses the whole vTensor, so which chunks leave does not matter; the tail is the
-        one choice the copy path can also make.
+        The tail is the one choice the copy path can also make.
         """
         tail: list[Chunk] = []
         covered = 0
@@ -201,8 +200,6 @@ class ChunkStore:
 
     def evict_chunks(self, record: VTensor, chunks: Sequence[Chunk]) -> int:
         """Start evicting exactly ``chunks`` of ``record`` (resident and idle); returns bytes.
-
-        Released in place any chunks can leave; the copy path can only cut a tail.
 
         Raises:
             VTensorError: a chunk is not resident and idle, or is not a tail on the copy path.

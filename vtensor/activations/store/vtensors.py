@@ -22,18 +22,12 @@ class VTensor:
     """One saved storage, virtualized into chunks. Views of it share this one record.
 
     Attributes:
-        vid: identity within the session, in pack order.
-        storage: the storage: full size when released in place (NOTE [release in place] in
-            ``io/pages.py``), the resident prefix on the copy path.
-        nbytes: full size of the storage.
-        chunks: the chunks that can leave: whole pages, any of them, in place; on the copy path
-            they cover the storage and eviction takes the tail.
-        saved_step: step index at which it was first packed.
+        storage: full size when released in place (NOTE [release in place]), the resident
+            prefix on the copy path.
+        chunks: the chunks that can leave (in place: whole pages; else the storage, by its tail).
         handles: live pack handles (autograd's references to it).
         resident_bytes: bytes of the chunks on the device and idle (what an eviction can take).
         movable_bytes: bytes of all chunks (``nbytes`` less the partial end pages in place).
-        released_bytes: bytes of the pages handed back to the kernel in place.
-        in_place: evicted chunks release their pages in place instead of shrinking the storage.
     """
 
     vid: int

@@ -1,7 +1,4 @@
-"""Whether running a unit's forward again reproduces it: the checks of NOTE [safe to recompute].
-
-NOTE [safe to recompute] is in ``activations/recompute/profile/units.py``.
-"""
+"""Whether running a unit's forward again reproduces it: the checks of NOTE [safe to recompute]."""
 
 import contextlib
 from collections.abc import Iterator, Sequence
@@ -133,11 +130,7 @@ def _calls_custom_function(outputs: Sequence[torch.Tensor], stop: set[int]) -> b
 def _reproduces(
     module: nn.Module, opened: OpenUnit, outputs: Sequence[torch.Tensor], target: RecomputeTarget
 ) -> tuple[bool, float]:
-    """Whether the forward run again from its start state gives the same outputs, and its time.
-
-    NOTE [unit time]. It runs from the call's snapshot, as a recomputation would (NOTE [call
-    snapshot]).
-    """
+    """Whether the forward run again from the call's snapshot gives the same outputs; its time."""
     start = StartState(opened.rng, opened.cuda_rng, opened.buffers)
     args, kwargs = opened.call.copy()
     with replaying(module, start, target), torch.no_grad():

@@ -1,10 +1,9 @@
 """What a recomputation costs beyond the unit's own ops, measured once per process and device.
 
 NOTE [mechanism cost]
-Checkpointing costs something of its own whatever the unit (its frame, hooks and handles); left
-out, the cheapest cover of a deficit takes many small units, each paying it. So it is measured
-once per process and device on a unit too small for its ops to count, stepped with and without
-it in turn (medians), and added to each unit's cost (``TraceUnit.overhead_s``).
+Checkpointing costs something of its own whatever the unit; left out, the cheapest cover takes
+many small units, each paying it. So it is measured once on a tiny unit, with and without it
+(medians), and added to each unit's cost (``TraceUnit.overhead_s``).
 """
 
 import functools

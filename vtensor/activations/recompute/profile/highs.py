@@ -8,12 +8,10 @@ class UnitHighs:
     """How far each unit's forward took the bytes (NOTE [recomputation's working set]).
 
     NOTE [recomputation's working set]
-    A recomputed forward holds more than the saved tensors it brings back (NOTE [recomputed
-    lifetimes] in ``planner/recomputed.py``): outputs no op saves (an attention's scores), its
-    own output, tensors too small to manage. Left out, the model would put a recomputing step
-    under what it holds. So the profile notes per unit how far its forward raised the readings
-    outside vTensors plus every byte saved so far, which saving or swapping leaves unchanged
-    (``TraceUnit.working_bytes``). A unit's own checks take no readings and count for none.
+    A recomputed forward holds more than the saved tensors it brings back: outputs no op saves,
+    its own output, tensors too small to manage. So the profile notes per unit how far its
+    forward raised the readings outside vTensors plus every byte saved so far
+    (``TraceUnit.working_bytes``).
     """
 
     now: int = 0  # the last reading outside vTensors plus the bytes saved into them so far

@@ -2,28 +2,23 @@
 
 NOTE [safe to recompute]
 A recomputed forward must save exactly what the first one did, or the gradient is silently
-wrong. While profiling, each candidate (every module with children, below the root) is checked
-as it runs and marked unsafe when it modifies an input in place; calls a custom autograd
-``Function`` (its forward may have side effects); changes a plain attribute of itself or a
-submodule; does not reproduce its outputs bit for bit when run again from the same inputs, RNG
-state and buffers; or runs more than once per iteration (its saved tensors have no one span).
-Input-dependent control flow is safe. Side effects outside Python attributes and tensors (a
-file write) stay the user's to exclude. The check's time is left out of the step's duration.
+wrong. While profiling, each candidate (every module with children, below the root) is marked
+unsafe when it modifies an input in place, calls a custom autograd ``Function``, changes a plain
+attribute of itself or a submodule, does not reproduce its outputs bit for bit from the same
+inputs, RNG state and buffers, or runs more than once per iteration. Side effects outside Python
+attributes and tensors stay the user's to exclude.
 
 NOTE [no room to recompute]
-Recomputing a unit holds its forward's working set (NOTE [recomputation's working set] in
-``runtime/recorder.py``) on top of the iteration's starting bytes. A unit whose working set
-exceeds what the budget leaves beside those can never be recomputed; it is marked so and not
-checked, since its checks would evict what the rest of the iteration brings back.
+A unit whose working set exceeds what the budget leaves beside the iteration's starting bytes
+can never be recomputed: it is marked so and not checked (its checks would evict).
 
 NOTE [one unit per tensors]
-A module that saved exactly what one of its children did (a residual wrapper whose add saves
-nothing) frees the same bytes at a higher cost: it is no candidate, and is not checked.
+A module that saved exactly what one of its children did frees the same bytes at a higher cost:
+it is no candidate.
 
 NOTE [unit time]
-A unit's recompute time is its check's second run, its forward alone: the first run's window
-also holds the profile's own hook work and inner units' checks, which would overprice it. The
-mechanism's own cost is added (NOTE [mechanism cost] in ``recompute/profile/cost.py``).
+A unit's recompute time is its check's second run, its forward alone (the first holds the
+profile's own work); the mechanism's cost is added (NOTE [mechanism cost]).
 """
 
 import dataclasses
@@ -200,11 +195,7 @@ class UnitRecorder:
         step_names: Sequence[str],
         costs: MechanismCosts,
     ) -> tuple[TraceUnit, ...]:
-        """The candidates as trace units (``position``: store vid -> trace vid).
-
-        A unit's inner tensors: saved inside its forward, not its inputs, used only by its own
-        backward steps; units without any are left out. ``costs``: NOTE [mechanism cost].
-        """
+        """The candidates with inner tensors as trace units (``position``: store to trace vid)."""
         units = []
         for seen in self.seen.values():
             own = {i for i, step in enumerate(step_names) if in_backward(step, seen.name)}
