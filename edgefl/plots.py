@@ -18,6 +18,7 @@ from edgefl.settings import DeviceClass
 ACCURACY_PNG = "accuracy_loss.png"
 MEMORY_PNG = "client_memory.png"
 _MIB = float(1 << 20)
+STATE_LABEL = "parameters+gradients+optimizer state"
 
 
 def plot_accuracy_loss(history: RunHistory, path: Path, accuracy: str = "accuracy") -> Path:
@@ -52,10 +53,15 @@ def plot_client_memory(
     classes: Sequence[DeviceClass],
     unmanaged_peak_bytes: int | None,
     path: Path,
+    state_bytes: int | None = None,
 ) -> Path:
-    """Each client's peak device memory per round, by device class, against budgets."""
+    """Each client's peak device memory per round, by device class, against budgets.
+
+    ``state_bytes``: the model's parameters + gradients + optimizer state, drawn as a line
+    (``draw_client_memory``); None or 0 draws none.
+    """
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    draw_client_memory(ax, history, classes, unmanaged_peak_bytes)
+    draw_client_memory(ax, history, classes, unmanaged_peak_bytes, state_bytes)
     return _save(fig, path)
 
 
@@ -68,12 +74,14 @@ def draw_client_memory(
     history: RunHistory,
     classes: Sequence[DeviceClass],
     unmanaged_peak_bytes: int | None,
+    state_bytes: int | None = None,
 ) -> None:
     """Draw ``plot_client_memory``'s panel on ``ax``.
 
     Clients of one class often peak at the same bytes: each class has its own marker and a band
     from its lowest to its highest client per round, and its clients sit side by side around
-    the round's x position.
+    the round's x position. The training state line (``state_bytes``) shows which budgets lie
+    below it: no batch size, micro-batching or checkpointing trains the model there unmanaged.
     """
     colours = plt.get_cmap("tab10")
     rows = [c for c in history.clients if c.phase == "train" and c.error is None]
@@ -120,6 +128,8 @@ def draw_client_memory(
             )
     if unmanaged_peak_bytes:
         ax.axhline(unmanaged_peak_bytes / _MIB, ls=":", color="black", label="unmanaged peak")
+    if state_bytes:
+        ax.axhline(state_bytes / _MIB, ls="-.", color="dimgrey", label=STATE_LABEL)
     ax.set(xlabel="round", ylabel="MiB", title="per-client peak device memory vs budget")
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

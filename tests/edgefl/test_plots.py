@@ -1,4 +1,4 @@
-"""What the plots draw: clients of one class stay visible, sweep labels keep off the budget line."""
+"""What the plots draw: clients stay apart, the training state line, sweep labels off the budget."""
 
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from edgefl.budget import Budget
 from edgefl.history import ClientRound, RunHistory
-from edgefl.plots import draw_client_memory
+from edgefl.plots import STATE_LABEL, draw_client_memory
 from edgefl.settings import DeviceClass
 from edgefl.sweep.plot import plot_sweep
 from edgefl.sweep.summary import JobRow, JobState
@@ -45,6 +45,28 @@ def test_clients_with_equal_peaks_stay_apart_by_marker_and_position() -> None:
     markers = {str(line.get_label()): line.get_marker() for line in clients}
     assert markers["client 0"] == markers["client 1"] != markers["client 2"]
     assert len(ax.collections) == 2  # one band per class
+    plt.close(fig)
+
+
+def test_client_memory_draws_the_training_state_with_a_legend_label() -> None:
+    history = RunHistory()
+    history.clients += [_row(1, 7, 0, 0), _row(1, 9, 1, 1)]
+    classes = [DeviceClass("a", Budget(peak_fraction=0.5), 0.5), DeviceClass("b", Budget(1), 0.5)]
+    fig, ax = plt.subplots()
+    draw_client_memory(ax, history, classes, 10 << 20, state_bytes=8 << 20)
+    (state,) = [line for line in ax.lines if line.get_label() == STATE_LABEL]
+    assert list(state.get_ydata()) == [8.0, 8.0]  # type: ignore[arg-type]  # MiB, horizontal
+    legend = ax.get_legend()
+    assert legend is not None and STATE_LABEL in [t.get_text() for t in legend.get_texts()]
+    plt.close(fig)
+
+
+def test_client_memory_draws_no_training_state_line_unless_given() -> None:
+    history = RunHistory()
+    history.clients += [_row(1, 7, 0, 0)]
+    fig, ax = plt.subplots()
+    draw_client_memory(ax, history, [DeviceClass("a", Budget(1), 1.0)], 10 << 20)
+    assert STATE_LABEL not in [line.get_label() for line in ax.lines]
     plt.close(fig)
 
 
