@@ -13,9 +13,10 @@ simulation; it is reported apart. Every later
 round opens a fresh manager that loads the cached plan, as each round of a simulated client does.
 
 Beside them, what a user would do instead, unmanaged: ``torch.utils.checkpoint``
-(``use_reentrant=False``) on every stage of the model's ``features``, whole (``checkpoint``) or
-keeping the convolutions' and matrix products' outputs (``selective``: torch's selective
-activation checkpointing with ``benchmarks.zoo.blocks.save_products``),
+(``use_reentrant=False``) on every stage of the model (``checkpoint_stages``: a CNN's
+``features`` stages, an MLP's linear layers), whole (``checkpoint``) or keeping the
+convolutions' and matrix products' outputs (``selective``: torch's selective activation
+checkpointing with ``benchmarks.zoo.blocks.save_products``),
 and, per device class, checkpointing exactly the modules the main job's plan for that class
 recomputes (``checkpoint-<class>``: the manager's choice made by torch's own mechanism, from the
 round after the plan is decided). Their peaks are measured as the unmanaged one's (the
@@ -126,6 +127,21 @@ def checkpointed_modules(
     return model
 
 
+def checkpoint_stages(model: nn.Module) -> tuple[str, ...]:
+    """The modules the checkpoint baselines wrap: the stages of a model's ``features``, else
+    (a model without one, as the MLP) every module that holds parameters of its own.
+
+    A stage is a module with a ``forward`` of its own, so that wrapping it checkpoints it.
+    """
+    if hasattr(model, "features"):
+        return tuple(f"features.{n}" for n, _ in model.get_submodule("features").named_children())
+    return tuple(
+        name
+        for name, module in model.named_modules()
+        if name and any(True for _ in module.parameters(recurse=False))
+    )
+
+
 _ENTRY = re.compile(r"^[0-9a-f]{64}\.json$")
 
 
@@ -195,7 +211,7 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
     local = settings_round(c.train, c.seed, args.max_examples)
     root = Path(tempfile.mkdtemp(prefix="main-round-"))
     variants = [Variant("unmanaged")]
-    stages = tuple(f"features.{i}" for i in range(len(start.get_submodule("features"))))
+    stages = checkpoint_stages(start)
     baselines = [
         Variant("checkpoint", checkpointed=stages),
         Variant("selective", checkpointed=stages, selective=stages),
@@ -215,9 +231,9 @@ def run(args: argparse.Namespace, settings: RunSettings) -> list[dict[str, Any]]
             b.peak_bytes = _baseline_peak(start, b, data, c.train.batch_size)
     variants[1:1] = baselines
     print(
-        f"# {c.model.name} on {c.data.name}, batch {c.train.batch_size}: unmanaged peak "
-        f"{peak.unmanaged_peak_bytes / MIB:.1f} MiB, smallest workable budget "
-        f"{peak.min_budget_bytes / MIB:.1f} MiB; {len(data)} examples a round",
+        f"# {c.model.name} on {c.data.name}, batch {c.train.batch_size}: parameters+gradients+"
+        f"momentum {peak.state_bytes / MIB:.1f} MiB, unmanaged peak "
+        f"{peak.unmanaged_peak_bytes / MIB:.1f} MiB; {len(data)} examples a round",
         flush=True,
     )
     for r in range(args.rounds):
