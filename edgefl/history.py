@@ -151,7 +151,7 @@ def class_names(rows: Sequence[ClientRound], fleet: Sequence[str]) -> list[str]:
     """The device classes a run's results show, in order: the fleet's, then deployed ones'.
 
     A run whose replies all came from deployed nodes shows only the classes those named: the
-    fleet of its settings had no clients (its classes would read "no successful round").
+    fleet of its settings had no clients (its classes would read "none trained").
     """
     deployed = list(dict.fromkeys(class_of(c, fleet) for c in rows if c.deployed))
     if rows and all(c.deployed for c in rows):

@@ -165,10 +165,9 @@ def class_table(
     for name in class_names(rows, fleet):  # a deployed node's class: the name it sent
         mine = [c for c in rows if class_of(c, fleet) == name]
         if not mine:
-            lines.append(f"{name:<14} {0:>7}  (no successful round)")
+            lines.append(_none_trained(name, classes, floors))
             continue
         budget = int(max(c.metrics[BUDGET_BYTES] for c in mine))
-        share = f"({100 * budget / unmanaged_peak_bytes:.0f}%)" if unmanaged_peak_bytes else ""
         swapped = _mean([c.metrics[BYTES_SWAPPED_OUT] + c.metrics[BYTES_SWAPPED_IN] for c in mine])
         deciding = [c for c in mine if _deciding(c)]
         decided = [c for c in mine if not _deciding(c)]
@@ -177,7 +176,7 @@ def class_table(
         deciding_s = _num(_mean([c.metrics[TRAIN_S] for c in deciding]) if deciding else None, 1)
         lines.append(
             f"{name:<14} {len({c.node_id for c in mine}):>7} "
-            f"{format_bytes(budget) + ' ' + share:>17} "
+            f"{_budget_cell(budget, unmanaged_peak_bytes):>17} "
             f"{format_bytes(int(max(c.metrics[PEAK_DEVICE_BYTES] for c in mine))):>13} "
             f"{format_bytes(int(swapped)):>13} {round_s:>7} {ratio:>11} {deciding_s:>10}  "
             f"{without_vtensor(budget, floors)}"
@@ -190,6 +189,28 @@ def class_table(
         )
     lines.append(X_UNMANAGED)
     return "\n".join(lines)
+
+
+def _budget_cell(budget_bytes: int, unmanaged_peak_bytes: int) -> str:
+    if not unmanaged_peak_bytes:
+        return format_bytes(budget_bytes)
+    return f"{format_bytes(budget_bytes)} ({100 * budget_bytes / unmanaged_peak_bytes:.0f}%)"
+
+
+def _none_trained(name: str, classes: Sequence[DeviceClass], floors: PeakMeasurement) -> str:
+    """The line of a class none of whose clients trained: its budget, and why where it is known."""
+    device = next((c for c in classes if c.name == name), None)
+    if device is None or device.budget.auto:  # a deployed class, or a budget only its node knew
+        return f"{name:<14} {0:>7}  none trained (see the client errors)"
+    budget = device.budget.of_peak(floors.unmanaged_peak_bytes)
+    why = "see the client errors"
+    if floors.min_budget_bytes and budget < floors.min_budget_bytes:
+        why = (
+            "budget < the smallest workable budget vtensor states "
+            f"({format_bytes(floors.min_budget_bytes)})"
+        )
+    cell = _budget_cell(budget, floors.unmanaged_peak_bytes)
+    return f"{name:<14} {0:>7} {cell:>17}  none trained: {why}"
 
 
 X_UNMANAGED = (

@@ -84,8 +84,17 @@ def test_without_vtensor_says_could_not_train_only_below_the_training_state() ->
 
 def test_class_table_without_reference_or_replies() -> None:
     table = class_table(RunHistory(), CLASSES, FLOORS, None)
-    assert "micro" in table and "no successful round" in table
+    micro = next(line for line in table.splitlines() if line.startswith("micro"))
+    assert "40.0 MiB (40%)" in micro and "none trained" in micro
     assert "unmanaged " not in table.splitlines()[-1]
+
+
+def test_class_table_says_why_a_class_below_the_stated_minimum_trained_nothing() -> None:
+    tiny = DeviceClass("tiny", Budget(bytes=1 << 10), 0.5)
+    table = class_table(RunHistory(), (tiny, *CLASSES), FLOORS, None)
+    line = next(line for line in table.splitlines() if line.startswith("tiny"))
+    assert "1.0 KiB (0%)" in line
+    assert "none trained: budget < the smallest workable budget vtensor states (20.0 MiB)" in line
 
 
 def _times(table: str, name: str) -> list[str]:
