@@ -28,23 +28,24 @@ def instrumented(
     encodes clamps if it says so (NOTE [mask encoding]).
     """
     recomputation = chosen.recompute
-    hooks_pair = make_saved_tensor_hooks(iteration)
+    units = None
+    encoded = False
     with contextlib.ExitStack() as stack:
         if not iteration.hookless:  # NOTE [hookless replay]
             hooks = install_module_hooks(scan.names, iteration, sample_nodes=not iteration.lean)
             stack.callback(hooks.remove)
         if recomputation.names:
-            iteration.recomputed = recomputation.names
             stack.enter_context(
                 recompute_modules(model, recomputation.names, iteration, recomputation.regrowth)
             )
         elif chosen.find_units:
             books = iteration.books
-            iteration.units = UnitRecorder(model, iteration, books.tensors, books.highs)
-            for hook in iteration.units.install():
+            units = UnitRecorder(model, iteration, books.tensors, books.highs)
+            for hook in units.install():
                 stack.callback(hook.remove)
         if chosen.encode and scan.maskable:
             # After the recomputation's wrappers: a recomputed clamp keeps its own forward.
-            iteration.encoded = stack.enter_context(masks_encoded(scan.maskable, scan.names)) > 0
-        stack.enter_context(saved_tensors_hooks(*hooks_pair))
+            encoded = stack.enter_context(masks_encoded(scan.maskable, scan.names)) > 0
+        iteration.wired(recomputation.names, units, encoded)
+        stack.enter_context(saved_tensors_hooks(*make_saved_tensor_hooks(iteration)))
         yield

@@ -33,8 +33,3 @@ class Admission:
     def big_enough(self, storage: torch.UntypedStorage) -> bool:
         """``storage`` is large enough, and resizable (it can be released in place)."""
         return storage.nbytes() >= self.min_tensor_bytes and storage.resizable()
-
-    def manages(self, tensor: torch.Tensor) -> bool:
-        """Plain, with a storage that is big enough: a saved ``tensor`` becomes a vTensor."""
-        storage = self.storage(tensor)
-        return storage is not None and self.big_enough(storage)

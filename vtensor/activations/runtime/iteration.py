@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class Iteration:
-    """The hook target of one ``MemoryManager.step`` (``runtime.hooks.HookTarget``)."""
+    """The hook target of one ``MemoryManager.step``: hooks route its events here."""
 
     def __init__(
         self,
@@ -97,6 +97,10 @@ class Iteration:
         self._lean_step = ""
         self.begin_step("other:start")
 
+    def wired(self, recomputed: tuple[str, ...], units: UnitRecorder | None, encoded: bool) -> None:
+        """What ``wiring.instrumented`` installed: recomputed modules, unit recorder, encoding."""
+        self.recomputed, self.units, self.encoded = recomputed, units, encoded
+
     # -- measurement --------------------------------------------------------------------------
     def _step_name(self) -> str:
         if self._open is not None:
@@ -157,10 +161,6 @@ class Iteration:
             self.books.unmanaged_saved_bytes += tensor.nbytes
             return False
         return True
-
-    def manages(self, tensor: torch.Tensor) -> bool:
-        """Whether ``accepts`` would make a vTensor of ``tensor`` (without its accounting)."""
-        return self.admission.manages(tensor)
 
     def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
         """Account a newly saved tensor and keep the budget."""

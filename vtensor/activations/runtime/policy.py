@@ -9,16 +9,6 @@ from vtensor.planner.reserves import GUARD_MIN_BYTES
 logger = logging.getLogger(__name__)
 
 
-def eviction_order(records: list[VTensor]) -> list[VTensor]:
-    """Farthest next use first: in a forward/backward iteration the oldest saved is used last."""
-    return sorted(records, key=lambda r: r.vid)
-
-
-def prefetch_order(records: list[VTensor], before_vid: int) -> list[VTensor]:
-    """Nearest next use first: backward consumes saved tensors in reverse order of saving."""
-    return sorted((r for r in records if r.vid < before_vid), key=lambda r: -r.vid)
-
-
 # NOTE [deterministic reaping]: while profiling or reacting, every eviction started before a hook
 # point completes there, so the trace depends on hook events, not disk speed. While a plan is
 # replayed, writes run on (counted live) and are waited for only when the headroom needs them.
@@ -72,7 +62,7 @@ class ReactivePolicy:
         self.reserve_bytes = max(self.reserve_bytes, nbytes)
 
     def use_plan(self, plan: Plan | None) -> None:
-        """Guard the replay of ``plan`` (None: no plan): its reserve, and its reserves per point."""
+        """Guard the replay of ``plan`` (None: no plan): its reserve and its reserves per point."""
         if plan is not None:
             self.use_reserve(plan.reserve_bytes)
         self.use_step_reserves(plan.step_reserve_bytes if plan is not None else ())
@@ -102,10 +92,7 @@ class ReactivePolicy:
             self.step_reserve = self._now[event] if event < len(self._now) else 0
 
     def use_reserve(self, nbytes: int) -> None:
-        """Keep the headroom of the plan about to be replayed: the growth its profile measured.
-
-        Not the largest seen: a profile that recomputed grows more than a swap-only plan needs.
-        """
+        """Keep the growth the replayed plan's profile measured (not the largest seen)."""
         self.reserve_bytes = nbytes
         self.plan_reserve_bytes = nbytes
 
@@ -133,7 +120,8 @@ class ReactivePolicy:
         """Schedule evictions so that ``live_bytes`` falls to ``target_bytes``; returns bytes."""
         deficit = live_bytes - self.store.outgoing_bytes() - target_bytes
         scheduled = 0
-        for record in eviction_order(list(self.store.records.values())):
+        # Farthest next use first: in a forward/backward iteration the oldest saved is used last.
+        for record in sorted(self.store.records.values(), key=lambda r: r.vid):
             if deficit - scheduled <= 0:
                 break
             if record is pinned:
@@ -162,8 +150,10 @@ class ReactivePolicy:
         """Start restoring the vTensors backward will use next, as far as headroom allows."""
         headroom = self.high_watermark() - self.reserve_bytes - live_bytes
         started = 0
+        # Nearest next use first: backward consumes saved tensors in reverse order of saving.
         candidates = [r for r in self.store.records.values() if r.offloaded_chunks()]
-        for record in prefetch_order(candidates, current.vid)[: self.prefetch_depth]:
+        candidates = sorted((r for r in candidates if r.vid < current.vid), key=lambda r: -r.vid)
+        for record in candidates[: self.prefetch_depth]:
             need = sum(c.nbytes for c in record.offloaded_chunks())
             if record.pending is not None or need > headroom - started:
                 break

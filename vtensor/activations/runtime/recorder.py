@@ -109,6 +109,7 @@ class IterationBooks:
         """Book ``step`` as it ends; ``counted``: its ``transient`` joins the unmanaged peak."""
         now = time.perf_counter()
         before = step.stats_at_start
+        parted, extra = len(step.parts) > 1, transient if counted else 0
         phase = Phase(step.name.split(":", 1)[0])
         self.steps.append(
             StepStats(
@@ -131,12 +132,10 @@ class IterationBooks:
                 now - step.started,
                 step.live_start,
                 step.peak,
-                max(step.unmanaged_peak, 0) + (transient if counted else 0),
+                max(step.unmanaged_peak, 0) + extra,
                 transient,
-                part_peak_bytes=tuple(max(p, 0) + (transient if counted else 0) for p in step.parts)
-                if len(step.parts) > 1
-                else (),
-                part_base_bytes=tuple(max(b, 0) for b in step.bases) if len(step.parts) > 1 else (),
+                part_peak_bytes=tuple(max(p, 0) + extra for p in step.parts) if parted else (),
+                part_base_bytes=tuple(max(b, 0) for b in step.bases) if parted else (),
             )
         )
 
@@ -164,7 +163,7 @@ class IterationBooks:
                 saved_step=r.saved_step,
                 # First step at whose start it could go: it became evictable during this one.
                 evictable_step=self.evictable_step.get(r.vid, -2) + 1,
-                use_steps=tuple(u for u in r.uses),
+                use_steps=tuple(r.uses),
                 last_part=self._last_part(r, parted),
             )
             for position, r in enumerate(ordered)

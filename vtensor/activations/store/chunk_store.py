@@ -37,7 +37,7 @@ class ChunkStore:
         self.chunk_bytes = chunk_bytes
         self.records: dict[int, VTensor] = {}
         self._by_storage: dict[int, VTensor] = {}
-        self._next_vid = 0
+        self.next_vid = 0  # vids rise in order of adoption
         self._owner = threading.get_ident()
         self._deferred: list[VTensor] = []  # died on another thread or with a transfer in flight
         self._lock = threading.Lock()
@@ -64,7 +64,7 @@ class ChunkStore:
             chunks = split_into_chunks(nbytes, self.chunk_bytes)
         movable = sum(c.nbytes for c in chunks)
         record = VTensor(
-            self._next_vid,
+            self.next_vid,
             storage,
             nbytes,
             chunks,
@@ -73,7 +73,7 @@ class ChunkStore:
             movable_bytes=movable,
             in_place=in_place,
         )
-        self._next_vid += 1
+        self.next_vid += 1
         self.records[record.vid] = record
         # The record holds the storage, so its StorageImpl address cannot be recycled.
         self._by_storage[storage._cdata] = record
@@ -126,30 +126,16 @@ class ChunkStore:
             self.collect()
 
     # -- queries ------------------------------------------------------------------------------
-    @property
-    def next_vid(self) -> int:
-        """The vid the next adopted storage will get (vids rise in order of adoption)."""
-        return self._next_vid
-
-    def own_references(self, record: VTensor) -> int:
-        """References to the storage held by this store: the record and one alias per handle."""
-        return 1 + record.handles
-
     def evictable(self, record: VTensor) -> bool:
         """True when no one but the store references the storage and nothing is in flight."""
         return self.evictable_bytes(record) > 0
 
     def evictable_bytes(self, record: VTensor) -> int:
         """Device bytes of ``record`` that an eviction could release now."""
-        # Asked of every record at every hook point, so ``own_references`` is inlined.
-        storage = record.storage
-        if storage is None or record.dead or record.pending is not None:
+        if record.storage is None or record.dead or record.pending is not None:
             return 0
         nbytes = record.resident_bytes
-        # The ``_cdata`` lookup adds no reference; the record's storage object counts as one.
-        if nbytes == 0 or _use_count(storage._cdata) != 1 + record.handles:
-            return 0
-        return nbytes
+        return nbytes if nbytes and _own(record) else 0
 
     def device_bytes(self) -> int:
         """Bytes the managed storages occupy on the device now."""
@@ -288,20 +274,13 @@ class ChunkStore:
         self._settle(record)
         busy_s = pending.transfer.busy_s()
         self.stats.transfer_s += busy_s
-        if pending.outgoing:
-            self.stats.write_s += busy_s
         if not pending.outgoing:
-            for chunk in pending.chunks:
-                chunk.move(ChunkState.DEVICE)
-            self.engine.release(pending.chunks)
-            record.resident_bytes += sum(c.nbytes for c in pending.chunks)
+            self._back_on_device(record, pending.chunks)
             self.stats.bytes_in += pending.transfer.nbytes
             return
+        self.stats.write_s += busy_s
         assert record.storage is not None
-        still_ours = torch._C._storage_Use_Count(record.storage._cdata) == self.own_references(
-            record
-        )
-        if cancel or record.dead or not still_ours:
+        if cancel or record.dead or not _own(record):
             self._rollback(record, pending)
             return
         for chunk in pending.chunks:
@@ -323,16 +302,19 @@ class ChunkStore:
     ) -> None:
         self._settle(record)
         if pending.outgoing:
-            for chunk in pending.chunks:
-                chunk.move(ChunkState.DEVICE)
-            self.engine.release(pending.chunks)
-            record.resident_bytes += sum(c.nbytes for c in pending.chunks)
+            self._back_on_device(record, pending.chunks)
             return
         if isinstance(error, SwapAuthenticationError):
             raise error  # already names the chunk and the cause
         raise VTensorError(
             f"restoring vTensor {record.vid} failed; its swapped bytes are unrecoverable"
         ) from error
+
+    def _back_on_device(self, record: VTensor, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            chunk.move(ChunkState.DEVICE)
+        self.engine.release(chunks)
+        record.resident_bytes += sum(c.nbytes for c in chunks)
 
     def close(self) -> None:
         """Wait for transfers and drop every record."""
@@ -348,6 +330,15 @@ class ChunkStore:
 
 def _vid(record: VTensor) -> int:
     return record.vid
+
+
+def _own(record: VTensor) -> bool:
+    """Only the store references the storage: the record and one alias per handle.
+
+    The ``_cdata`` lookup adds no reference; the record's storage object counts as one.
+    """
+    assert record.storage is not None
+    return bool(_use_count(record.storage._cdata) == 1 + record.handles)
 
 
 def _page_runs(chunks: Sequence[Chunk]) -> Iterator[tuple[int, int]]:
