@@ -19,7 +19,7 @@ from vtensor.io.file_io import SwapFileIo
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.io.staging import DeviceCopier, Fence
 from vtensor.io.tiers import StorageTier, buffer_at
-from vtensor.io.transfer import Transfer, contiguous_runs, place_run
+from vtensor.io.transfer import Transfer, bytes_of, contiguous_runs, place_run
 
 STAGING_SLOTS = 2  # one part in a device copy while the other is sealed and written
 
@@ -46,14 +46,17 @@ def parts_of(chunks: Sequence[Chunk], slot_bytes: int) -> list[Part]:
     return parts
 
 
+def _piece(part: Part, buffer: torch.Tensor, owner: int) -> Piece:
+    """``part``, staged in ``buffer``, as sealing sees it."""
+    return Piece(
+        part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
+    )
+
+
 def _settle(fences: list[Fence | None]) -> None:
     for fence in fences:
         if fence is not None:
             fence.synchronize()
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class StagedTransferEngine:
@@ -98,7 +101,7 @@ class StagedTransferEngine:
         parts = parts_of(chunks, self.slot_bytes)
         # The job drops the storage before it ends: the store counts its references once the
         # transfer is done (NOTE [cuda transfers]).
-        held = [_bytes_of(storage)]
+        held = [bytes_of(storage)]
         after, owner = self.copier.mark(), storage._cdata
 
         def job() -> None:
@@ -112,7 +115,7 @@ class StagedTransferEngine:
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         parts = parts_of(chunks, self.slot_bytes)
         self.io.read_ahead.want([(p.file_offset, p.memory_offset, p.nbytes) for p in parts])
-        held = [_bytes_of(storage)]
+        held = [bytes_of(storage)]
         after, owner = self.copier.mark(), storage._cdata
 
         def job() -> None:
@@ -164,20 +167,14 @@ class StagedTransferEngine:
         if self.sealer is None:
             self.tier.write(part.file_offset, buffer.data_ptr(), part.nbytes)
             self.io.behind.written(part.file_offset, part.nbytes)
-            return
-        piece = Piece(
-            part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
-        )
-        self.sealer.seal([piece], self.io.write_dropped)
+        else:
+            self.sealer.seal([_piece(part, buffer, owner)], self.io.write_dropped)
 
     def _read(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
         if self.sealer is None:
             self.io.read_dropped(part.file_offset, [buffer_at(buffer.data_ptr(), part.nbytes)])
-            return
-        piece = Piece(
-            part.file_offset, buffer.data_ptr(), part.nbytes, owner, part.index, part.part_offset
-        )
-        self.sealer.open([piece], self.io.read_dropped)
+        else:
+            self.sealer.open([_piece(part, buffer, owner)], self.io.read_dropped)
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
         held = [c for c in chunks if c.slot is not None]

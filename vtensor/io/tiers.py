@@ -169,10 +169,6 @@ class StorageTier:
         """Write ``nbytes`` from memory at ``address`` to the file at ``offset`` (any thread)."""
         self.writev(offset, [buffer_at(address, nbytes)])
 
-    def read(self, offset: int, address: int, nbytes: int) -> None:
-        """Read ``nbytes`` at ``offset`` into memory at ``address`` (any thread)."""
-        self.readv(offset, [buffer_at(address, nbytes)])
-
     def writev(self, offset: int, views: list[memoryview]) -> None:
         """Write ``views`` back to back to the file at ``offset``: one ``pwritev`` if it can."""
         nbytes = sum(len(v) for v in views)

@@ -178,6 +178,11 @@ def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piec
     return pieces
 
 
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
     """(slot, memory offset, bytes) runs of chunks adjacent both in the file and in memory."""
     runs: list[list[int]] = []
@@ -213,13 +218,10 @@ class CudaTransferEngine:
         self._buffers: dict[int, torch.Tensor] = {}
         self._next_slot = 0
 
-    def _bytes_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-
     def _copy(
         self, storage: torch.UntypedStorage, chunks: Sequence[Chunk], out: bool
     ) -> CudaTransfer:
-        flat = self._bytes_of(storage)
+        flat = bytes_of(storage)
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -249,14 +251,11 @@ class CudaTransferEngine:
         return self._copy(storage, chunks, out=False)
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
-        held = [chunk for chunk in chunks if chunk.slot is not None]
-        if not held:
-            return
         # Reused only by later copies on the same side stream (NOTE [cuda transfers]).
-        for chunk in held:
-            assert chunk.slot is not None
-            self.tier.give_back(self._buffers.pop(chunk.slot))
-            chunk.slot = None
+        for chunk in chunks:
+            if chunk.slot is not None:
+                self.tier.give_back(self._buffers.pop(chunk.slot))
+                chunk.slot = None
 
     def close(self) -> None:  # noqa: D102
         self.stream.synchronize()
