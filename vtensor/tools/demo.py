@@ -20,6 +20,8 @@ from vtensor.activations.manager import MemoryManager
 from vtensor.errors import BudgetFormatError, InfeasibleBudgetError
 from vtensor.measure.rss import rss_is_honest
 from vtensor.sizes import format_bytes, parse_bytes
+from vtensor.tools.plan_run import same_weights, train_step
+from vtensor.tools.workload import DEFAULT_CLASSES, Batch, make_batch
 
 EXIT_INFEASIBLE = 3  # a budget below the smallest workable one, for demo and plan alike
 
@@ -70,20 +72,11 @@ def build_model() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _train(
-    manager: MemoryManager | None, steps: int, batch: tuple[torch.Tensor, torch.Tensor]
-) -> nn.Module:
+def _train(manager: MemoryManager | None, steps: int, batch: Batch) -> nn.Module:
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = batch
     for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        if manager is None:
-            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-        else:
-            with manager.step(model, optimizer, inputs=(x, y)):
-                nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        train_step(model, optimizer, batch, DEFAULT_CLASSES, manager)
     return model
 
 
@@ -124,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    generator = torch.Generator().manual_seed(1)
-    batch = (
-        torch.randn(args.batch_size, 3, 64, 64, generator=generator),
-        torch.randint(0, 10, (args.batch_size,), generator=generator),
-    )
+    batch, _ = make_batch((args.batch_size, 3, 64, 64), None, "float", None, "cpu")
 
     with tempfile.TemporaryDirectory() as scratch:
         with MemoryManager("1TiB", storage_dir=scratch) as probe:
@@ -176,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{format_bytes(rep.bytes_out):>10} {format_bytes(rep.bytes_in):>10} "
             f"{rep.stall_s:>8.3f} {rep.wall_s:>7.2f}"
         )
-    same = all(
-        torch.equal(a, b)
-        for a, b in zip(reference.state_dict().values(), managed.state_dict().values(), strict=True)
-    )
+    same = same_weights(reference, managed)
     print(f"\nweights after {args.steps} steps bit-identical to unmanaged training: {same}")
     print(f"time: unmanaged {plain_s:.2f} s, managed {managed_s:.2f} s")
     print(

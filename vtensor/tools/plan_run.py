@@ -31,7 +31,7 @@ class Progress:
         print(f"[{time.perf_counter() - self.start:7.2f} s] {what}", file=sys.stderr, flush=True)
 
 
-def _iteration(
+def train_step(
     model: nn.Module,
     opt: torch.optim.Optimizer,
     batch: Batch,
@@ -49,6 +49,11 @@ def _iteration(
             training_loss(model(x), y, classes).backward()  # type: ignore[no-untyped-call]
     opt.step()  # offloaded parameters were updated in backward: it changes nothing of theirs
     return time.perf_counter() - begin
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``a`` and ``b`` hold bit-identical weights."""
+    return all(map(torch.equal, a.state_dict().values(), b.state_dict().values()))
 
 
 def _fresh(build: Builder, batch: Batch) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -130,10 +135,10 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
     # with the managed ones, so that both are timed under the same load.
     progress("plain step 0 (no manager): it warms the kernels")
     reference, reference_opt = _fresh(build, batch)
-    plain_s = [_iteration(reference, reference_opt, batch, classes, None)]
+    plain_s = [train_step(reference, reference_opt, batch, classes, None)]
 
     def plain_step() -> None:
-        plain_s.append(_iteration(reference, reference_opt, batch, classes, None))
+        plain_s.append(train_step(reference, reference_opt, batch, classes, None))
         progress(f"plain step {len(plain_s) - 1} (no manager): {plain_s[-1]:.3f} s")
 
     with tempfile.TemporaryDirectory(prefix="vtensor-plan-") as scratch:
@@ -161,7 +166,7 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
             offloaded = mm.params_offloaded
     if failure is not None and not mm.reports:
         raise failure
-    same = all(map(torch.equal, reference.state_dict().values(), model.state_dict().values()))
+    same = same_weights(reference, model)
     return Outcome(
         peak,
         probe,
@@ -185,7 +190,7 @@ def _unmanaged(
 ) -> tuple[IterationReport, Trace, int]:
     """A step at 1 TiB: its report, its trace, and the manager's unmanaged peak."""
     with MemoryManager("1TiB", storage_dir=storage_dir) as probe:
-        _iteration(*_fresh(build, batch), batch, classes, probe)
+        train_step(*_fresh(build, batch), batch, classes, probe)
     assert probe.trace is not None  # a first iteration is always profiled
     # The manager's own unmanaged peak: with the optimizer state the first update creates.
     peak = probe.unmanaged_peak_bytes or probe.report().peak_device_bytes
@@ -214,7 +219,7 @@ def _train_managed(
                 f"managed iteration {i} ({i + 1} of {steps}) at {format_bytes(mm.budget_bytes)}"
             )
             before = _param_bytes_moved(mm)
-            seconds.append(_iteration(model, opt, batch, classes, mm))
+            seconds.append(train_step(model, opt, batch, classes, mm))
             param_moved.append(_param_bytes_moved(mm) - before)
             rep = mm.report()
             progress(
