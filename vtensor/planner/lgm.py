@@ -59,8 +59,7 @@ class LayeredGraph:
 
     def full_resident(self) -> Bytes:
         """Resident bytes per layer with nothing swapped out."""
-        empty = empty_plan(self.trace, 0, self.chunk_bytes)
-        return np.array(simulate(empty, self.trace), dtype=np.int64)
+        return np.array(simulate(None, self.trace), dtype=np.int64)
 
     def floors(self) -> Bytes:
         """Bytes per layer that no plan can swap out (NOTE [memory model])."""

@@ -75,29 +75,19 @@ def next_use(t: TraceTensor, step: int) -> int | None:
     return uses[i] if i < len(uses) else None
 
 
-def _kept(trace: Trace) -> npt.NDArray[np.int64]:
-    """Per step, the change of the saved bytes resident when nothing leaves (length steps + 1)."""
+def unmanaged_peak(trace: Trace) -> int:
+    """The most bytes ``trace``'s iteration would have held with nothing moved or recomputed."""
+    return max(simulate(None, trace), default=0)
+
+
+def simulate(plan: Plan | None, trace: Trace) -> list[int]:
+    """Resident device bytes at each step of ``trace`` when ``plan`` is replayed (None: none)."""
     n = len(trace.steps)
     delta = np.zeros(n + 1, dtype=np.int64)
     for t in trace.tensors:
         delta[t.saved_step] += t.nbytes
         delta[last_live_step(t, n) + 1] -= t.nbytes
-    return delta
-
-
-def unmanaged_peak(trace: Trace) -> int:
-    """The most bytes ``trace``'s iteration would have held with nothing moved or recomputed."""
-    if not trace.steps:
-        return 0
-    n = len(trace.steps)
-    return int(np.max(step_unmanaged(trace) + np.cumsum(_kept(trace)[:n])))
-
-
-def simulate(plan: Plan, trace: Trace) -> list[int]:
-    """Resident device bytes at each step of ``trace`` when ``plan`` is replayed."""
-    n = len(trace.steps)
-    delta = _kept(trace)
-    for m in plan.moves:
+    for m in plan.moves if plan is not None else ():
         if 0 <= m.vid < len(trace.tensors) and 0 <= m.evict_step < m.prefetch_step <= n:
             stop = min(m.prefetch_step, last_live_step(trace.tensors[m.vid], n) + 1)
             if m.evict_step < stop:

@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vtensor.planner.trace import tuples_in
+
 PLAN_SCHEMA_VERSION = 14
 
 
@@ -96,18 +98,7 @@ class Plan:
                 f"plan schema_version {raw.get('schema_version')!r} is not {PLAN_SCHEMA_VERSION}"
             )
         moves = tuple(TensorMove(**m) for m in raw.pop("moves"))
-        return cls(
-            moves=moves,
-            step_names=tuple(raw.pop("step_names")),
-            tensor_bytes=tuple(raw.pop("tensor_bytes")),
-            tensor_names=tuple(raw.pop("tensor_names", ())),
-            recompute=tuple(raw.pop("recompute", ())),
-            watched_steps=tuple(raw.pop("watched_steps", ())),
-            step_headroom_bytes=tuple(raw.pop("step_headroom_bytes", ())),
-            step_reserve_bytes=tuple(tuple(r) for r in raw.pop("step_reserve_bytes", ())),
-            watched_events=tuple((v, k) for v, k in raw.pop("watched_events", ())),
-            **raw,
-        )
+        return cls(moves=moves, **tuples_in(raw))
 
     def digest(self) -> str:
         """A checksum of the plan's content (SHA-256 of its JSON), computed once per plan."""

@@ -180,46 +180,23 @@ class Trace:
                 f"{TRACE_SCHEMA_VERSION}; re-profile the model"
             )
         steps = tuple(
-            TraceStep(
-                **{
-                    **s,
-                    "phase": Phase(s["phase"]),
-                    "growth_bytes": tuple(s["growth_bytes"]),
-                    "part_peak_bytes": tuple(s["part_peak_bytes"]),
-                    "part_base_bytes": tuple(s["part_base_bytes"]),
-                }
-            )
-            for s in raw.pop("steps")
+            TraceStep(**{**tuples_in(s), "phase": Phase(s["phase"])}) for s in raw.pop("steps")
         )
         tensors = tuple(
-            TraceTensor(
-                **{
-                    **t,
-                    "dtypes": tuple(t["dtypes"]),
-                    "use_steps": tuple(t["use_steps"]),
-                    "kind": TensorKind(t["kind"]),
-                }
-            )
+            TraceTensor(**{**tuples_in(t), "kind": TensorKind(t["kind"])})
             for t in raw.pop("tensors")
         )
-        units = tuple(
-            TraceUnit(
-                **{
-                    **u,
-                    "inner_vids": tuple(u["inner_vids"]),
-                    "input_vids": tuple(u["input_vids"]),
-                }
-            )
-            for u in raw.pop("units", ())
-        )
-        recomputed = tuple(raw.pop("recomputed", ()))
-        return cls(
-            steps=steps,
-            tensors=tensors,
-            units=units,
-            recomputed=recomputed,
-            **raw,
-        )
+        units = tuple(TraceUnit(**tuples_in(u)) for u in raw.pop("units", ()))
+        return cls(steps=steps, tensors=tensors, units=units, **tuples_in(raw))
+
+
+def tuples_in(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with its JSON lists (nested ones too) as the tuples the dataclasses hold."""
+    return {name: _tuple(value) for name, value in raw.items()}
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
 
 
 def _shallow(item: Any) -> dict[str, Any]:
