@@ -20,27 +20,30 @@ CHUNK = 64 * 1024
 STEPS = 4
 
 
-def _model() -> nn.Module:
+def _model(wide: bool = False) -> nn.Module:
+    """``wide``: few parameters beside a wide batch, whose activations hold the minimum."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(128, 384), nn.Tanh()]
-    for _ in range(6):
-        layers += [nn.Linear(384, 384), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(384, 10))
+    width, depth, features = (128, 3, 64) if wide else (384, 6, 128)
+    layers: list[nn.Module] = [nn.Linear(features, width), nn.Tanh()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(256, 128, generator=g), torch.randint(0, 10, (256,), generator=g)
+    size, features = (2048, 64) if wide else (256, 128)
+    return torch.randn(size, features, generator=g), torch.randint(0, 10, (size,), generator=g)
 
 
 def _train(
-    manager: vtensor.MemoryManager | None, steps: int = STEPS
+    manager: vtensor.MemoryManager | None, steps: int = STEPS, wide: bool = False
 ) -> tuple[nn.Module, list[vtensor.IterationReport]]:
     """The README's loop: ``with mm.step(...)``: forward, backward; then step and zero_grad."""
-    model = _model()
+    model = _model(wide)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for step in range(steps):
-        x, y = _batch(step)
+        x, y = _batch(step, wide)
         if manager is None:
             nn.functional.cross_entropy(model(x), y).backward()
         else:
@@ -114,47 +117,56 @@ import torch
 torch.set_num_threads(1)
 import vtensor
 from test_one_object import _train, CHUNK
+budget, offload = int(sys.argv[2]), {"True": True, "False": False, "auto": "auto"}[sys.argv[4]]
 try:
-    with vtensor.MemoryManager(int(sys.argv[2]), chunk_bytes=CHUNK, storage_dir=sys.argv[3],
-                               offload_params=sys.argv[4] == "True") as mm:
-        _train(mm)
-    print("OK")
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=sys.argv[3],
+                               offload_params=offload) as mm:
+        _, reports = _train(mm, wide=sys.argv[5] == "wide")
+    print("OK", max(r.peak_device_bytes for r in reports))
 except vtensor.InfeasibleBudgetError as err:
     print("MIN", err.min_budget_bytes)
 """
 
 
-def _fresh(tmp_path: Path, budget: int, offload: bool) -> str:
+def _fresh(tmp_path: Path, budget: int, offload: str, model: str) -> str:
+    """One training run in a new interpreter: "OK <peak bytes>" or "MIN <stated bytes>"."""
+    args = [str(Path(__file__).parent), str(budget), str(tmp_path), offload, model]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            FRESH,
-            str(Path(__file__).parent),
-            str(budget),
-            str(tmp_path),
-            str(offload),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", FRESH, *args], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["state-kept", "state-offloaded"])
+@pytest.mark.parametrize(
+    ("offload", "model"),
+    [("False", "narrow"), ("True", "narrow"), ("auto", "narrow"), ("auto", "wide")],
+    ids=["state-kept", "state-offloaded", "auto-offloaded", "auto-kept"],
+)
 def test_the_stated_minimum_works_in_a_fresh_process_from_far_and_just_below(
-    tmp_path: Path, offload: bool
+    tmp_path: Path, offload: str, model: str
 ) -> None:
-    far = _fresh(tmp_path, 1 << 20, offload)
+    # auto-kept: the state takes over half of 1 MiB, so the first statement is measured with it
+    # offloaded, but not half of the minimum, where it stays in memory (NOTE [offload probe]).
+    far = _fresh(tmp_path, 1 << 20, offload, model)
     assert far.startswith("MIN"), far
     minimum = int(far.split()[1])
-    assert _fresh(tmp_path, minimum, offload) == "OK"
-    # From just below the smallest that works, the minimum stated works too.
-    near = _fresh(tmp_path, int(0.97 * minimum), offload)
-    if near != "OK":
-        assert _fresh(tmp_path, int(near.split()[1]), offload) == "OK"
+    _trains_within(_fresh(tmp_path, minimum, offload, model), minimum)
+    # From just below the smallest that works, the minimum stated works too; or it trains,
+    # within the one chunk by which an iteration may overshoot a budget under its minimum.
+    near_budget = int(0.97 * minimum)
+    near = _fresh(tmp_path, near_budget, offload, model)
+    if near.startswith("MIN"):
+        stated = int(near.split()[1])
+        assert near_budget < stated <= 1.05 * minimum
+        _trains_within(_fresh(tmp_path, stated, offload, model), stated)
+    else:
+        _trains_within(near, near_budget + CHUNK)
+
+
+def _trains_within(outcome: str, budget: int) -> None:
+    assert outcome.startswith("OK"), outcome
+    assert int(outcome.split()[1]) <= budget, f"peak {outcome.split()[1]} over {budget}"
 
 
 def test_the_error_breaks_the_minimum_down_and_advises_by_what_holds_it(tmp_path: Path) -> None:

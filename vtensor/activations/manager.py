@@ -20,7 +20,7 @@ from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.runtime.budgeting import ManagerBudget
-from vtensor.activations.runtime.floor import floor_breakdown
+from vtensor.activations.runtime.floor import floor_breakdown, offloading_floor
 from vtensor.activations.runtime.iteration import Iteration
 from vtensor.activations.runtime.policy import ReactivePolicy
 from vtensor.activations.store.chunk_store import ChunkStore
@@ -34,15 +34,12 @@ from vtensor.measure.independent import IndependentPeak
 from vtensor.measure.optimizer_state import StateShape, pending_state_bytes
 from vtensor.measure.trackers import DeviceTracker, quiet_heap
 from vtensor.offload.joint import (
-    AUTO_OFFLOAD_SHARE,
     JointStep,
     ParamOffloadReport,
     check_joint,
     held_outside,
-    state_bytes,
 )
 from vtensor.planner.plan import Plan
-from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
 
@@ -317,10 +314,11 @@ class MemoryManager:
         owned, probing = None, False
         cpu_chunks = device.type == "cpu" and self.granularity is Granularity.CHUNK
         plannable = "" if cpu_chunks else "parameters are offloaded on the CPU at chunk granularity"
+        to_come = 0  # the state the user's optimizer creates at its first step
         if params is None:
-            pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
+            to_come = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
             owned, probing = self._offloads.for_step(
-                model, optimizer, self.budget_bytes, pending_bytes=pending, plannable=plannable
+                model, optimizer, self.budget_bytes, pending_bytes=to_come, plannable=plannable
             )
         user_optimizer = optimizer
         if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
@@ -401,21 +399,21 @@ class MemoryManager:
             breakdown = floor_breakdown(
                 books, need, model, optimizer, inputs, pending, offloaded=offloaded
             )
-            if owned is not None and probing:  # NOTE [offload probe]: measured with it
-                # Everything evictable was evicted at every point: its peak is what it needs, and
-                # a budget that lets activations stay until a unit's backward begins must hold
-                # that backward's own allocations then: its weight's gradient and its input's,
-                # each at most the largest parameter (the probe's pool held no more than a unit).
-                peak = books.peak_bytes + pending
-                need = max(need, owned.budget_bytes, peak + MIN_BUDGET_MARGIN_BYTES + peak // 100)
-                need += 2 * owned.pool.largest_bytes()
-                side = state_bytes(model, user_optimizer, pending) if user_optimizer else 0
-                needed = side > AUTO_OFFLOAD_SHARE * need  # offloaded at that budget too
-                breakdown = dataclasses.replace(breakdown, offload_needed=needed)
-                self._offloads.discard(owned)
-            raise InfeasibleBudgetError(
-                self.budget_bytes, need, books.min_budget_step, breakdown=breakdown
-            )
+            step = books.min_budget_step
+            if owned is not None and user_optimizer is not None:  # NOTE [offload probe]
+                need, step, breakdown = offloading_floor(
+                    iteration.floor,
+                    owned,
+                    model,
+                    user_optimizer,
+                    inputs,
+                    to_come,
+                    probed=probing,
+                    always=self._offloads.setting is True,
+                )
+                if probing:
+                    self._offloads.discard(owned)
+            raise InfeasibleBudgetError(self.budget_bytes, need, step, breakdown=breakdown)
         self._record(iteration, chosen, device, started, stats_before, joint, pending, excused)
         if owned is not None:
             owned.step()  # every parameter was updated in backward: the step ends

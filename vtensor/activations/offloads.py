@@ -71,6 +71,12 @@ class Offloads:
         offloading is made at that least instead, and the step runs with it only to measure:
         the minimum it states is then the whole iteration's with the parameters offloaded,
         measured, not estimated. The probe is let go with the error (``discard``).
+        A stated minimum must work under the setting that states it: where ``"auto"`` would
+        keep the parameter side in memory at the offloaded minimum (it takes no more than
+        ``AUTO_OFFLOAD_SHARE`` of it), the minimum stated is the iteration's with the side in
+        memory, measured at each point of the same iteration: its bytes in use replaced by all
+        of it (the pool's ``unoffloaded_bytes``), plus the state to come
+        (``runtime/floor.py``'s ``offloading_floor``).
         """
         if optimizer is None or self.setting is False or not budget_bytes:
             return None, False

@@ -110,6 +110,10 @@ class ParamPlanExecutor:
         """Wait for the pool's writes in flight, which hold their bytes until done."""
         self.pool.reap(block=True)
 
+    def unoffloaded_bytes(self) -> int:
+        """What its tensors would hold in memory now, were they never offloaded."""
+        return self.pool.unoffloaded_bytes()
+
     def largest_bytes(self) -> int:
         """Bytes of its largest movable tensor, which moves whole."""
         return self.pool.largest_bytes()

@@ -46,8 +46,9 @@ class OffloadPool:
 
     A *fixed* tensor (small, or in a ``resident`` module) never leaves memory but is counted.
     While :meth:`connect`-ed to a joint iteration (NOTE [one plan] in ``offload/joint.py``), a
-    listener sees every move and may hold tensors between uses, and every read is announced
-    first, so the activation manager sharing the budget can make room.
+    listener sees every move and may hold tensors between uses, and every read (with what its
+    use allocates) is announced first, so the activation manager sharing the budget can make
+    room.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class OffloadPool:
         self.fixed_bytes = 0  # bytes of fixed tensors: always in memory
         self._listener: PoolListener | None = None
         self._before_allocate: Callable[[int], None] | None = None
+        self._unoffloaded = 0  # NOTE [offload probe] in activations/offloads.py
 
     def adopt(
         self, tensor: torch.Tensor, name: str, kind: TensorKind, *, fixed: bool
@@ -78,6 +80,8 @@ class OffloadPool:
             self._fixed.add(id(entry))
             self.fixed_bytes += entry.nbytes
             entry.pins = 1
+        elif kind is not TensorKind.STATE:
+            self._unoffloaded += entry.nbytes
         if self._listener is not None:
             self._listener.adopted(entry)
         return entry
@@ -115,8 +119,9 @@ class OffloadPool:
     def acquire(self, entries: list[OffloadedTensor], what: str, extra_bytes: int = 0) -> None:
         """Pin ``entries`` for a use that allocates ``extra_bytes`` more; wait only on reads."""
         self.make_room(self.missing_bytes(entries) + extra_bytes, what)
-        # Counted again: making room may have dropped some of ``entries`` themselves.
-        self._announce(self.missing_bytes(entries))
+        # Counted again: making room may have dropped some of ``entries`` themselves. The bytes
+        # the use allocates are announced with the reads: they come without a hook point.
+        self._announce(self.missing_bytes(entries) + extra_bytes)
         for entry in entries:
             if self._listener is not None:
                 self._listener.used(entry)
@@ -179,9 +184,10 @@ class OffloadPool:
     def connect(
         self, listener: "PoolListener | None", before_allocate: Callable[[int], None]
     ) -> None:
-        """For one joint iteration: ``listener`` sees every move; reads are announced first."""
+        """For one joint iteration: ``listener`` sees every move; reads and uses announced first."""
         self._listener = listener
         self._before_allocate = before_allocate
+        self._unoffloaded = sum(e.nbytes for e in self.tensors if not self.is_fixed(e))
 
     def disconnect(self, *, keep_listener: bool) -> None:
         """End a joint iteration; a replayed plan's listener may keep holding its tensors."""
@@ -243,6 +249,16 @@ class OffloadPool:
         return sum(
             e.nbytes for e in self.tensors if e.in_memory and e.pins and not self.is_fixed(e)
         )
+
+    def unoffloaded_bytes(self) -> int:
+        """What its movable tensors would hold in memory now, were they never offloaded.
+
+        Since :meth:`connect`: the tensors it had then, and every gradient since, even one
+        already used and forgotten (autograd keeps each until ``zero_grad``). Optimizer state
+        made since is left out: held in memory, it is made by the optimizer's step after
+        backward, state to come that the minimum counts apart.
+        """
+        return self._unoffloaded
 
     def largest_bytes(self) -> int:
         """Bytes of the largest movable tensor: it moves whole."""

@@ -10,7 +10,12 @@ from vtensor.activations.runtime.param_side import ResidentParams
 from vtensor.activations.runtime.recorder import IterationBooks
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import FloorBreakdown, VTensorError
-from vtensor.offload.joint import offloaded_min_bytes, state_bytes
+from vtensor.offload.joint import (
+    AUTO_OFFLOAD_SHARE,
+    ParamOffload,
+    offloaded_min_bytes,
+    state_bytes,
+)
 from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES
 
 
@@ -29,12 +34,23 @@ class BudgetFloor:
         self.budget_bytes = budget_bytes
         self.params = params  # an offloaded parameter side sharing the budget
         self._prev_evictable = 0
+        # NOTE [offload probe] in activations/offloads.py: the floor were the side in memory.
+        self.unoffloaded_min_bytes = 0
+        self.unoffloaded_step = ""
 
     def note_broken(self, live: int, step_name: str) -> None:
         """The budget broke before the policy could act: ``live`` bytes were needed."""
         if live > self.books.min_budget_bytes:
             self.books.min_budget_bytes = live + MIN_BUDGET_MARGIN_BYTES
             self.books.min_budget_step = step_name
+        if self.params is not None:
+            kept = live - self.params.resident_bytes() + self.params.unoffloaded_bytes()
+            self._note_unoffloaded(kept + MIN_BUDGET_MARGIN_BYTES, step_name)
+
+    def _note_unoffloaded(self, floor: int, step_name: str) -> None:
+        if floor > self.unoffloaded_min_bytes:
+            self.unoffloaded_min_bytes = floor
+            self.unoffloaded_step = step_name
 
     def note(
         self,
@@ -65,7 +81,12 @@ class BudgetFloor:
         activations = evictable_now
         evictable = min(evictable_now, self._prev_evictable)
         self._prev_evictable = evictable_now
-        if self.params is not None:  # read ahead, not in use: at a lower budget, not read yet
+        if self.params is not None:
+            # The same point with the whole parameter side in memory (NOTE [offload probe]).
+            kept = need - self.params.resident_bytes() + self.params.unoffloaded_bytes()
+            kept -= evictable
+            self._note_unoffloaded(kept + MIN_BUDGET_MARGIN_BYTES + kept // 100, step_name)
+            # Read ahead, not in use: at a lower budget, not read yet.
             evictable += self.params.resident_bytes() - self.params.pinned_bytes()
         # NOTE [minimum budget]: the floor is what could not be evicted at this point, plus a
         # margin for the heap counter's noise and run-to-run residency, so that retrying at the
@@ -123,3 +144,46 @@ def floor_breakdown(
     # The unit its backward updates, and the next one's read ahead.
     estimate = min_budget_bytes - breakdown.state + 2 * side
     return dataclasses.replace(breakdown, offloaded_floor_bytes=estimate)
+
+
+def offloading_floor(
+    floor: BudgetFloor,
+    offload: ParamOffload,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: Sequence[torch.Tensor],
+    state_to_come_bytes: int,
+    *,
+    probed: bool,
+    always: bool,
+) -> tuple[int, str, FloorBreakdown]:
+    """The minimum an iteration with an offloading the manager made states, its step and parts.
+
+    NOTE [offload probe] in ``activations/offloads.py``. ``state_to_come_bytes``: what the
+    optimizer's first step creates (offloaded, each unit's update makes it in backward, where
+    the floor counts it). ``probed``: the offloading was made at its own least budget to
+    measure; ``always``: ``offload_params=True``, which offloads at any budget, where
+    ``"auto"`` offloads only past ``AUTO_OFFLOAD_SHARE`` of the budget.
+    """
+    books = floor.books
+    need = books.min_budget_bytes
+    if probed:
+        # Everything evictable was evicted at every point: its peak is what it needs, and a
+        # budget that lets activations stay until a unit's backward begins must hold that
+        # backward's own allocations then: its weight's gradient and its input's, each at most
+        # the largest parameter (the probe's pool held no more than a unit).
+        peak = books.peak_bytes
+        need = max(need, offload.budget_bytes, peak + MIN_BUDGET_MARGIN_BYTES + peak // 100)
+        need += 2 * offload.pool.largest_bytes()
+    side = state_bytes(model, optimizer, 0)  # the state its updates made included
+    needed = side > AUTO_OFFLOAD_SHARE * need  # offloaded at that budget under "auto" too
+    if always or needed:
+        parts = floor_breakdown(books, need, model, None, inputs, 0, offloaded=True)
+        return need, books.min_budget_step, dataclasses.replace(parts, offload_needed=needed)
+    # At that budget "auto" keeps the side in memory: the minimum is the iteration's with it
+    # there, and offloading it (measured) is the way below.
+    kept = max(need, floor.unoffloaded_min_bytes + state_to_come_bytes)
+    step = floor.unoffloaded_step or books.min_budget_step
+    at = dataclasses.replace(books, min_budget_step=step)
+    parts = floor_breakdown(at, kept, model, optimizer, inputs, 0, offloaded=False)
+    return kept, step, dataclasses.replace(parts, offloaded_floor_bytes=need)

@@ -21,6 +21,10 @@ class ResidentParams(Protocol):
         """Of those, the bytes a use holds (the rest were read ahead, and may leave)."""
         ...
 
+    def unoffloaded_bytes(self) -> int:
+        """What it would hold on the device now were it never offloaded (an offload probe)."""
+        ...
+
 
 class PlannedRead(Protocol):
     """A tensor of the parameter side that a joint plan reads at a step."""
