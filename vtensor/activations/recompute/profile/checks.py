@@ -3,7 +3,7 @@
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,14 +15,6 @@ from vtensor.outputs import tensors_in
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MAX_GRAPH_NODES = 100_000
-
-
-class ProfileTarget(RecomputeTarget, Protocol):
-    """What the profile asks of the iteration."""
-
-    def manages(self, tensor: torch.Tensor) -> bool:
-        """Whether a saved ``tensor`` becomes a vTensor."""
-        ...
 
 
 @dataclass(frozen=True)

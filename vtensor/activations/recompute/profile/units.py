@@ -31,10 +31,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vtensor.activations.recompute.checkpointed import CallSnapshot
+from vtensor.activations.recompute.checkpointed import CallSnapshot, RecomputeTarget
 from vtensor.activations.recompute.profile.checks import (
     OpenUnit,
-    ProfileTarget,
     cuda_rng,
     plain_attributes,
     why_unsafe,
@@ -49,7 +48,7 @@ from vtensor.planner.trace import TraceTensor, TraceUnit
 from vtensor.sizes import format_bytes
 
 
-class UnitTarget(ProfileTarget, Protocol):
+class UnitTarget(RecomputeTarget, Protocol):
     """What the recorder reads of the iteration it profiles."""
 
     step_index: int
