@@ -1,17 +1,56 @@
 """Torch glue: saved-tensor pack/unpack hooks and module boundary hooks. They only route events."""
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from vtensor.activations.runtime.iteration import Iteration
+from vtensor.activations.replay.lean import Passing
+from vtensor.activations.runtime.admission import Admission
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import InPlaceModificationError
 from vtensor.outputs import tensors_in
+
+
+class HookTarget(Protocol):
+    """What the hooks report to (the session)."""
+
+    store: ChunkStore
+    step_index: int
+    recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
+    admission: Admission  # which saved tensors are activations, and which of them it manages
+
+    def accepts(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether ``tensor``, plain for ``admission`` with ``storage``, may be virtualized."""
+        ...
+
+    @property
+    def passing(self) -> Passing | None:
+        """While a lean replay lasts, what it leaves to autograd (NOTE [passed])."""
+        ...
+
+    def on_pack(self, record: VTensor, tensor: torch.Tensor) -> None:
+        """A saved tensor was adopted into ``record``."""
+        ...
+
+    def before_unpack(self, record: VTensor) -> None:
+        """Backward is about to use ``record``: make room for it."""
+        ...
+
+    def after_unpack(self, record: VTensor) -> None:
+        """Backward has the bytes of ``record``."""
+        ...
+
+    def begin_step(self, name: str) -> None:
+        """A module boundary was crossed."""
+        ...
+
+    def after_node(self) -> None:
+        """A backward node has computed its gradients; its inputs and outputs are still alive."""
+        ...
 
 
 class SavedHandle:
@@ -36,7 +75,7 @@ class SavedHandle:
 
 
 def make_saved_tensor_hooks(
-    target: Iteration,
+    target: HookTarget,
 ) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
     """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
@@ -106,7 +145,7 @@ class _NodeSampler:
     gets none: it would keep the incoming gradient referenced and make it copied, not stolen.
     """
 
-    def __init__(self, target: Iteration) -> None:
+    def __init__(self, target: HookTarget) -> None:
         self.target = target
         # NOTE [sampled nodes]: a hooked node is marked in its own metadata, not kept in a set:
         # freed nodes' ids are reused, and holding nodes would keep alive graphs never run.
@@ -140,7 +179,7 @@ class _NodeSampler:
 class ModuleHooks:
     """The module boundary hooks of one step (``install_module_hooks``)."""
 
-    def __init__(self, names: Mapping[int, str], target: Iteration, sample_nodes: bool) -> None:
+    def __init__(self, names: Mapping[int, str], target: HookTarget, sample_nodes: bool) -> None:
         self._forward = {key: f"forward:{name}" for key, name in names.items()}
         self._backward = {key: f"backward:{name}" for key, name in names.items()}
         self._target = target
@@ -194,7 +233,7 @@ class ModuleHooks:
 
 
 def install_module_hooks(
-    names: Mapping[int, str], target: Iteration, *, sample_nodes: bool = True
+    names: Mapping[int, str], target: HookTarget, *, sample_nodes: bool = True
 ) -> ModuleHooks:
     """Mark forward and backward step boundaries of every module of a model.
 
