@@ -21,6 +21,7 @@ from torch import Tensor, nn
 import vtensor
 from benchmarks.zoo import TiedEmbeddingLM, TransformerBlock
 from vtensor import ParamOffload, ParamOffloadError
+from vtensor.planner.trace import TensorKind
 
 STEPS = 3
 CHUNK_BYTES = 64 * 1024
@@ -422,3 +423,31 @@ def test_torchs_attention_uses_its_out_projection_within_its_own_unit(tmp_path: 
             po.step()
     pairs = zip(reference.state_dict().values(), model.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_joint_pool_announces_what_a_use_allocates_and_counts_what_it_would_hold(
+    tmp_storage_dir: Path,
+) -> None:
+    # NOTE [offload probe] in vtensor/activations/offloads.py; a use's gradient and new state come
+    # without a hook point, so the activation side sharing the budget must hear of them first.
+    torch.manual_seed(0)
+    model = build_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with ParamOffload(model, optimizer, budget="600KiB", storage_dir=tmp_storage_dir) as po:
+        pool = po.pool
+        pool.reap(block=True)
+        announced: list[int] = []
+        pool.connect(None, announced.append)
+        held = sum(e.nbytes for e in pool.tensors if not pool.is_fixed(e))
+        assert pool.unoffloaded_bytes() == held
+        entry = next(e for e in pool.tensors if not e.in_memory)
+        pool.acquire([entry], "a use", extra_bytes=1000)
+        assert announced == [entry.nbytes + 1000]
+        pool.release(entry)
+        grad = pool.adopt(torch.zeros(128, 128), "g", TensorKind.GRAD, fixed=False)
+        state = pool.adopt(torch.zeros(128, 128), "s", TensorKind.STATE, fixed=False)
+        pool.forget(grad)  # used and forgotten: autograd would keep it until zero_grad
+        pool.forget(state)
+        # State made during the step is state to come, counted apart.
+        assert pool.unoffloaded_bytes() == held + grad.nbytes
+        pool.disconnect(keep_listener=False)
