@@ -29,7 +29,7 @@ under vtensor is bit-identical to training without it).
 
 Run from the repository root::
 
-    python -m benchmarks.main_job --pairs 3 --out main_job.jsonl   # about 5 minutes
+    python -m benchmarks.main_job --pairs 3 --out main_job.jsonl   # about 15 minutes
     python -m benchmarks.main_job --quick    # one pair of two rounds; its rows are not results
 """
 
