@@ -129,7 +129,8 @@ def draw_client_memory(
     if unmanaged_peak_bytes:
         ax.axhline(unmanaged_peak_bytes / _MIB, ls=":", color="black", label="unmanaged peak")
     if state_bytes:
-        ax.axhline(state_bytes / _MIB, ls="-.", color="dimgrey", label=STATE_LABEL)
+        mib = state_bytes / _MIB  # its value in the label: the line may lie under the peak's
+        ax.axhline(mib, ls="-.", lw=2, color="dimgrey", label=f"{STATE_LABEL} ({mib:.1f} MiB)")
     ax.set(xlabel="round", ylabel="MiB", title="per-client peak device memory vs budget")
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
