@@ -15,7 +15,9 @@ variants on Flower's simulation engine:
   vtensor: as is where its budget holds the unmanaged peak, else at the largest smaller batch
   (or as many micro-batches accumulated) whose measured peak fits, else not at all. The
   decision per class comes from the measured floors (NOTE [without vtensor] in
-  ``edgefl/summary.py``); a client none fits is dropped, as it would be in practice;
+  ``edgefl/summary.py``); a client none fits is dropped, as it would be in practice. The
+  client app sets one batch size for the fleet, so a budget where only a smaller batch fits is
+  refused (``local_tricks_plan``); below the training state and at the peak it runs;
 - ``edgefl``: (d) every client trains the full model under its budget with vtensor (FedAvg);
 - ``ample``: (e) the same fleet with ample memory, unmanaged (FedAvg, vtensor off); ``edgefl``'s
   global model must equal it bit for bit.
