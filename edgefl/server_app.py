@@ -297,6 +297,7 @@ def _write_outputs(
                 s.client.fleet.classes,
                 unmanaged_peak_bytes,
                 out_dir / MEMORY_PNG,
+                state_bytes=_floors(summary).state_bytes,
             )
         )
     table = summary_table(history, summary[CENTRAL_ACC_NAME])

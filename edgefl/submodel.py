@@ -31,9 +31,14 @@ logger = logging.getLogger(__name__)
 
 # The options of each model that set a hidden layer's width (the first layer's input channels
 # and the classes are the dataset's, so they stay full).
-WIDTH_OPTIONS: dict[str, tuple[str, ...]] = {"cnn": ("width", "hidden"), "sensor_cnn": ("width",)}
+WIDTH_OPTIONS: dict[str, tuple[str, ...]] = {
+    "cnn": ("width", "hidden"),
+    "mlp": ("hidden",),
+    "sensor_cnn": ("width",),
+}
 _DEFAULTS: dict[str, dict[str, int]] = {
     "cnn": {"width": 16, "hidden": 64},
+    "mlp": {"hidden": 1024},
     "sensor_cnn": {"width": 32},
 }
 

@@ -40,6 +40,14 @@ def test_sub_model_arrays_are_leading_slices_of_the_full_model() -> None:
     assert sliced["features.0.weight"].shape == (4, 1, 3, 3)  # input channels stay full
 
 
+def test_the_main_jobs_mlp_has_width_scaled_sub_models() -> None:
+    info = load_dataset("mnist").info
+    assert scaled_options("mlp", {}, 0.5) == {"hidden": 512}
+    half = build_model("mlp", info, scaled_options("mlp", {}, 0.5)).state_dict()
+    assert half["net.1.weight"].shape == (512, 784)  # the input stays full
+    assert half["net.9.weight"].shape == (10, 512)  # so do the classes
+
+
 def test_the_widest_ratio_that_fits_is_chosen() -> None:
     peaks = {1.0: 800, 0.5: 400, 0.25: 200}
     assert choose_ratio(1000, peaks) == 1.0
