@@ -78,6 +78,9 @@ def test_the_whole_training_state_trains_under_one_budget_bit_identically(tmp_pa
         assert mm.params_offloaded
     assert _same(reference, model)
     assert all(r.peak_device_bytes <= budget + CHUNK for r in reports)
+    # The report tells the parameter side's traffic apart from the activations'.
+    assert all(r.params_offloaded and r.params_bytes_in > 0 for r in reports)
+    assert "parameters, gradients and optimizer state offloaded" in str(reports[-1])
 
 
 def test_a_manager_whose_budget_holds_the_state_leaves_the_parameters_alone(
@@ -85,9 +88,11 @@ def test_a_manager_whose_budget_holds_the_state_leaves_the_parameters_alone(
 ) -> None:
     reference, _ = _train(None)
     with vtensor.MemoryManager(2 * _peak(tmp_path), storage_dir=tmp_path) as mm:
-        model, _ = _train(mm)
+        model, reports = _train(mm)
         assert not mm.params_offloaded
     assert _same(reference, model)
+    assert not any(r.params_offloaded or r.params_bytes_out for r in reports)
+    assert str(reports[-1]).startswith(f"iteration {STEPS - 1} (")
 
 
 def test_offload_params_is_checked_before_any_work() -> None:

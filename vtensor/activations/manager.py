@@ -388,6 +388,7 @@ class MemoryManager:
             stack.enter_context(instrumented(model, scan, iteration, chosen))
             started = device_now(device)
             stats_before = StoreCounters.of(store)
+            params_before = params.report() if params is not None else None
             self._active = True
             stack.callback(setattr, self, "_active", False)
             yield
@@ -415,6 +416,14 @@ class MemoryManager:
                     self._offloads.discard(owned)
             raise InfeasibleBudgetError(self.budget_bytes, need, step, breakdown=breakdown)
         self._record(iteration, chosen, device, started, stats_before, joint, pending, excused)
+        if params is not None and params_before is not None:  # the parameter side's traffic
+            after = params.report()
+            self._reports[-1] = dataclasses.replace(
+                self._reports[-1],
+                params_offloaded=True,
+                params_bytes_out=after.bytes_out - params_before.bytes_out,
+                params_bytes_in=after.bytes_in - params_before.bytes_in,
+            )
         if owned is not None:
             owned.step()  # every parameter was updated in backward: the step ends
             fits = self._budget.unmanaged_peak_bytes or self.budget_bytes + 1

@@ -5,6 +5,7 @@ from enum import StrEnum
 
 from vtensor.measure.independent import PeakSource
 from vtensor.planner.trace import Phase
+from vtensor.sizes import format_bytes
 
 
 class Policy(StrEnum):
@@ -75,6 +76,9 @@ class IterationReport:
         one_time_bytes: non-tensor memory kept for good (NOTE [MKL buffer pool]), outside the
             budget.
         recomputed: the modules whose forward ran again in backward (NOTE [recompute]).
+        params_offloaded: the manager offloaded the model's parameters, gradients and optimizer
+            state in this iteration; ``params_bytes_out`` and ``params_bytes_in`` are what they
+            moved (the other byte figures count activations only).
         lean: checked at watched boundaries only (NOTE [lean replay]): ``steps`` is empty and
             ``min_budget_bytes`` the profiled iteration's.
     """
@@ -105,8 +109,26 @@ class IterationReport:
     recomputed: tuple[str, ...] = ()
     lean: bool = False
     budget_source: str = ""
+    params_offloaded: bool = False
+    params_bytes_out: int = 0
+    params_bytes_in: int = 0
 
     @property
     def bytes_moved(self) -> int:
         """Bytes moved in both directions."""
         return self.bytes_out + self.bytes_in
+
+    def __str__(self) -> str:
+        """One line a person reads; the fields hold the rest (``steps``: per step)."""
+        how = f"{self.plan_source.value} plan, lean" if self.lean else self.plan_source.value
+        recomputed = f"; recomputed {len(self.recomputed)} modules" if self.recomputed else ""
+        params = ""
+        if self.params_offloaded:
+            out, back = format_bytes(self.params_bytes_out), format_bytes(self.params_bytes_in)
+            params = f"; parameters, gradients and optimizer state offloaded: {out} out, {back} in"
+        return (
+            f"iteration {self.iteration} ({how}): peak {format_bytes(self.peak_device_bytes)} "
+            f"of a {format_bytes(self.budget_bytes)} budget; moved "
+            f"{format_bytes(self.bytes_out)} out, {format_bytes(self.bytes_in)} in, stall "
+            f"{self.stall_s:.3f} s{recomputed}{params}; {self.wall_s:.3f} s"
+        )
