@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from vtensor.sizes import format_bytes
+
 
 @dataclass(frozen=True)
 class ParamOffloadReport:
@@ -37,3 +39,13 @@ class ParamOffloadReport:
     def footprint_bytes(self) -> int:
         """Parameters + gradients + optimizer state, as unmanaged training holds them."""
         return self.param_bytes + self.grad_bytes + self.state_bytes
+
+    def __str__(self) -> str:
+        """One line a person reads; the fields hold the rest."""
+        footprint, peak = format_bytes(self.footprint_bytes), format_bytes(self.peak_resident_bytes)
+        return (
+            f"{self.steps} steps: parameters, gradients and optimizer state {footprint}, at most "
+            f"{peak} in memory under a {format_bytes(self.budget_bytes)} budget; moved "
+            f"{format_bytes(self.bytes_out)} out, {format_bytes(self.bytes_in)} in, stall "
+            f"{self.stall_s:.3f} s"
+        )

@@ -222,6 +222,7 @@ def test_param_offload_meter_matches_the_tensors_in_memory(tmp_storage_dir: Path
             # Independent count: what the storages hold now (offloaded ones hold 0 bytes).
             assert po.report().resident_bytes == sum(storages.values())
             assert sum(storages.values()) < po.report().footprint_bytes / 4
+        assert str(po.report()).startswith("2 steps: parameters, gradients and optimizer state")
     assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())
 
 
