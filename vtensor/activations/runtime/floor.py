@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vtensor.activations.runtime.param_side import ResidentParams
+from vtensor.activations.runtime.policy import ReactivePolicy
 from vtensor.activations.runtime.recorder import IterationBooks
 from vtensor.activations.store.chunk_store import ChunkStore, VTensor
 from vtensor.errors import FloorBreakdown, VTensorError
@@ -17,6 +18,14 @@ from vtensor.offload.joint import (
     state_bytes,
 )
 from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES
+
+# NOTE [unseen growth]
+# Without a plan the policy makes room only ahead of growth it has seen: it starts evicting at
+# the budget less twice its reserve (the largest growth seen) and the largest workspace. A
+# growth beyond that arrives on whatever is resident: evicting down to that mark first would
+# still leave too little room, so a first iteration meets the budget there only where the budget
+# holds every byte of that point resident, the evicted ones included. That is the floor there,
+# whatever could have been evicted: the smallest budget of a first iteration, not of a plan.
 
 
 class BudgetFloor:
@@ -46,6 +55,23 @@ class BudgetFloor:
         if self.params is not None:
             kept = live - self.params.resident_bytes() + self.params.unoffloaded_bytes()
             self._note_unoffloaded(kept + MIN_BUDGET_MARGIN_BYTES, step_name)
+
+    def note_growth(
+        self, live: int, growth_bytes: int, policy: ReactivePolicy, step_name: str
+    ) -> None:
+        """``growth_bytes`` arrived since the last point, ``live`` now (NOTE [unseen growth])."""
+        ahead = 2 * policy.reserve_bytes + policy.transient_bytes
+        if not policy.early_eviction or growth_bytes <= ahead:
+            return  # a plan makes room, or the policy made room ahead of it
+        away = sum(r.nbytes for r in self.store.records.values()) - self.store.device_bytes()
+        floor = live + max(0, away) + MIN_BUDGET_MARGIN_BYTES
+        if floor > self.books.min_budget_bytes:
+            self.books.min_budget_bytes = floor
+            self.books.min_budget_step = step_name
+            self.books.min_budget_kept_bytes = sum(r.nbytes for r in self.store.records.values())
+        if self.params is not None:
+            resident = self.params.resident_bytes()
+            self._note_unoffloaded(floor - resident + self.params.unoffloaded_bytes(), step_name)
 
     def _note_unoffloaded(self, floor: int, step_name: str) -> None:
         if floor > self.unoffloaded_min_bytes:

@@ -268,6 +268,7 @@ class Iteration:
         self._next_event()
         live = self.live_bytes()
         self._sample(live)
+        self.floor.note_growth(live, self.meter.growth(live), self.policy, self._step_name())
         self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
         self.floor.note(live, None, self._step_name(), self.step_index, strict=False)
         self.meter.note(live)
@@ -307,6 +308,7 @@ class Iteration:
         else:
             live = live_hint  # NOTE [reused readings]
         self._sample(live)
+        self.floor.note_growth(live, self.meter.growth(live), self.policy, self._step_name())
         self.policy.keep_reserve(self.meter.growth(live), self.meter.recomputed_bytes)
         epoch = self.store.memory_epoch
         self.policy.enforce(live + incoming_bytes, pinned)
