@@ -314,11 +314,16 @@ class MemoryManager:
         owned, probing = None, False
         cpu_chunks = device.type == "cpu" and self.granularity is Granularity.CHUNK
         plannable = "" if cpu_chunks else "parameters are offloaded on the CPU at chunk granularity"
-        to_come = 0  # the state the user's optimizer creates at its first step
+        # The state the user's optimizer creates at its first step.
+        to_come = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
         if params is None:
-            to_come = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
             owned, probing = self._offloads.for_step(
-                model, optimizer, self.budget_bytes, pending_bytes=to_come, plannable=plannable
+                model,
+                scan,
+                optimizer,
+                self.budget_bytes,
+                pending_bytes=to_come,
+                plannable=plannable,
             )
         user_optimizer = optimizer
         if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
@@ -335,7 +340,7 @@ class MemoryManager:
             )
         store, policy, tracker = self._ensure_started(device)
         # State the optimizer's first step creates: later iterations hold it, so minima count it.
-        pending = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
+        pending = to_come if optimizer is not None else 0  # an owned offloading's is its own
         held = held_outside(params.pool, model) if params is not None else 0
         protected, held_state = self._states.of(
             scan, optimizer, inputs, device, self._scans.pointers

@@ -6,6 +6,7 @@ from os import PathLike
 import torch
 from torch import nn
 
+from vtensor.activations.model_state import ModelScan
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.offload.joint import (
     AUTO_OFFLOAD_SHARE,
@@ -55,6 +56,7 @@ class Offloads:
     def for_step(
         self,
         model: nn.Module,
+        scan: ModelScan,
         optimizer: torch.optim.Optimizer | None,
         budget_bytes: int,
         *,
@@ -89,7 +91,7 @@ class Offloads:
             if self.setting is True:
                 raise VTensorError(f"offload_params=True: {plannable}")
             return None, False
-        side = state_bytes(model, optimizer, pending_bytes)
+        side = state_bytes(scan.parameters, scan.buffers, optimizer, pending_bytes)
         if self.setting == "auto" and side <= AUTO_OFFLOAD_SHARE * budget_bytes:
             return None, False
         probing = False

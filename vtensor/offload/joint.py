@@ -12,7 +12,7 @@ needs (an unforeseen use costs a wait, never a wrong value) and never exceeds th
 """
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -141,10 +141,19 @@ def held_outside(pool: OffloadPool, model: nn.Module) -> int:
 AUTO_OFFLOAD_SHARE = 0.5
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, pending: int) -> int:
-    """Parameters, buffers, gradients and optimizer state, with ``pending`` state to come."""
-    params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    grads = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+def state_bytes(
+    parameters: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    pending: int,
+) -> int:
+    """Parameters, buffers, gradients and optimizer state, with ``pending`` state to come.
+
+    The tensors come from the caller's own walk of the model (a manager's scan): walking the
+    modules again each step costs a short step.
+    """
+    params = sum(p.nbytes for p in parameters) + sum(b.nbytes for b in buffers)
+    grads = sum(p.nbytes for p in parameters if p.requires_grad)
     state = 0
     if optimizer is not None:
         for per_param in optimizer.state.values():

@@ -155,7 +155,10 @@ def floor_breakdown(
         grads = sum(
             p.nbytes for p in model.parameters() if p.requires_grad and (late or p.grad is not None)
         )
-        state = state_bytes(model, optimizer, pending_state_bytes) - params
+        state = state_bytes(
+            list(model.parameters()), list(model.buffers()), optimizer, pending_state_bytes
+        )
+        state -= params
         state -= sum(p.nbytes for p in model.parameters() if p.requires_grad)
     given = sum(t.nbytes for t in inputs)
     kept = books.min_budget_kept_bytes
@@ -201,7 +204,9 @@ def offloading_floor(
         peak = books.peak_bytes
         need = max(need, offload.budget_bytes, peak + MIN_BUDGET_MARGIN_BYTES + peak // 100)
         need += 2 * offload.pool.largest_bytes()
-    side = state_bytes(model, optimizer, 0)  # the state its updates made included
+    side = state_bytes(
+        list(model.parameters()), list(model.buffers()), optimizer, 0
+    )  # the state its updates made included
     needed = side > AUTO_OFFLOAD_SHARE * need  # offloaded at that budget under "auto" too
     if always or needed:
         parts = floor_breakdown(books, need, model, None, inputs, 0, offloaded=True)
