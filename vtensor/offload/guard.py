@@ -6,6 +6,7 @@ freed memory. During the first forward a function mode checks every op's tensor 
 """
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -13,16 +14,23 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from vtensor.errors import ParamOffloadError
+from vtensor.offload.records import ParamRecord
+from vtensor.offload.units import Unit
 
 
 class UseGuard(TorchFunctionMode):
     """Checks that every managed parameter an op receives belongs to a running unit."""
 
     def __init__(
-        self, owners: dict[int, tuple[str, frozenset[str]]], running: Counter[str]
+        self, records: Iterable[ParamRecord], units: list[Unit], running: Counter[str]
     ) -> None:
         super().__init__()
-        self.owners = owners  # storage -> (parameter name, names of the units that own it)
+        # storage -> (parameter name, names of the units that own it)
+        self.owners = {
+            r.entry.storage._cdata: (r.name, frozenset(units[i].name for i in r.units))
+            for r in records
+            if not r.fixed
+        }
         self.running = running  # units whose forward is running now (a unit may nest in itself)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -1,7 +1,7 @@
 """Torch glue of parameter offloading: module, autograd-node and gradient hooks. They only route."""
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -11,41 +11,18 @@ from vtensor.offload.records import ParamRecord
 from vtensor.offload.units import Unit
 from vtensor.outputs import tensors_in
 
-
-class OffloadTarget(Protocol):
-    """What the hooks report to (the ``ParamOffload`` session)."""
-
-    def begin_forward(self) -> None:
-        """The model's forward starts."""
-        ...
-
-    def end_forward(self) -> None:
-        """The model's forward ended (or raised)."""
-        ...
-
-    def begin_call(self, unit: Unit) -> None:
-        """A unit's forward starts."""
-        ...
-
-    def end_call(self, unit: Unit, output: Any) -> None:
-        """A unit's forward ended; ``output`` is None when it raised."""
-        ...
-
-    def take_gradient(self, record: ParamRecord) -> None:
-        """Autograd accumulated the gradient of ``record`` (in ``record.param.grad``)."""
-        ...
+if TYPE_CHECKING:
+    from vtensor.offload.passes import OffloadPasses
 
 
-def install_offload_hooks(
-    model: nn.Module, units: list[Unit], records: list[ParamRecord], target: OffloadTarget
-) -> list[RemovableHandle]:
+def install_offload_hooks(model: nn.Module, target: "OffloadPasses") -> list[RemovableHandle]:
     """Route forward boundaries of ``model`` and its units, and gradient arrivals, to ``target``.
 
     Post-hooks are ``always_call``, so a forward that raises still ends its calls; the root's
     hooks wrap any unit hooks of the root.
     """
     handles: list[RemovableHandle] = []
-    for unit in units:
+    for unit in target.units:
 
         def pre(_module: nn.Module, _args: Any, unit: Unit = unit) -> None:
             target.begin_call(unit)
@@ -61,7 +38,7 @@ def install_offload_hooks(
     handles.append(
         model.register_forward_hook(lambda _m, _a, _o: target.end_forward(), always_call=True)
     )
-    for record in records:
+    for record in target.params.values():
         if record.param.requires_grad:
 
             def arrived(_param: torch.Tensor, record: ParamRecord = record) -> None:

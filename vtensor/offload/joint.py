@@ -2,12 +2,12 @@
 
 NOTE [one plan]
 ``mm.step(model, inputs=..., params=po)`` runs a ``MemoryManager`` iteration and a
-``ParamOffload`` under one budget. While profiling, a :class:`ParamRecorder` records per
+``ParamOffload`` under one budget. While profiling, a :class:`JointSide` records per
 parameter-side tensor (by name) the steps a use held it, its creation and whether it outlives
 the iteration: ``TraceTensor``s moved ``whole``, which the LGM planner (sizes, lifetimes, uses
-only) plans with the activations. A :class:`ParamPlanExecutor` replays that side: it holds what
-the plan has resident, lets go and reads at the planned steps; the iteration makes room before
-every read the pool announces. The plan only guides: the pool still pins and reads what a use
+only) plans with the activations. Given the plan, it replays that side: it holds what the plan
+has resident, lets go and reads at the planned steps; the iteration makes room before every
+read the pool announces. The plan only guides: the pool still pins and reads what a use
 needs (an unforeseen use costs a wait, never a wrong value) and never exceeds the budget.
 """
 
@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from vtensor.errors import VTensorError
-from vtensor.offload.joint_record import ParamRecorder
-from vtensor.offload.joint_replay import ParamPlanExecutor
+from vtensor.offload.joint_side import JointSide
 
 # Re-exported: the activation manager reaches the parameter side through this module only.
 from vtensor.offload.param_offload import ParamOffload as ParamOffload
@@ -42,8 +41,7 @@ class RoomMaker(Protocol):
 class JointStep:
     """One ``MemoryManager`` iteration and a ``ParamOffload`` under one budget (NOTE [one plan]).
 
-    ``side`` is what the iteration drives: a recorder while profiling, a plan executor while
-    replaying, None when reactive.
+    ``side`` is what the iteration drives while profiling or replaying (None when reactive).
 
     Args:
         params: the parameter offloading sharing the budget.
@@ -61,21 +59,17 @@ class JointStep:
         record: bool,
     ) -> None:
         self.params = params
-        self.side: ParamRecorder | ParamPlanExecutor | None = None
-        if plan is not None:
-            self.side = ParamPlanExecutor(plan, params.pool, replaying)
-        elif record:
-            self.side = ParamRecorder(params.pool)
+        self.side = JointSide(params.pool, plan, replaying) if plan is not None or record else None
 
     @property
     def replays(self) -> bool:
         """True when the parameter side follows a plan."""
-        return isinstance(self.side, ParamPlanExecutor)
+        return self.side is not None and self.side.plan is not None
 
     @property
     def created_state(self) -> bool:
         """A profiled iteration whose first update created optimizer state (not steady)."""
-        return isinstance(self.side, ParamRecorder) and self.side.created_state
+        return self.side is not None and self.side.created_state
 
     @contextlib.contextmanager
     def connected_to(self, room: RoomMaker) -> Iterator[None]:
@@ -84,11 +78,11 @@ class JointStep:
         pool.connect(self.side, room.make_room)
         # No lookahead in a shared budget: it would read ahead as far as the whole budget allows,
         # blind to the activations beside it. A replayed plan reads ahead where it planned to.
-        self.params.begin_joint(plan_driven=True)
+        self.params.passes.joint = True
         try:
             yield
         finally:
-            self.params.end_joint()
+            self.params.passes.joint = False
             # A replayed plan keeps holding what it has resident: the next iteration starts there.
             pool.disconnect(keep_listener=self.replays)
 
@@ -172,7 +166,4 @@ def offloaded_min_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> i
     """The least the parameter side holds at once when offloaded (NOTE [offload units])."""
     units, kept = find_units(model, ())
     records = describe_params(model, optimizer, units, kept, 4096)
-    managed = {r.name for r in records.values() if not r.fixed}
-    params: dict[str, torch.Tensor] = {r.name: r.param for r in records.values()}
-    state = {r.name: r.state_bytes for r in records.values()}
-    return footprint(units, params, state, managed, 1).min_budget_bytes
+    return footprint(units, records.values(), 1).min_budget_bytes

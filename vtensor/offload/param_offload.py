@@ -30,10 +30,7 @@ from vtensor.offload.offloaded import ResidentMeter
 from vtensor.offload.passes import OffloadPasses
 from vtensor.offload.policy import Lookahead
 from vtensor.offload.pool import OffloadPool
-from vtensor.offload.records import (
-    adopt_state,
-    describe_params,
-)
+from vtensor.offload.records import adopt_state, describe_params
 from vtensor.offload.report import ParamOffloadReport
 from vtensor.offload.units import find_units, footprint, long_lived
 from vtensor.planner.trace import TensorKind
@@ -100,23 +97,16 @@ class ParamOffload:
         self.units, kept = find_units(model, resident)
         self._min_tensor_bytes = min_tensor_bytes
         self._params = describe_params(model, optimizer, self.units, kept, min_tensor_bytes)
-        lasting = long_lived(self.units)
-        managed = {r.name for r in self._params.values() if not r.fixed}
-        self.footprint = footprint(
-            self.units,
-            {r.name: r.param for r in self._params.values()},
-            {r.name: r.state_bytes for r in self._params.values()},
-            managed,
-            2 if accumulation_steps > 1 else 1,
-        )
+        copies = 2 if accumulation_steps > 1 else 1
+        self.footprint = footprint(self.units, self._params.values(), copies)
         if self.budget_bytes < self.footprint.min_budget_bytes:
             raise InfeasibleBudgetError(
                 self.budget_bytes,
                 self.footprint.min_budget_bytes,
                 f"layer {self.footprint.largest_unit}",
-                f"parameters, gradients and optimizer state of that layer, of long-lived "
-                f"layers ({len(lasting)} parameters) and of tensors under {min_tensor_bytes} "
-                "bytes must fit at once",
+                f"parameters, gradients and optimizer state of that layer, of long-lived layers "
+                f"({len(long_lived(self.units))} parameters) and of tensors under "
+                f"{min_tensor_bytes} bytes must fit at once",
             )
         self.meter = ResidentMeter()
         chunk_size = parse_bytes(chunk_bytes, what="chunk_bytes")
@@ -131,28 +121,23 @@ class ParamOffload:
             staging_bytes=chunk_size,
         )
         self.pool = OffloadPool(self._engine, self.meter, self.budget_bytes, chunk_size)
-        self._owners: dict[int, tuple[str, frozenset[str]]] = {}
         self._hooks: list[RemovableHandle] = []
         self._step_peaks: list[int] = []
-        self._closed = False
-        self._passes = OffloadPasses(
+        self.passes = OffloadPasses(
             self.pool,
             optimizer,
             self.policy,
             self.units,
             self._params,
-            self._owners,
             accumulation_steps=accumulation_steps,
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,
             min_tensor_bytes=min_tensor_bytes,
         )
+        self._closed = False
         try:
             self._adopt_all()
-            handles = install_offload_hooks(
-                model, self.units, list(self._params.values()), self._passes
-            )
-            self._hooks += handles
+            self._hooks += install_offload_hooks(model, self.passes)
             # NOTE [weights between steps]
             post, pre = model.register_state_dict_post_hook, model.register_load_state_dict_pre_hook
             # Functions, not bound methods: torch marks the hooks it is given.
@@ -170,9 +155,6 @@ class ParamOffload:
                 record.param, record.name, TensorKind.PARAM, fixed=record.fixed
             )
             adopt_state(self.pool, self.optimizer, record, self._min_tensor_bytes)
-            if not record.fixed:
-                owners = frozenset(self.units[i].name for i in record.units)
-                self._owners[record.entry.storage._cdata] = (record.name, owners)
         for entry in list(self.pool.tensors):  # everything starts in the tier
             if not self.pool.is_fixed(entry):
                 entry.start_write()
@@ -216,8 +198,9 @@ class ParamOffload:
         With ``max_grad_norm``, clip and update layer by layer and return the total norm;
         without, every parameter was updated as its gradient completed (None).
         """
-        self._check_open()
-        passes = self._passes
+        if self._closed:
+            raise ParamOffloadError("this ParamOffload is closed; make a new one to train again")
+        passes = self.passes
         if passes.in_backward or passes.backwards_done != self.accumulation_steps:
             raise ParamOffloadError(
                 f"step() after {passes.backwards_done} backward passes; accumulation_steps="
@@ -225,21 +208,12 @@ class ParamOffload:
             )
         total = None
         if self.max_grad_norm is not None:
-            total = passes.clip_and_update(self.max_grad_norm)
-        passes.end_step()
+            total = passes.clip_and_update()
+        passes.backwards_done = 0  # the next backward pass is the first of a new step
         self.pool.reap()
         self._step_peaks.append(self.meter.peak_bytes)
         self.meter.reset_peak()
         return total
-
-    # -- joint plans --------------------------------------------------------------------------
-    def begin_joint(self, *, plan_driven: bool) -> None:
-        """A ``MemoryManager`` step sharing the budget begins; ``plan_driven``: its plan reads."""
-        self._passes.begin_joint(plan_driven=plan_driven)
-
-    def end_joint(self) -> None:
-        """The joint step ended: the lookahead reads ahead again."""
-        self._passes.end_joint()
 
     def plan_signature(self) -> str:
         """What a joint plan of the coming backward pass depends on (NOTE [one plan]).
@@ -249,9 +223,9 @@ class ParamOffload:
         """
         if self.accumulation_steps == 1:
             position = "only"
-        elif self._passes.backwards_done == 0:
+        elif self.passes.backwards_done == 0:
             position = "first"
-        elif self._passes.final:
+        elif self.passes.final:
             position = "last"
         else:
             position = "middle"
@@ -264,10 +238,6 @@ class ParamOffload:
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ParamOffloadError("this ParamOffload is closed; make a new one to train again")
-
     def report(self) -> ParamOffloadReport:
         """Bytes held and moved since construction (peaks per ``step()``)."""
         return ParamOffloadReport(
@@ -293,22 +263,16 @@ class ParamOffload:
         if self._closed:
             return
         self._closed = True
-        passes = getattr(self, "_passes", None)
-        if passes is not None:
-            passes.close_guard()
+        self.passes.close_guard()
         for hook in self._hooks:
             hook.remove()
-        pool = getattr(self, "pool", None)
-        if pool is not None:
-            for record in self._params.values():
-                for extra in (record.acc, record.grad):
-                    if extra is not None:
-                        pool.forget(extra)
-                record.acc = record.grad = None
-            pool.close()
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.close()
+        for record in self._params.values():
+            for extra in (record.acc, record.grad):
+                if extra is not None:
+                    self.pool.forget(extra)
+            record.acc = record.grad = None
+        self.pool.close()
+        self._engine.close()
         logger.debug("parameter offloading closed: %s", format_bytes(self.meter.peak_bytes))
 
     def __enter__(self) -> "ParamOffload":

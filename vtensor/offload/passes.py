@@ -25,7 +25,6 @@ class OffloadPasses:
     Args:
         pool, optimizer, policy, units: the session's (the optimizer is stepped per parameter).
         params: per parameter name, what offloading holds for it.
-        owners: per parameter storage, its name and the units that own it (first forward).
         accumulation_steps, max_grad_norm, norm_type, min_tensor_bytes: as for ``ParamOffload``.
     """
 
@@ -36,7 +35,6 @@ class OffloadPasses:
         policy: Lookahead,
         units: list[Unit],
         params: dict[str, ParamRecord],
-        owners: dict[int, tuple[str, frozenset[str]]],
         *,
         accumulation_steps: int,
         max_grad_norm: float | None,
@@ -44,14 +42,13 @@ class OffloadPasses:
         min_tensor_bytes: int,
     ) -> None:
         self.pool, self.optimizer, self.policy = pool, optimizer, policy
-        self.units, self.params, self.owners = units, params, owners
+        self.units, self.params = units, params
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
         self.min_tensor_bytes = min_tensor_bytes
         self._running: Counter[str] = Counter()
-        self._schedule: list[Event] = []
-        self._recording = True
-        self._forward_calls = self._backward_calls = self._update_calls = 0
+        self._recording = True  # the first step: the guard checks, the policy learns the order
+        self._forward_calls = self._backward_calls = 0
         self.backwards_done = 0
         self.in_backward = False
         self._bwd_pins: dict[str, list[OffloadedTensor]] = {}
@@ -60,12 +57,8 @@ class OffloadPasses:
         self._saved: dict[int, set[str]] = {}  # unit -> parameters autograd saved (last forward)
         self._calls: list[tuple[Unit, dict[str, tuple[int, int]], list[Any]]] = []
         self._guard: UseGuard | None = None
-        self._plan_driven = False  # a joint plan does the reads, not the lookahead
-        self._joint_step = False  # inside a MemoryManager step that shares the budget
-
-    def end_step(self) -> None:
-        """The optimizer step is done: the next backward pass is the first of a new step."""
-        self.backwards_done = 0
+        # Inside a MemoryManager step that shares the budget: its plan reads, not the lookahead.
+        self.joint = False
 
     def close_guard(self) -> None:
         """End a first forward's use guard if one is open."""
@@ -76,17 +69,15 @@ class OffloadPasses:
     # -- forward ------------------------------------------------------------------------------
     def begin_forward(self) -> None:  # noqa: D102
         self._forward_calls = 0
-        if not self._joint_step:
+        if not self.joint:
             # A forward outside the manager's steps (evaluation): a joint plan's hold ends.
             self.pool.end_hold()
         if self._recording and self._guard is None:
-            self._guard = UseGuard(self.owners, self._running)
+            self._guard = UseGuard(self.params.values(), self.units, self._running)
             self._guard.__enter__()  # type: ignore[no-untyped-call]
 
     def end_forward(self) -> None:  # noqa: D102
-        if self._guard is not None:
-            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            self._guard = None
+        self.close_guard()
         while self._calls:  # a forward that raised left calls open
             self.end_call(self._calls[-1][0], None)
 
@@ -104,7 +95,7 @@ class OffloadPasses:
         ]
         counts = {r.name: use_counts(r) for r in records if not r.fixed}
         self._calls.append((unit, counts, nodes))
-        self._prefetch(Phase.FORWARD, self._forward_calls, reserve_bytes=0)
+        self._prefetch(Phase.FORWARD, self._forward_calls)
         self._forward_calls += 1
 
     def end_call(self, unit: Unit, output: Any) -> None:  # noqa: D102
@@ -150,7 +141,7 @@ class OffloadPasses:
             if record.param.requires_grad and name not in self._expected:
                 self._expected[name] = record.entry.nbytes
                 self.pool.expect(record.entry.nbytes)
-        self._prefetch(Phase.BACKWARD, self._backward_calls, 0)
+        self._prefetch(Phase.BACKWARD, self._backward_calls)
         self._backward_calls += 1
 
     def _backward_need(
@@ -179,19 +170,15 @@ class OffloadPasses:
         return needs, reserve
 
     def _end_backward(self) -> None:
-        for name in list(self._bwd_pins):
-            self._unpin_backward(name)
+        for entry in [e for group in self._bwd_pins.values() for e in group]:
+            self.pool.release(entry)
+        self._bwd_pins.clear()
         self.pool.arrived(sum(self._expected.values()))
         self._expected.clear()
         self.in_backward = False
         self.backwards_done += 1
-        if self._recording:
-            self._recording = False
+        self._recording = False
         self.pool.reap()
-
-    def _unpin_backward(self, name: str) -> None:
-        for entry in self._bwd_pins.pop(name, []):
-            self.pool.release(entry)
 
     def take_gradient(self, record: ParamRecord) -> None:  # noqa: D102
         self._ensure_backward()
@@ -203,7 +190,7 @@ class OffloadPasses:
         self._keep_gradient(record, grad)
         for entry in pins:  # after the update: the parameter must not leave before it
             self.pool.release(entry)
-        if self._joint_step:
+        if self.joint:
             # Sharing a budget, the bytes its write-backs hold are no activation the guard could
             # evict: they leave before backward allocates more.
             self.pool.reap(block=True)
@@ -235,24 +222,24 @@ class OffloadPasses:
             update_parameter(self.pool, self.optimizer, record, entry, self.min_tensor_bytes)
 
     # -- update -------------------------------------------------------------------------------
-    def clip_and_update(self, max_norm: float) -> torch.Tensor:
+    def clip_and_update(self) -> torch.Tensor:
         """Clip every kept gradient by the global norm and update, unit by unit."""
         pending = [r for r in self.params.values() if r.grad is not None]
         norms = [
             (r.grad.tensor, r.norm) for r in pending if r.grad is not None and r.norm is not None
         ]
         total = total_norm(norms, self.norm_type)
-        order = self.policy.update_order(self._schedule, len(self.units))
+        max_norm = self.max_grad_norm
+        assert max_norm is not None
+        order = [*self.policy.update_order(len(self.units)), -1]
         by_unit = {i: [r for r in pending if r.units and r.units[0] == i] for i in order}
         by_unit[-1] = [r for r in pending if not r.units]
-        self._update_calls = 0
-        for index in [*order, -1]:
-            self._note(Event(Phase.UPDATE, index), self._update_calls)
-            records = by_unit.get(index, [])
+        for position, index in enumerate(order):
+            self._note(Event(Phase.UPDATE, index), position)
+            records = by_unit[index]
             grads = [r.grad for r in records if r.grad is not None]
             self.pool.acquire(grads, "clip-and-update")
-            self._prefetch(Phase.UPDATE, self._update_calls, reserve_bytes=0)
-            self._update_calls += 1
+            self._prefetch(Phase.UPDATE, position)
             for record in records:
                 grad = record.grad
                 assert grad is not None
@@ -264,14 +251,13 @@ class OffloadPasses:
     # -- prefetch -----------------------------------------------------------------------------
     def _note(self, event: Event, position: int) -> None:
         if self._recording:
-            self.policy.record(self._schedule, event, position)
+            self.policy.record(event, position)
 
-    def _prefetch(self, phase: Phase, position: int, reserve_bytes: int) -> None:
-        if self._plan_driven:
+    def _prefetch(self, phase: Phase, position: int) -> None:
+        if self.joint:
             return
-        upcoming = self.policy.upcoming(self._schedule, phase, position, final=self.final)
-        for event in upcoming:
-            if not self.pool.prefetch(self._need(event), reserve_bytes):
+        for event in self.policy.upcoming(phase, position, final=self.final):
+            if not self.pool.prefetch(self._need(event)):
                 return
 
     def _need(self, event: Event) -> list[OffloadedTensor]:
@@ -286,12 +272,3 @@ class OffloadPasses:
             return [e for group in needs.values() for e in group]
         grads = [r.grad for r in records if r.grad is not None]
         return [*(r.entry for r in records), *grads, *(e for r in records for e in r.state)]
-
-    # -- joint steps ----------------------------------------------------------------------------
-    def begin_joint(self, *, plan_driven: bool) -> None:
-        """A ``MemoryManager`` step sharing the budget begins; ``plan_driven``: its plan reads."""
-        self._joint_step, self._plan_driven = True, plan_driven
-
-    def end_joint(self) -> None:
-        """The joint step ended: the lookahead reads ahead again."""
-        self._joint_step = self._plan_driven = False

@@ -32,21 +32,19 @@ class Lookahead:
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
+        self.schedule: list[Event] = []
 
-    @staticmethod
-    def record(schedule: list[Event], event: Event, position: int) -> None:
+    def record(self, event: Event, position: int) -> None:
         """Append ``event``, the ``position``-th use of its phase, unless already recorded."""
-        if sum(e.phase is event.phase for e in schedule) == position:
-            schedule.append(event)
+        if sum(e.phase is event.phase for e in self.schedule) == position:
+            self.schedule.append(event)
 
-    def upcoming(
-        self, schedule: list[Event], phase: Phase, position: int, *, final: bool
-    ) -> list[Event]:
+    def upcoming(self, phase: Phase, position: int, *, final: bool) -> list[Event]:
         """The uses after the ``position``-th of ``phase``, wrapping to the next step.
 
         Update uses are skipped unless ``final`` (the step's last backward, before the update).
         """
-        ordered = sorted(schedule, key=lambda e: _ORDER.index(e.phase))
+        ordered = sorted(self.schedule, key=lambda e: _ORDER.index(e.phase))
         if not final:
             ordered = [e for e in ordered if e.phase is not Phase.UPDATE]
         start = sum(_ORDER.index(e.phase) < _ORDER.index(phase) for e in ordered) + position
@@ -55,11 +53,10 @@ class Lookahead:
         count = min(self.depth, len(ordered) - 1)
         return [ordered[(start + i) % len(ordered)] for i in range(1, count + 1)]
 
-    @staticmethod
-    def update_order(schedule: list[Event], units: int) -> list[int]:
+    def update_order(self, units: int) -> list[int]:
         """Units in the order the update pass visits them: backward's order, then the rest."""
         seen: dict[int, None] = {}
-        for event in schedule:
+        for event in self.schedule:
             if event.phase is Phase.BACKWARD:
                 seen.setdefault(event.unit, None)
         for unit in range(units):

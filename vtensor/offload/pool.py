@@ -6,7 +6,7 @@ tensors in memory within the budget (NOTE [write-back residency] in ``offload/of
 
 import itertools
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,29 +16,8 @@ from vtensor.offload.offloaded import OffloadedTensor, Residency, ResidentMeter
 from vtensor.planner.trace import TensorKind
 from vtensor.sizes import format_bytes
 
-
-class PoolListener(Protocol):
-    """What a joint plan's recorder or executor learns from the pool (``offload/joint.py``)."""
-
-    def adopted(self, entry: "OffloadedTensor") -> None:
-        """``entry`` is managed from now on."""
-        ...
-
-    def used(self, entry: "OffloadedTensor") -> None:
-        """A use pinned ``entry``."""
-        ...
-
-    def released(self, entry: "OffloadedTensor") -> None:
-        """A use of ``entry`` ended."""
-        ...
-
-    def forgotten(self, entry: "OffloadedTensor") -> None:
-        """``entry`` is no longer managed."""
-        ...
-
-    def holds(self, entry: "OffloadedTensor") -> bool:
-        """True to keep the unpinned ``entry`` in memory (a plan has it resident now)."""
-        ...
+if TYPE_CHECKING:
+    from vtensor.offload.joint_side import JointSide
 
 
 class OffloadPool:
@@ -65,7 +44,7 @@ class OffloadPool:
         self._wanted_order = itertools.count()
         self._wanted_at: dict[int, int] = {}
         self.fixed_bytes = 0  # bytes of fixed tensors: always in memory
-        self._listener: PoolListener | None = None
+        self._listener: JointSide | None = None
         self._before_allocate: Callable[[int], None] | None = None
         self._unoffloaded = 0  # NOTE [offload probe] in activations/offloads.py
 
@@ -141,18 +120,14 @@ class OffloadPool:
         entry.pins -= 1
         if self._listener is not None:
             self._listener.released(entry)
-        self._settle(entry)
+        self.let_go(entry)
 
-    def let_go(self, entry: OffloadedTensor) -> None:
-        """Let an unpinned tensor (just adopted, or just changed) start leaving memory."""
-        self._settle(entry)
-
-    def prefetch(self, entries: list[OffloadedTensor], reserve_bytes: int) -> bool:
-        """Start reading ``entries`` if they fit beside ``reserve_bytes``; False if they do not."""
+    def prefetch(self, entries: list[OffloadedTensor]) -> bool:
+        """Start reading ``entries`` if they fit the budget now; False if they do not."""
         self.reap()
         missing = self.missing_bytes(entries)
         held = self.meter.resident_bytes + self.reserved_bytes
-        if held + missing + reserve_bytes > self.budget_bytes:
+        if held + missing > self.budget_bytes:
             return False
         self._announce(missing)
         for entry in entries:
@@ -167,7 +142,7 @@ class OffloadPool:
             self._before_allocate(nbytes)
 
     @property
-    def listener(self) -> "PoolListener | None":
+    def listener(self) -> "JointSide | None":
         """What a joint step connected (None outside one, or once its hold ended)."""
         return self._listener
 
@@ -175,15 +150,8 @@ class OffloadPool:
         """True if ``entry`` is managed and not in memory: holding it needs a read."""
         return not entry.in_memory and id(entry) in self._alive
 
-    def read_held(self, entry: OffloadedTensor) -> None:
-        """Start reading ``entry``, resident in the plan from now on; the caller made room."""
-        if self.must_read(entry):
-            entry.fetch()
-
     # -- a joint step (NOTE [one plan]) -------------------------------------------------------
-    def connect(
-        self, listener: "PoolListener | None", before_allocate: Callable[[int], None]
-    ) -> None:
+    def connect(self, listener: "JointSide | None", before_allocate: Callable[[int], None]) -> None:
         """For one joint iteration: ``listener`` sees every move; reads and uses announced first."""
         self._listener = listener
         self._before_allocate = before_allocate
@@ -199,7 +167,7 @@ class OffloadPool:
         """Stop a joint plan's hold on what it kept resident (a forward outside its steps)."""
         self._listener = None
 
-    def _settle(self, entry: OffloadedTensor) -> None:
+    def let_go(self, entry: OffloadedTensor) -> None:
         """Move an unpinned, unwanted tensor toward the tier: drop if clean, else write."""
         if entry.pins or entry.wanted or self.is_fixed(entry) or not entry.done():
             return
@@ -218,7 +186,7 @@ class OffloadPool:
         for entry in self.tensors:
             if entry.state in (Residency.WRITING, Residency.READING) and (block or entry.done()):
                 entry.complete()
-            self._settle(entry)
+            self.let_go(entry)
 
     def make_room(self, nbytes: int, what: str) -> None:
         """Free room for ``nbytes`` or raise: unwanted tensors first, then the latest prefetches."""

@@ -10,13 +10,16 @@ whose forward encloses others', and tied ones, stay in memory across other units
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from vtensor.errors import ParamOffloadError
 from vtensor.measure.optimizer_state import StateShape, measure_state
+
+if TYPE_CHECKING:
+    from vtensor.offload.records import ParamRecord
 
 
 @dataclass(frozen=True)
@@ -144,36 +147,32 @@ class Footprint:
         return self.param_bytes + self.grad_bytes + self.state_bytes
 
 
-def footprint(
-    units: list[Unit],
-    params: dict[str, torch.Tensor],
-    state: dict[str, int],
-    managed: set[str],
-    grad_copies: int,
-) -> Footprint:
+def footprint(units: list[Unit], records: Iterable["ParamRecord"], grad_copies: int) -> Footprint:
     """The totals and the smallest feasible budget (NOTE [offload units]).
 
     A parameter at its worst holds itself, its state and ``grad_copies`` gradients (accumulated
-    and new). Unmanaged and long-lived ones count in full; of the others, the largest unit.
+    and new). Fixed and long-lived ones count in full; of the others, the largest unit.
     """
-
-    def full(name: str) -> int:
-        param = params[name]
-        nbytes = param.untyped_storage().nbytes()
-        return nbytes + state[name] + (grad_copies * nbytes if param.requires_grad else 0)
-
+    by_name = {r.name: r for r in records}
     lasting = long_lived(units)
-    always = sum(full(name) for name in params if name not in managed or name in lasting)
+
+    def full(record: "ParamRecord") -> int:
+        nbytes = record.param.untyped_storage().nbytes()
+        grads = grad_copies * nbytes if record.param.requires_grad else 0
+        return nbytes + record.state_bytes + grads
+
+    always = sum(full(r) for r in by_name.values() if r.fixed or r.name in lasting)
     worst, largest = 0, ""
     for unit in units:
-        need = sum(full(name) for name in unit.params if name in managed and name not in lasting)
+        offloaded = [by_name[n] for n in unit.params if not by_name[n].fixed and n not in lasting]
+        need = sum(full(r) for r in offloaded)
         if need > worst:
             worst, largest = need, unit.name or "<root>"
-    grads = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad)
+    sizes = [(r.param.untyped_storage().nbytes(), r.param.requires_grad) for r in by_name.values()]
     return Footprint(
-        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
-        grad_bytes=grads,
-        state_bytes=sum(state.values()),
+        param_bytes=sum(nbytes for nbytes, _ in sizes),
+        grad_bytes=sum(nbytes for nbytes, trained in sizes if trained),
+        state_bytes=sum(r.state_bytes for r in by_name.values()),
         min_budget_bytes=always + worst,
         largest_unit=largest,
     )
