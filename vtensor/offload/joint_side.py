@@ -175,7 +175,10 @@ class JointSide:
 
     def pinned_bytes(self) -> int:
         """Bytes of movable parameter-side tensors that a use holds in memory now."""
-        return self.pool.pinned_bytes()
+        pool = self.pool
+        return sum(
+            e.nbytes for e in pool.tensors if e.in_memory and e.pins and not pool.is_fixed(e)
+        )
 
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """The recorded tensors as trace tensors, by name, numbered from ``first_vid``."""

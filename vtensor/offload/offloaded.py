@@ -78,7 +78,7 @@ class OffloadedTensor:
         engine: TransferEngine,
         meter: ResidentMeter,
         chunk_bytes: int,
-        kind: TensorKind = TensorKind.PARAM,
+        kind: TensorKind,
     ) -> None:
         self.tensor = tensor
         self.name = name
@@ -116,13 +116,6 @@ class OffloadedTensor:
         self.engine.release(self.chunks)  # the stale copy's extents and tags
         self._transfer = self.engine.evict(self.storage, self.chunks)
 
-    def start_read(self) -> None:
-        """Allocate the storage again and start reading the bytes back into it."""
-        self._move(Residency.READING)
-        self.storage.resize_(self.nbytes)
-        self.meter.add(self.nbytes)
-        self._transfer = self.engine.restore(self.storage, self.chunks)
-
     def done(self) -> bool:
         """True when no transfer is in flight or the one in flight has finished."""
         return self._transfer is None or self._transfer.done()
@@ -156,14 +149,12 @@ class OffloadedTensor:
         self.clean = True
 
     def fetch(self) -> None:
-        """Start bringing the bytes into memory if they are only in the tier."""
+        """If the bytes are only in the tier, allocate the storage again and start reading."""
         if self.state is Residency.STORED:
-            self.start_read()
-
-    def ensure_resident(self) -> None:
-        """Make the bytes valid in memory, waiting on a transfer only if it is still in flight."""
-        self.fetch()
-        self.complete()
+            self._move(Residency.READING)
+            self.storage.resize_(self.nbytes)
+            self.meter.add(self.nbytes)
+            self._transfer = self.engine.restore(self.storage, self.chunks)
 
     def drop(self) -> None:
         """Release the memory of a clean, unpinned, resident tensor (the tier keeps its bytes)."""

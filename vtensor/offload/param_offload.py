@@ -91,11 +91,7 @@ class ParamOffload:
             )
         self.model, self.optimizer = model, optimizer
         self.budget_bytes = parse_bytes(budget)
-        self.accumulation_steps = accumulation_steps
-        self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
-        self.policy = Lookahead(lookahead)
         self.units, kept = find_units(model, resident)
-        self._min_tensor_bytes = min_tensor_bytes
         self._params = describe_params(model, optimizer, self.units, kept, min_tensor_bytes)
         copies = 2 if accumulation_steps > 1 else 1
         self.footprint = footprint(self.units, self._params.values(), copies)
@@ -121,12 +117,10 @@ class ParamOffload:
             staging_bytes=chunk_size,
         )
         self.pool = OffloadPool(self._engine, self.meter, self.budget_bytes, chunk_size)
-        self._hooks: list[RemovableHandle] = []
-        self._step_peaks: list[int] = []
         self.passes = OffloadPasses(
             self.pool,
             optimizer,
-            self.policy,
+            Lookahead(lookahead),
             self.units,
             self._params,
             accumulation_steps=accumulation_steps,
@@ -134,6 +128,8 @@ class ParamOffload:
             norm_type=norm_type,
             min_tensor_bytes=min_tensor_bytes,
         )
+        self._hooks: list[RemovableHandle] = []
+        self._step_peaks: list[int] = []
         self._closed = False
         try:
             self._adopt_all()
@@ -154,7 +150,7 @@ class ParamOffload:
             record.entry = self.pool.adopt(
                 record.param, record.name, TensorKind.PARAM, fixed=record.fixed
             )
-            adopt_state(self.pool, self.optimizer, record, self._min_tensor_bytes)
+            adopt_state(self.pool, self.optimizer, record, self.passes.min_tensor_bytes)
         for entry in list(self.pool.tensors):  # everything starts in the tier
             if not self.pool.is_fixed(entry):
                 entry.start_write()
@@ -201,13 +197,13 @@ class ParamOffload:
         if self._closed:
             raise ParamOffloadError("this ParamOffload is closed; make a new one to train again")
         passes = self.passes
-        if passes.in_backward or passes.backwards_done != self.accumulation_steps:
+        if passes.in_backward or passes.backwards_done != passes.accumulation_steps:
             raise ParamOffloadError(
                 f"step() after {passes.backwards_done} backward passes; accumulation_steps="
-                f"{self.accumulation_steps}: call step() once after that many loss.backward()"
+                f"{passes.accumulation_steps}: call step() once after that many loss.backward()"
             )
         total = None
-        if self.max_grad_norm is not None:
+        if passes.max_grad_norm is not None:
             total = passes.clip_and_update()
         passes.backwards_done = 0  # the next backward pass is the first of a new step
         self.pool.reap()
@@ -221,19 +217,20 @@ class ParamOffload:
         The settings that change which tensors exist and when, and the backward's place in its
         step: the first micro-batch creates the accumulated gradients, the last one updates.
         """
-        if self.accumulation_steps == 1:
+        passes = self.passes
+        if passes.accumulation_steps == 1:
             position = "only"
-        elif self.passes.backwards_done == 0:
+        elif passes.backwards_done == 0:
             position = "first"
-        elif self.passes.final:
+        elif passes.final:
             position = "last"
         else:
             position = "middle"
-        clip = "none" if self.max_grad_norm is None else f"{self.norm_type}"
+        clip = "none" if passes.max_grad_norm is None else f"{passes.norm_type}"
         optimizer = type(self.optimizer)
         return (
             f"param-offload/1;optimizer={optimizer.__module__}.{optimizer.__qualname__};"
-            f"accumulation={self.accumulation_steps};clip={clip};micro-batch={position};"
+            f"accumulation={passes.accumulation_steps};clip={clip};micro-batch={position};"
             f"fixed={','.join(sorted(r.name for r in self._params.values() if r.fixed))}"
         )
 

@@ -234,12 +234,9 @@ class OffloadPasses:
         order = [*self.policy.update_order(len(self.units)), -1]
         by_unit = {i: [r for r in pending if r.units and r.units[0] == i] for i in order}
         by_unit[-1] = [r for r in pending if not r.units]
-        for position, index in enumerate(order):
-            self._note(Event(Phase.UPDATE, index), position)
+        for index in order:
             records = by_unit[index]
-            grads = [r.grad for r in records if r.grad is not None]
-            self.pool.acquire(grads, "clip-and-update")
-            self._prefetch(Phase.UPDATE, position)
+            self.pool.acquire([r.grad for r in records if r.grad is not None], "clip-and-update")
             for record in records:
                 grad = record.grad
                 assert grad is not None
@@ -256,19 +253,13 @@ class OffloadPasses:
     def _prefetch(self, phase: Phase, position: int) -> None:
         if self.joint:
             return
-        for event in self.policy.upcoming(phase, position, final=self.final):
+        for event in self.policy.upcoming(phase, position):
             if not self.pool.prefetch(self._need(event)):
                 return
 
     def _need(self, event: Event) -> list[OffloadedTensor]:
-        if event.unit < 0:
-            return []
         unit = self.units[event.unit]
-        records = [self.params[n] for n in unit.params]
         if event.phase is Phase.FORWARD:
-            return [r.entry for r in records]
-        if event.phase is Phase.BACKWARD:
-            needs = self._backward_need(unit, self._saved.get(unit.index, set()))[0]
-            return [e for group in needs.values() for e in group]
-        grads = [r.grad for r in records if r.grad is not None]
-        return [*(r.entry for r in records), *grads, *(e for r in records for e in r.state)]
+            return [self.params[n].entry for n in unit.params]
+        needs = self._backward_need(unit, self._saved.get(unit.index, set()))[0]
+        return [e for group in needs.values() for e in group]

@@ -1,7 +1,8 @@
 """Which layers' tensors to read ahead: the order of uses seen in the first step, ``k`` ahead.
 
 Policy only: it returns uses; the pool decides whether their tensors fit. A wrong guess costs a
-read and memory, never correctness: every use waits on its own tensors.
+read and memory, never correctness: every use waits on its own tensors. The forward and backward
+passes read ahead; the clip-and-update pass of ``step()`` reads each unit's tensors on demand.
 """
 
 from dataclasses import dataclass
@@ -13,18 +14,17 @@ class Phase(StrEnum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
-    UPDATE = "update"  # the clip-and-update pass after backward
 
 
 @dataclass(frozen=True)
 class Event:
-    """One use of a unit's tensors (``unit`` -1: the parameters outside every unit)."""
+    """One use of a unit's tensors."""
 
     phase: Phase
     unit: int
 
 
-_ORDER = (Phase.FORWARD, Phase.BACKWARD, Phase.UPDATE)
+_ORDER = (Phase.FORWARD, Phase.BACKWARD)
 
 
 class Lookahead:
@@ -39,14 +39,9 @@ class Lookahead:
         if sum(e.phase is event.phase for e in self.schedule) == position:
             self.schedule.append(event)
 
-    def upcoming(self, phase: Phase, position: int, *, final: bool) -> list[Event]:
-        """The uses after the ``position``-th of ``phase``, wrapping to the next step.
-
-        Update uses are skipped unless ``final`` (the step's last backward, before the update).
-        """
+    def upcoming(self, phase: Phase, position: int) -> list[Event]:
+        """The uses after the ``position``-th of ``phase``, wrapping to the next step."""
         ordered = sorted(self.schedule, key=lambda e: _ORDER.index(e.phase))
-        if not final:
-            ordered = [e for e in ordered if e.phase is not Phase.UPDATE]
         start = sum(_ORDER.index(e.phase) < _ORDER.index(phase) for e in ordered) + position
         if not ordered or start >= len(ordered) or ordered[start].phase is not phase:
             return []

@@ -24,10 +24,8 @@ class OffloadPool:
     """Owns the session's offloaded tensors and the meter of their resident bytes.
 
     A *fixed* tensor (small, or in a ``resident`` module) never leaves memory but is counted.
-    While :meth:`connect`-ed to a joint iteration (NOTE [one plan] in ``offload/joint.py``), a
-    listener sees every move and may hold tensors between uses, and every read (with what its
-    use allocates) is announced first, so the activation manager sharing the budget can make
-    room.
+    :meth:`connect`-ed to a joint iteration (NOTE [one plan] in ``offload/joint.py``), its
+    listener sees every move and may hold tensors, and every read is announced first.
     """
 
     def __init__(
@@ -212,19 +210,12 @@ class OffloadPool:
             f"state are in use and {format_bytes(nbytes)} more are needed",
         )
 
-    def pinned_bytes(self) -> int:
-        """Bytes of movable tensors in memory that a use holds now."""
-        return sum(
-            e.nbytes for e in self.tensors if e.in_memory and e.pins and not self.is_fixed(e)
-        )
-
     def unoffloaded_bytes(self) -> int:
         """What its movable tensors would hold in memory now, were they never offloaded.
 
-        Since :meth:`connect`: the tensors it had then, and every gradient since, even one
-        already used and forgotten (autograd keeps each until ``zero_grad``). Optimizer state
-        made since is left out: held in memory, it is made by the optimizer's step after
-        backward, state to come that the minimum counts apart.
+        Since :meth:`connect`: the tensors it had then and every gradient since, even one used
+        and forgotten (autograd keeps each until ``zero_grad``); new optimizer state is left
+        out (state to come, which the minimum counts apart).
         """
         return self._unoffloaded
 
@@ -239,4 +230,5 @@ class OffloadPool:
     def close(self) -> None:
         """Bring every tensor back into memory and wait for all transfers."""
         for entry in self.tensors:
-            entry.ensure_resident()
+            entry.fetch()
+            entry.complete()

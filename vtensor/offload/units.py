@@ -110,11 +110,7 @@ def long_lived(units: list[Unit]) -> set[str]:
 def probe_state(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
 ) -> StateShape:
-    """The state ``optimizer`` keeps per parameter of ``group`` (``measure_state``).
-
-    Raises:
-        ParamOffloadError: the optimizer cannot be stepped one parameter at a time.
-    """
+    """The state ``optimizer`` keeps per parameter of ``group``; refused if not per parameter."""
     try:
         return measure_state(optimizer, group, dtype)
     except Exception as error:
@@ -140,11 +136,6 @@ class Footprint:
     state_bytes: int
     min_budget_bytes: int
     largest_unit: str
-
-    @property
-    def total_bytes(self) -> int:
-        """Parameters + gradients + optimizer state."""
-        return self.param_bytes + self.grad_bytes + self.state_bytes
 
 
 def footprint(units: list[Unit], records: Iterable["ParamRecord"], grad_copies: int) -> Footprint:
