@@ -41,13 +41,8 @@ class RoomMaker(Protocol):
 class JointStep:
     """One ``MemoryManager`` iteration and a ``ParamOffload`` under one budget (NOTE [one plan]).
 
-    ``side`` is what the iteration drives while profiling or replaying (None when reactive).
-
-    Args:
-        params: the parameter offloading sharing the budget.
-        plan: the joint plan the activations replay (None: none).
-        replaying: whether the activation replay still follows ``plan``.
-        record: the iteration is profiled.
+    ``side`` is what the iteration drives while it is profiled (``record``) or replays ``plan``
+    (while ``replaying()``); None when reactive.
     """
 
     def __init__(
@@ -60,11 +55,6 @@ class JointStep:
     ) -> None:
         self.params = params
         self.side = JointSide(params.pool, plan, replaying) if plan is not None or record else None
-
-    @property
-    def replays(self) -> bool:
-        """True when the parameter side follows a plan."""
-        return self.side is not None and self.side.plan is not None
 
     @property
     def created_state(self) -> bool:
@@ -84,7 +74,7 @@ class JointStep:
         finally:
             self.params.passes.joint = False
             # A replayed plan keeps holding what it has resident: the next iteration starts there.
-            pool.disconnect(keep_listener=self.replays)
+            pool.disconnect(keep_listener=self.side is not None and self.side.plan is not None)
 
 
 def check_joint(

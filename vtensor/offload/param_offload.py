@@ -1,15 +1,4 @@
-"""Training with parameters, gradients and optimizer state offloaded to the storage tier.
-
-NOTE [parameter offloading] (docs/param-offload.md)
-A forward pre-hook brings a unit's parameters in (NOTE [offload units]) and a forward hook lets
-them go, noting which autograd saved (their use counts grew) and putting a prehook on the
-unit's output nodes that brings those back before its backward. A post-accumulate-grad hook
-takes each gradient as it completes: between micro-batches it is added to the accumulated
-gradient, which leaves memory; in a step's last backward the parameter is updated at once (NOTE
-[per-parameter update]), or, when clipping by global norm, the gradient's norm is kept for the
-streamed clip-and-update pass of ``step()``. Reads for the next ``lookahead`` uses
-(:class:`~vtensor.offload.policy.Lookahead`) start on the I/O thread as the budget allows.
-"""
+"""Training with parameters, gradients and optimizer state offloaded to the storage tier."""
 
 import contextlib
 import functools
@@ -30,9 +19,10 @@ from vtensor.offload.offloaded import ResidentMeter
 from vtensor.offload.passes import OffloadPasses
 from vtensor.offload.policy import Lookahead
 from vtensor.offload.pool import OffloadPool
-from vtensor.offload.records import adopt_state, describe_params
+from vtensor.offload.records import describe_params
 from vtensor.offload.report import ParamOffloadReport
 from vtensor.offload.units import find_units, footprint, long_lived
+from vtensor.offload.update import adopt_state
 from vtensor.planner.trace import TensorKind
 from vtensor.sizes import format_bytes, parse_bytes
 

@@ -1,6 +1,14 @@
 """The passes of parameter offloading: what each forward, backward and update use pins and reads.
 
-The hooks' target (NOTE [parameter offloading] in ``offload/param_offload.py``).
+NOTE [parameter offloading] (docs/param-offload.md)
+A forward pre-hook brings a unit's parameters in (NOTE [offload units]) and a forward hook lets
+them go, noting which autograd saved (their use counts grew) and putting a prehook on the
+unit's output nodes that brings those back before its backward. A post-accumulate-grad hook
+takes each gradient as it completes: between micro-batches it is added to the accumulated
+gradient, which leaves memory; in a step's last backward the parameter is updated at once (NOTE
+[per-parameter update]), or, when clipping by global norm, the gradient's norm is kept for the
+streamed clip-and-update pass of ``step()``. Reads for the next ``lookahead`` uses
+(:class:`~vtensor.offload.policy.Lookahead`) start on the I/O thread as the budget allows.
 """
 
 from collections import Counter
@@ -8,24 +16,21 @@ from typing import Any
 
 import torch
 
-from vtensor.offload.guard import UseGuard
-from vtensor.offload.hooks import on_backward_start
+from vtensor.offload.hooks import UseGuard, on_backward_start
 from vtensor.offload.offloaded import OffloadedTensor
 from vtensor.offload.policy import Event, Lookahead, Phase
 from vtensor.offload.pool import OffloadPool
-from vtensor.offload.records import ParamRecord, grew, update_parameter, use_counts
+from vtensor.offload.records import ParamRecord, grew, use_counts
 from vtensor.offload.units import Unit
-from vtensor.offload.update import clip_, gradient_norm, total_norm
+from vtensor.offload.update import clip_, gradient_norm, total_norm, update_parameter
 from vtensor.planner.trace import TensorKind
 
 
 class OffloadPasses:
-    """Routes the model's uses of its parameters to the pool, pass by pass, and reads ahead.
+    """The hooks' target: routes the model's uses of its parameters to the pool, and reads ahead.
 
-    Args:
-        pool, optimizer, policy, units: the session's (the optimizer is stepped per parameter).
-        params: per parameter name, what offloading holds for it.
-        accumulation_steps, max_grad_norm, norm_type, min_tensor_bytes: as for ``ParamOffload``.
+    ``params``: per parameter name, what offloading holds for it; the settings are the
+    ``ParamOffload``'s.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""What offloading holds for each parameter, and one parameter's update through the pool."""
+"""What offloading holds for each parameter, checked against the model and the optimizer."""
 
 from dataclasses import dataclass, field
 
@@ -8,10 +8,7 @@ from torch import nn
 from vtensor.errors import ParamOffloadError
 from vtensor.measure.optimizer_state import StateShape
 from vtensor.offload.offloaded import OffloadedTensor
-from vtensor.offload.pool import OffloadPool
 from vtensor.offload.units import Unit, probe_state
-from vtensor.offload.update import step_parameter
-from vtensor.planner.trace import TensorKind
 
 
 @dataclass
@@ -89,62 +86,6 @@ def describe_params(
         fixed = name in kept or not owners or small
         records[name] = ParamRecord(name, param, group, fixed, state_bytes, owners)
     return records
-
-
-def adopt_state(
-    pool: OffloadPool,
-    optimizer: torch.optim.Optimizer,
-    record: ParamRecord,
-    min_tensor_bytes: int,
-) -> None:
-    """Track the optimizer's state tensors of ``record`` (created by its first update)."""
-    items = optimizer.state.get(record.param, {}).items()
-    named = {t.untyped_storage()._cdata: (k, t) for k, t in items if isinstance(t, torch.Tensor)}
-    tensors = {storage: t for storage, (_, t) in named.items()}
-    for entry in list(record.state):
-        if entry.storage._cdata not in tensors:
-            record.state.remove(entry)
-            pool.forget(entry)
-    known = {e.storage._cdata for e in record.state}
-    for key, tensor in tensors.items():
-        if key not in known:
-            small = tensor.untyped_storage().nbytes() < min_tensor_bytes
-            fixed = record.fixed or small
-            name = f"{record.name}#state:{named[key][0]}"  # unique: joint plans match by name
-            record.state.append(pool.adopt(tensor, name, TensorKind.STATE, fixed=fixed))
-
-
-def update_parameter(
-    pool: OffloadPool,
-    optimizer: torch.optim.Optimizer,
-    record: ParamRecord,
-    grad: OffloadedTensor,
-    min_tensor_bytes: int,
-) -> None:
-    """Step ``record``'s parameter with ``grad`` (pinned), then forget the gradient.
-
-    The parameter and its state are marked dirty: written back once unpinned.
-    """
-    entries = [record.entry, *record.state]
-    reserve = 0 if record.state else record.state_bytes
-    pool.acquire(entries, f"update of {record.name}", reserve)
-    for entry in entries:
-        entry.complete()  # a write still in flight must not see the update
-    record.param.grad = grad.tensor
-    try:
-        step_parameter(optimizer, record.param, record.group)
-    finally:
-        record.param.grad = None
-    pool.forget(grad)
-    adopt_state(pool, optimizer, record, min_tensor_bytes)
-    for entry in [record.entry, *record.state]:
-        if not pool.is_fixed(entry):
-            entry.mark_dirty()
-    for entry in entries:
-        pool.release(entry)
-    for entry in record.state:
-        if entry not in entries:
-            pool.let_go(entry)
 
 
 def use_counts(record: ParamRecord) -> tuple[int, int]:

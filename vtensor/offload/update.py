@@ -1,4 +1,4 @@
-"""One parameter's optimizer update and gradient clipping, bit for bit as torch's whole-model ones.
+"""One parameter's update through the pool, and clipping, bit for bit as torch's whole-model ones.
 
 NOTE [per-parameter update]
 ``torch.optim`` optimizers update each parameter from its own gradient, state and group
@@ -20,6 +20,11 @@ from collections.abc import Sequence
 
 import torch
 from torch.utils._foreach_utils import _has_foreach_support
+
+from vtensor.offload.offloaded import OffloadedTensor
+from vtensor.offload.pool import OffloadPool
+from vtensor.offload.records import ParamRecord
+from vtensor.planner.trace import TensorKind
 
 
 def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: int) -> None:
@@ -67,3 +72,59 @@ def clip_(grad: torch.Tensor, max_norm: float, total: torch.Tensor) -> None:
         torch._foreach_mul_([grad], coef.to(grad.device))
     else:
         grad.mul_(coef.to(grad.device))
+
+
+def adopt_state(
+    pool: OffloadPool,
+    optimizer: torch.optim.Optimizer,
+    record: ParamRecord,
+    min_tensor_bytes: int,
+) -> None:
+    """Track the optimizer's state tensors of ``record`` (created by its first update)."""
+    items = optimizer.state.get(record.param, {}).items()
+    named = {t.untyped_storage()._cdata: (k, t) for k, t in items if isinstance(t, torch.Tensor)}
+    tensors = {storage: t for storage, (_, t) in named.items()}
+    for entry in list(record.state):
+        if entry.storage._cdata not in tensors:
+            record.state.remove(entry)
+            pool.forget(entry)
+    known = {e.storage._cdata for e in record.state}
+    for key, tensor in tensors.items():
+        if key not in known:
+            small = tensor.untyped_storage().nbytes() < min_tensor_bytes
+            fixed = record.fixed or small
+            name = f"{record.name}#state:{named[key][0]}"  # unique: joint plans match by name
+            record.state.append(pool.adopt(tensor, name, TensorKind.STATE, fixed=fixed))
+
+
+def update_parameter(
+    pool: OffloadPool,
+    optimizer: torch.optim.Optimizer,
+    record: ParamRecord,
+    grad: OffloadedTensor,
+    min_tensor_bytes: int,
+) -> None:
+    """Step ``record``'s parameter with ``grad`` (pinned), then forget the gradient.
+
+    The parameter and its state are marked dirty: written back once unpinned.
+    """
+    entries = [record.entry, *record.state]
+    reserve = 0 if record.state else record.state_bytes
+    pool.acquire(entries, f"update of {record.name}", reserve)
+    for entry in entries:
+        entry.complete()  # a write still in flight must not see the update
+    record.param.grad = grad.tensor
+    try:
+        step_parameter(optimizer, record.param, record.group)
+    finally:
+        record.param.grad = None
+    pool.forget(grad)
+    adopt_state(pool, optimizer, record, min_tensor_bytes)
+    for entry in [record.entry, *record.state]:
+        if not pool.is_fixed(entry):
+            entry.mark_dirty()
+    for entry in entries:
+        pool.release(entry)
+    for entry in record.state:
+        if entry not in entries:
+            pool.let_go(entry)
