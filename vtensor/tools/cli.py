@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(where the plan moves bytes)",
     )
     p.add_argument(
-        "--steps", type=int, default=4, help="managed iterations and plain steps, each (default 4)"
+        "--steps", type=int, default=8, help="managed iterations and plain steps, each (default 8)"
     )
     p.add_argument("--plot", help="write the timeline PNG here")
     p.add_argument("--plan-cache", help="plan cache directory (shared by runs)")
