@@ -145,7 +145,7 @@ class OffloadPasses:
             record = self.params[name]
             if record.param.requires_grad and name not in self._expected:
                 self._expected[name] = record.entry.nbytes
-                self.pool.expect(record.entry.nbytes)
+                self.pool.reserved_bytes += record.entry.nbytes
         self._prefetch(Phase.BACKWARD, self._backward_calls)
         self._backward_calls += 1
 
@@ -178,7 +178,7 @@ class OffloadPasses:
         for entry in [e for group in self._bwd_pins.values() for e in group]:
             self.pool.release(entry)
         self._bwd_pins.clear()
-        self.pool.arrived(sum(self._expected.values()))
+        self.pool.reserved_bytes -= sum(self._expected.values())  # some will not come
         self._expected.clear()
         self.in_backward = False
         self.backwards_done += 1
@@ -191,7 +191,7 @@ class OffloadPasses:
         record.param.grad = None
         assert grad is not None
         pins = self._bwd_pins.pop(record.name, [])
-        self.pool.arrived(self._expected.pop(record.name, 0))
+        self.pool.reserved_bytes -= self._expected.pop(record.name, 0)
         self._keep_gradient(record, grad)
         for entry in pins:  # after the update: the parameter must not leave before it
             self.pool.release(entry)

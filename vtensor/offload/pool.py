@@ -75,14 +75,6 @@ class OffloadPool:
         self._fixed.discard(id(entry))
         self._wanted_at.pop(id(entry), None)
 
-    def expect(self, nbytes: int) -> None:
-        """``nbytes`` will be allocated without asking (gradients): keep them free until then."""
-        self.reserved_bytes += nbytes
-
-    def arrived(self, nbytes: int) -> None:
-        """``nbytes`` of what :meth:`expect` announced arrived (or will not come)."""
-        self.reserved_bytes -= nbytes
-
     def is_fixed(self, entry: OffloadedTensor) -> bool:
         """True for tensors that never leave memory."""
         return id(entry) in self._fixed
