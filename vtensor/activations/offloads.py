@@ -1,6 +1,7 @@
 """The parameter offloadings a manager makes and owns, one per model and optimizer."""
 
 import logging
+from dataclasses import dataclass
 from os import PathLike
 
 import torch
@@ -12,12 +13,22 @@ from vtensor.offload.joint import (
     AUTO_OFFLOAD_SHARE,
     ParamOffload,
     ParamOffloadReport,
-    offload_for,
     state_bytes,
 )
 from vtensor.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """The manager's settings every offloading it makes takes."""
+
+    chunk_bytes: int
+    storage_dir: str | PathLike[str] | None
+    encrypt_storage: bool
+    drop_page_cache: bool
+    min_tensor_bytes: int
 
 
 class Offloads:
@@ -40,13 +51,9 @@ class Offloads:
         if setting not in (True, False, "auto"):
             raise VTensorError(f"offload_params={setting!r}: use True, False or 'auto'")
         self.setting = setting
-        self._settings = {
-            "chunk_bytes": chunk_bytes,
-            "storage_dir": storage_dir,
-            "encrypt_storage": encrypt_storage,
-            "drop_page_cache": drop_page_cache,
-            "min_tensor_bytes": min_tensor_bytes,
-        }
+        self._settings = OffloadSettings(
+            chunk_bytes, storage_dir, encrypt_storage, drop_page_cache, min_tensor_bytes
+        )
         self._made: dict[tuple[int, int], ParamOffload] = {}
         self._declined: set[tuple[int, int]] = set()  # offloaded once, found to fit as is
 
@@ -96,9 +103,9 @@ class Offloads:
             return None, False
         probing = False
         try:
-            offload = offload_for(model, optimizer, budget_bytes, **self._settings)
+            offload = self._make(model, optimizer, budget_bytes)
         except InfeasibleBudgetError as below:  # NOTE [offload probe]
-            offload = offload_for(model, optimizer, below.min_budget_bytes, **self._settings)
+            offload = self._make(model, optimizer, below.min_budget_bytes)
             probing = True
         logger.info(
             "parameters, gradients and optimizer state (%s) offloaded under the budget",
@@ -106,6 +113,21 @@ class Offloads:
         )
         self._made[key] = offload
         return offload, probing
+
+    def _make(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, budget_bytes: int
+    ) -> ParamOffload:
+        s = self._settings
+        return ParamOffload(
+            model,
+            optimizer,
+            budget_bytes,
+            chunk_bytes=s.chunk_bytes,
+            storage_dir=s.storage_dir,
+            encrypt_storage=s.encrypt_storage,
+            drop_page_cache=s.drop_page_cache,
+            min_tensor_bytes=s.min_tensor_bytes,
+        )
 
     def of_model(self, model: nn.Module) -> ParamOffload | None:
         """The offloading made for ``model``, if any (the first, where several optimizers)."""

@@ -145,13 +145,6 @@ def state_bytes(
     return params + grads + state + pending
 
 
-def offload_for(
-    model: nn.Module, optimizer: torch.optim.Optimizer, budget_bytes: int, **settings: object
-) -> ParamOffload:
-    """A ``ParamOffload`` of ``model`` under the manager's ``budget_bytes`` (its settings)."""
-    return ParamOffload(model, optimizer, budget_bytes, **settings)  # type: ignore[arg-type]
-
-
 def offloaded_min_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The least the parameter side holds at once when offloaded (NOTE [offload units])."""
     units, kept = find_units(model, ())

@@ -42,7 +42,7 @@ class PlanExecutor:
         self._started: set[tuple[int, int]] = set()  # (vid, planned step) started a step early
         self._evictions: dict[int, list[TensorMove]] = defaultdict(list)
         self._prefetches: dict[int, list[TensorMove]] = defaultdict(list)
-        self._count = plan.activation_count  # the parameter side is ParamPlanExecutor's
+        self._count = plan.activation_count  # the parameter side is the JointSide's
         self.watched = frozenset(plan.watched_steps)  # NOTE [lean replay]
         self.moved = frozenset(m.vid for m in plan.moves if m.vid < self._count)
         for move in plan.moves:
