@@ -15,7 +15,6 @@ from flwr.superlink.grid import InMemoryGrid
 from torch import nn
 
 from edgefl.checkpoint import (
-    CHECKPOINT_FILE,
     Checkpoint,
     capture_rng,
     load_checkpoint,
@@ -30,8 +29,8 @@ from edgefl.errors import ConfigError
 from edgefl.history import RunHistory
 from edgefl.log_setup import configure_logging
 from edgefl.models import build_model
+from edgefl.outputs import write_outputs
 from edgefl.peak import PeakMeasurement, measure_floors
-from edgefl.plots import ACCURACY_PNG, MEMORY_PNG, plot_accuracy_loss, plot_client_memory
 from edgefl.privacy import (
     PrivacyBudgetExhausted,
     PrivacyGuard,
@@ -42,11 +41,11 @@ from edgefl.progress import TrainProgress
 from edgefl.recording_grid import Exchange, ExchangeObserver, RecordingGrid
 from edgefl.records import BATCH_SIZE, CENTRAL_ACC, CENTRAL_LOSS, LOCAL_EPOCHS, LR, SEED
 from edgefl.reference import ReferenceRound, time_unmanaged_round
-from edgefl.results import CENTRAL_ACC_NAME, SUMMARY_TXT, write_results
+from edgefl.results import CENTRAL_ACC_NAME
 from edgefl.rounds import RoundPlan, StopRun, run_rounds
 from edgefl.secagg import SecAggPlus
 from edgefl.settings import RunSettings
-from edgefl.summary import class_table, round_line, summary_table
+from edgefl.summary import round_line
 from edgefl.train import evaluate
 from strategies.memory_aware import MemoryAware
 
@@ -124,7 +123,7 @@ def run_federation(
         CENTRAL_ACC_NAME: info.accuracy,
     }
     unmanaged_peak_bytes = start.extra["unmanaged_peak_bytes"]
-    files = _write_outputs(out_dir, s, start.history, final_state, summary, unmanaged_peak_bytes)
+    files = write_outputs(out_dir, s, start.history, final_state, summary, unmanaged_peak_bytes)
     return {
         "history": start.history,
         "final_state": final_state,
@@ -272,65 +271,6 @@ def _round_plan(s: RunSettings, first_round: int) -> RoundPlan:
             }
         ),
         evaluate_config=ConfigRecord({SEED: s.client.seed}),
-    )
-
-
-def _write_outputs(
-    out_dir: Path,
-    s: RunSettings,
-    history: RunHistory,
-    final_state: dict[str, torch.Tensor],
-    summary: dict[str, Any],
-    unmanaged_peak_bytes: int,
-) -> list[Path]:
-    """Results, plots (if asked) and the summary table in ``out_dir``; log and return them.
-
-    The list is the one listing of a run's files: ``edgefl-sim`` prints it as it is logged here.
-    """
-    paths = write_results(out_dir, history, final_state, s, summary)
-    if s.server.save_plots:
-        accuracy_png = out_dir / ACCURACY_PNG
-        paths.append(plot_accuracy_loss(history, accuracy_png, summary[CENTRAL_ACC_NAME]))
-        paths.append(
-            plot_client_memory(
-                history,
-                s.client.fleet.classes,
-                unmanaged_peak_bytes,
-                out_dir / MEMORY_PNG,
-                state_bytes=_floors(summary).state_bytes,
-            )
-        )
-    table = summary_table(history, summary[CENTRAL_ACC_NAME])
-    classes = class_table(history, s.client.fleet.classes, _floors(summary), _reference(summary))
-    (out_dir / SUMMARY_TXT).write_text(f"{table}\n\n{classes}\n")
-    paths.append(out_dir / SUMMARY_TXT)
-    if s.server.checkpoint and (out_dir / CHECKPOINT_FILE).is_file():
-        paths.append(out_dir / CHECKPOINT_FILE)
-    logger.info("summary of the run:\n%s", table)
-    logger.info("per device class (and what would train without vtensor):\n%s", classes)
-    logger.info("results in %s: %s", out_dir, ", ".join(p.name for p in paths))
-    return paths
-
-
-def _floors(extra: dict[str, Any]) -> PeakMeasurement:
-    """The floors measured at the run's start, as kept in its figures (and checkpoints)."""
-    return PeakMeasurement(
-        extra["unmanaged_peak_bytes"],
-        extra["min_budget_bytes"],
-        extra.get("state_bytes", 0),
-        extra.get("peak_batch_size", 0),
-        tuple((int(b), int(p)) for b, p in extra.get("smaller_batch_peaks", ())),
-    )
-
-
-def _reference(extra: dict[str, Any]) -> ReferenceRound | None:
-    """The reference round kept in a run's figures (None for a checkpoint of an older run)."""
-    if "reference_train_s" not in extra:
-        return None
-    return ReferenceRound(
-        extra["reference_train_s"],
-        extra["reference_examples_processed"],
-        extra.get("reference_cpu_s", 0.0),  # 0: a checkpoint of a run that did not measure it
     )
 
 
