@@ -20,12 +20,11 @@ from vtensor.activations.plan.iteration_plan import IterationPlan
 from vtensor.activations.report import Granularity, IterationReport, Policy
 from vtensor.activations.reporting import StoreCounters, iteration_report, iteration_trace
 from vtensor.activations.runtime.budgeting import ManagerBudget
-from vtensor.activations.runtime.floor import floor_breakdown, offloading_floor
 from vtensor.activations.runtime.iteration import Iteration
 from vtensor.activations.runtime.policy import ReactivePolicy
 from vtensor.activations.store.chunk_store import ChunkStore
 from vtensor.activations.wiring import instrumented
-from vtensor.errors import InfeasibleBudgetError, VTensorError
+from vtensor.errors import VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.io.engines import Tier, engine_for, resolve_tier
 from vtensor.measure.clock import device_now
@@ -36,7 +35,6 @@ from vtensor.measure.trackers import DeviceTracker, quiet_heap
 from vtensor.offload.joint import (
     JointStep,
     ParamOffloadReport,
-    check_joint,
     held_outside,
 )
 from vtensor.planner.plan import Plan
@@ -311,36 +309,20 @@ class MemoryManager:
             raise VTensorError("MemoryManager.step is already active; steps cannot nest")
         scan = self._scans.of(model)
         device = self.device or device_of(scan)
-        owned, probing = None, False
-        cpu_chunks = device.type == "cpu" and self.granularity is Granularity.CHUNK
-        plannable = "" if cpu_chunks else "parameters are offloaded on the CPU at chunk granularity"
         # The state the user's optimizer creates at its first step.
         to_come = pending_state_bytes(optimizer, self._state_shapes) if optimizer else 0
-        if params is None:
-            owned, probing = self._offloads.for_step(
-                model,
-                scan,
-                optimizer,
-                self.budget_bytes,
-                pending_bytes=to_come,
-                plannable=plannable,
-            )
-        user_optimizer = optimizer
-        if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
-            params, optimizer = owned, None
-        if params is not None:
-            check_joint(
-                params,
-                model,
-                optimizer,
-                params.budget_bytes if probing else self.budget_bytes,  # NOTE [offload probe]
-                device,
-                f"granularity {self.granularity.value}",
-                chunked=self.granularity is Granularity.CHUNK,
-            )
+        side = self._offloads.side_for(
+            model,
+            scan,
+            optimizer,
+            params,
+            self.budget_bytes,
+            device,
+            self.granularity.value,
+            to_come,
+        )
+        params, optimizer, pending = side.params, side.optimizer, side.pending
         store, policy, tracker = self._ensure_started(device)
-        # State the optimizer's first step creates: later iterations hold it, so minima count it.
-        pending = to_come if optimizer is not None else 0  # an owned offloading's is its own
         held = held_outside(params.pool, model) if params is not None else 0
         protected, held_state = self._states.of(
             scan, optimizer, inputs, device, self._scans.pointers
@@ -398,28 +380,9 @@ class MemoryManager:
             stack.callback(setattr, self, "_active", False)
             yield
         books = iteration.books
-        need = books.min_budget_bytes + pending
         excused = books.violated and self._plans.excuse(chosen, iteration.was_lean)
-        if probing or (books.violated and not excused):
-            offloaded = params is not None
-            breakdown = floor_breakdown(
-                books, need, model, optimizer, inputs, pending, offloaded=offloaded
-            )
-            step = books.min_budget_step
-            if owned is not None and user_optimizer is not None:  # NOTE [offload probe]
-                need, step, breakdown = offloading_floor(
-                    iteration.floor,
-                    owned,
-                    model,
-                    user_optimizer,
-                    inputs,
-                    to_come,
-                    probed=probing,
-                    always=self._offloads.setting is True,
-                )
-                if probing:
-                    self._offloads.discard(owned)
-            raise InfeasibleBudgetError(self.budget_bytes, need, step, breakdown=breakdown)
+        if side.probing or (books.violated and not excused):
+            raise self._offloads.refusal(side, iteration, model, inputs, self.budget_bytes)
         self._record(iteration, chosen, device, started, stats_before, joint, pending, excused)
         if params is not None and params_before is not None:  # the parameter side's traffic
             after = params.report()
@@ -429,11 +392,8 @@ class MemoryManager:
                 params_bytes_out=after.bytes_out - params_before.bytes_out,
                 params_bytes_in=after.bytes_in - params_before.bytes_in,
             )
-        if owned is not None:
-            owned.step()  # every parameter was updated in backward: the step ends
-            fits = self._budget.unmanaged_peak_bytes or self.budget_bytes + 1
-            if self._offloads.setting == "auto" and fits <= self.budget_bytes:
-                self._offloads.decline(owned)  # NOTE [offload auto]: everything fits as is
+        peak = self._budget.unmanaged_peak_bytes or 0
+        self._offloads.after_step(side, fits=0 < peak <= self.budget_bytes)
 
     def _record(
         self,

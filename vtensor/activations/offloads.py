@@ -1,6 +1,7 @@
 """The parameter offloadings a manager makes and owns, one per model and optimizer."""
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from os import PathLike
 
@@ -8,16 +9,21 @@ import torch
 from torch import nn
 
 from vtensor.activations.model_state import ModelScan
+from vtensor.activations.runtime.floor import floor_breakdown, offloading_floor
+from vtensor.activations.runtime.iteration import Iteration
 from vtensor.errors import InfeasibleBudgetError, VTensorError
 from vtensor.offload.joint import (
     AUTO_OFFLOAD_SHARE,
     ParamOffload,
     ParamOffloadReport,
+    check_joint,
     state_bytes,
 )
 from vtensor.sizes import format_bytes
 
 logger = logging.getLogger(__name__)
+
+_NOT_PLANNABLE = "parameters are offloaded on the CPU at chunk granularity"
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,33 @@ class OffloadSettings:
     encrypt_storage: bool
     drop_page_cache: bool
     min_tensor_bytes: int
+
+
+@dataclass(frozen=True)
+class StepSide:
+    """The parameter side one step runs with.
+
+    Attributes:
+        params: the offloading planned with the activations: the caller's, or one ``owned``.
+        optimizer: the optimizer whose state the manager budgets (None where ``params`` holds
+            that state).
+        user_optimizer: the optimizer the caller gave.
+        owned: the offloading this manager made, if the step runs with one.
+        probing: ``owned`` only measures (NOTE [offload probe]).
+        to_come: the state the caller's optimizer creates at its first step.
+    """
+
+    params: ParamOffload | None
+    optimizer: torch.optim.Optimizer | None
+    user_optimizer: torch.optim.Optimizer | None
+    owned: ParamOffload | None = None
+    probing: bool = False
+    to_come: int = 0
+
+    @property
+    def pending(self) -> int:
+        """The state to come the manager budgets: an owned offloading's is its own."""
+        return self.to_come if self.optimizer is not None else 0
 
 
 class Offloads:
@@ -128,6 +161,87 @@ class Offloads:
             drop_page_cache=s.drop_page_cache,
             min_tensor_bytes=s.min_tensor_bytes,
         )
+
+    def side_for(
+        self,
+        model: nn.Module,
+        scan: ModelScan,
+        optimizer: torch.optim.Optimizer | None,
+        params: ParamOffload | None,
+        budget_bytes: int,
+        device: torch.device,
+        granularity: str,
+        to_come: int,
+    ) -> StepSide:
+        """What one step of ``model`` runs with on the parameter side; a joint step is checked.
+
+        ``granularity``: the manager's swap unit; ``to_come``: the state ``optimizer``'s first
+        step creates.
+        """
+        chunked = granularity == "chunk"
+        plannable = "" if device.type == "cpu" and chunked else _NOT_PLANNABLE
+        side = StepSide(params, optimizer, optimizer, to_come=to_come)
+        if params is None:
+            owned, probing = self.for_step(
+                model, scan, optimizer, budget_bytes, pending_bytes=to_come, plannable=plannable
+            )
+            if owned is not None:  # its optimizer's state is the offloading's (NOTE [one plan])
+                side = StepSide(owned, None, optimizer, owned, probing, to_come)
+        if side.params is not None:
+            check_joint(
+                side.params,
+                model,
+                side.optimizer,
+                side.params.budget_bytes if side.probing else budget_bytes,  # NOTE [offload probe]
+                device,
+                f"granularity {granularity}",
+                chunked=chunked,
+            )
+        return side
+
+    def refusal(
+        self,
+        side: StepSide,
+        iteration: Iteration,
+        model: nn.Module,
+        inputs: Sequence[torch.Tensor],
+        budget_bytes: int,
+    ) -> InfeasibleBudgetError:
+        """The error an infeasible (or probing) step raises: the minimum it states, its parts."""
+        books = iteration.books
+        need = books.min_budget_bytes + side.pending
+        breakdown = floor_breakdown(
+            books,
+            need,
+            model,
+            side.optimizer,
+            inputs,
+            side.pending,
+            offloaded=side.params is not None,
+        )
+        step = books.min_budget_step
+        if side.owned is not None and side.user_optimizer is not None:  # NOTE [offload probe]
+            need, step, breakdown = offloading_floor(
+                iteration.floor,
+                side.owned,
+                model,
+                side.user_optimizer,
+                inputs,
+                side.to_come,
+                probed=side.probing,
+                always=self.setting is True,
+            )
+            if side.probing:
+                self.discard(side.owned)
+        return InfeasibleBudgetError(budget_bytes, need, step, breakdown=breakdown)
+
+    def after_step(self, side: StepSide, fits: bool) -> None:
+        """An owned offloading's step ends; where everything ``fits`` as is, it is let go."""
+        if side.owned is None:
+            return
+        side.owned.step()  # every parameter was updated in backward: the step ends
+        if self.setting == "auto" and fits:
+            self.decline(side.owned)  # NOTE [offload auto]: everything fits as is
 
     def of_model(self, model: nn.Module) -> ParamOffload | None:
         """The offloading made for ``model``, if any (the first, where several optimizers)."""
