@@ -16,6 +16,7 @@ Run from the repository root::
 """
 
 import argparse
+import contextlib
 import copy
 import functools
 import statistics
@@ -77,7 +78,7 @@ def _checkpointed(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]
-        module.forward = functools.partial(  # type: ignore[method-assign]
+        module.forward = functools.partial(
             checkpoint, module.forward, use_reentrant=False, preserve_rng_state=True
         )
     return model
@@ -136,37 +137,43 @@ def run_case(w: Workload, fraction: float, rounds: int, warmup: int) -> dict[str
     if "profile" not in priced:
         return {"model": w.name, "budget_fraction": fraction, "error": "no profile"}
     options = _options(priced, budget)
-    runners = []
-    storage = tempfile.mkdtemp(prefix="ranking-")
-    for option in options:
-        model = _checkpointed(copy.deepcopy(base), option["recompute"])
-        mm = vtensor.MemoryManager(
-            budget,
-            recompute=False,
-            encode_masks=False,
-            offload_params=False,
-            storage_dir=storage,
-        )
-        runners.append((option, model, _opt(model), mm, []))
     plain = copy.deepcopy(base)
     plain_opt, plain_times = _opt(plain), []
-    for r in range(warmup + rounds):
-        order = runners if r % 2 == 0 else runners[::-1]
-        for option, model, opt, mm, times in order:
-            try:
-                seconds = _step(w, model, opt, r, mm)
-            except vtensor.InfeasibleBudgetError as err:
-                option["error"] = f"infeasible: states {err.min_budget_bytes} bytes"
-                continue
+    with contextlib.ExitStack() as stack:
+        storage = stack.enter_context(tempfile.TemporaryDirectory(prefix="ranking-"))
+        runners: list[
+            tuple[dict[str, Any], nn.Module, torch.optim.Optimizer, Any, list[float]]
+        ] = []
+        for option in options:
+            model = _checkpointed(copy.deepcopy(base), option["recompute"])
+            mm = stack.enter_context(
+                vtensor.MemoryManager(
+                    budget,
+                    recompute=False,
+                    encode_masks=False,
+                    offload_params=False,
+                    storage_dir=storage,
+                )
+            )
+            runners.append((option, model, _opt(model), mm, []))
+        for r in range(warmup + rounds):
+            order = runners if r % 2 == 0 else runners[::-1]
+            for option, model, opt, mm, times in order:
+                if "error" in option:
+                    continue
+                try:
+                    seconds = _step(w, model, opt, r, mm)
+                except vtensor.InfeasibleBudgetError as err:
+                    option["error"] = f"infeasible: states {err.min_budget_bytes} bytes"
+                    continue
+                if r >= warmup:
+                    times.append(seconds)
+            unmanaged = _step(w, plain, plain_opt, r, None)
             if r >= warmup:
-                times.append(seconds)
-        unmanaged = _step(w, plain, plain_opt, r, None)
-        if r >= warmup:
-            plain_times.append(unmanaged)
-    for option, _, _, mm, times in runners:
-        option["measured_s"] = statistics.median(times) if times else None
-        option["over_budget"] = mm.report().peak_device_bytes > budget
-        mm.close()
+                plain_times.append(unmanaged)
+        for option, _, _, mm, times in runners:
+            option["measured_s"] = statistics.median(times) if times else None
+            option["over_budget"] = any(r.peak_device_bytes > budget for r in mm.reports)
     unmanaged_s = statistics.median(plain_times)
     measured = [o for o in options if o.get("measured_s") is not None]
     fastest = min(measured, key=lambda o: o["measured_s"]) if measured else None
