@@ -70,8 +70,7 @@ def engine_for(
 
     ``staging_bytes``: one staging slot of the CUDA storage tier (None: the default chunk).
     """
-    chosen = resolve_tier(device, tier)
-    if device.type == "cuda" and chosen is Tier.HOST:
+    if resolve_tier(device, tier) is Tier.HOST:  # only ever on CUDA
         return CudaTransferEngine(device, HostTier(host_capacity_bytes))
     if device.type == "cpu":
         return FileTransferEngine(StorageTier(storage_dir, drop_page_cache), encrypt=encrypt)

@@ -9,7 +9,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from vtensor.io.tiers import StorageTier, WriteBehind
+from vtensor.io.chunk import Chunk
+from vtensor.io.sealing import Piece, Sealer
+from vtensor.io.tiers import StorageTier, buffer_at
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +64,8 @@ class ReadAhead:
         end = start + nbytes
         with self._lock:
             self._wanted = collections.deque(_cut(self._wanted, start, end))
-            kept = list(_cut(self._asked, start, end))
-            self.ahead_bytes = sum(b - a for a, b in kept)
-            self._asked = kept
+            self._asked = list(_cut(self._asked, start, end))
+            self.ahead_bytes = sum(b - a for a, b in self._asked)
 
     def top_up(self) -> None:
         """On the I/O thread: ask for the next wanted bytes, up to the cap."""
@@ -100,14 +101,45 @@ def _cut(ranges: Iterable[list[int]], start: int, end: int) -> Iterator[list[int
             yield [end, b]
 
 
-class SwapFileIo:
-    """Jobs on one background thread, each topping up the read-ahead window before it runs."""
+def place_run(tier: StorageTier, chunks: Sequence[Chunk]) -> tuple[int, int]:
+    """Give one eviction's chunks (a tail, contiguous in memory) one contiguous extent.
 
-    def __init__(self, tier: StorageTier, thread_name: str) -> None:
+    So the run is one write (sealed: one per staging buffer) and one cache drop. Returns the
+    extent's start and bytes.
+    """
+    total = sum(c.nbytes for c in chunks)
+    start = slot = tier.extents.alloc(total)
+    for chunk in chunks:
+        chunk.slot = slot
+        slot += chunk.nbytes
+    return start, total
+
+
+def contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
+    """(slot, memory offset, bytes) runs of chunks adjacent both in the file and in memory."""
+    runs: list[list[int]] = []
+    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
+        assert chunk.slot is not None, "chunk has no slot"
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == chunk.slot and last[1] + last[2] == chunk.offset_bytes:
+            last[2] += chunk.nbytes
+        else:
+            runs.append([chunk.slot, chunk.offset_bytes, chunk.nbytes])
+    return [(slot, offset, nbytes) for slot, offset, nbytes in runs]
+
+
+class SwapFileIo:
+    """An engine's swap-file side: jobs on one thread, each topping up read-ahead; write-behind.
+
+    It closes ``tier`` and ``sealer`` (None: the file holds plaintext) with itself.
+    """
+
+    def __init__(self, tier: StorageTier, thread_name: str, sealer: Sealer | None) -> None:
         self.tier = tier
+        self.sealer = sealer
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self.read_ahead = ReadAhead(tier)
-        self.behind = WriteBehind(tier)  # NOTE [write behind] in io/tiers.py
+        self._behind: tuple[int, int] | None = None  # NOTE [write behind] in io/tiers.py
 
     def submit(self, job: Callable[[], None], nbytes: int) -> ThreadTransfer:
         """Run ``job`` on the I/O thread; the transfer it stands for moves ``nbytes``."""
@@ -128,19 +160,47 @@ class SwapFileIo:
                 job()
             except BaseException:
                 with contextlib.suppress(OSError):  # the first error is the one to report
-                    self.behind.settle()
+                    self._settle()
                 raise
-            self.behind.settle()
+            self._settle()
 
         return self.submit(settled, nbytes)
+
+    def submit_read(
+        self, runs: Sequence[tuple[int, int, int]], job: Callable[[], None], nbytes: int
+    ) -> ThreadTransfer:
+        """``submit`` a job that reads the (slot, memory offset, bytes) ``runs``, read ahead."""
+        self.read_ahead.want(runs)
+
+        def claimed() -> None:
+            try:
+                job()
+            finally:
+                for slot, _, run_bytes in runs:  # a failed restore reads no further
+                    self.read_ahead.claim(slot, run_bytes)
+
+        return self.submit(claimed, nbytes)
 
     # NOTE [page-cache bound]: each staging buffer's pages are dropped right after its call (a
     # write once the next one's write-back began), so the cache holds about two staging buffers.
     def write_dropped(self, offset: int, views: list[memoryview]) -> None:
         """Write ``views`` at ``offset``; their pages leave the cache once the next write began."""
+        nbytes = sum(len(v) for v in views)
         self.tier.writev(offset, views)
-        self.behind.written(offset, sum(len(v) for v in views))
+        started = self.tier.start_write_back(offset, nbytes)
+        self._settle()
+        if started:
+            self._behind = (offset, nbytes)
+        else:
+            self.tier.release_cache(offset, nbytes, dirty=True)
         self.read_ahead.top_up()
+
+    def _settle(self) -> None:
+        """Wait for the range still being written back and drop it from the page cache."""
+        if self._behind is not None:
+            offset, nbytes = self._behind
+            self._behind = None
+            self.tier.release_cache(offset, nbytes, dirty=True)
 
     def read_dropped(self, offset: int, views: list[memoryview]) -> None:
         """Read ``views`` from ``offset`` and drop their pages from the cache."""
@@ -150,6 +210,38 @@ class SwapFileIo:
         self.tier.release_cache(offset, nbytes, dirty=False)
         self.read_ahead.top_up()
 
+    def write(self, pieces: Sequence[Piece]) -> None:
+        """Write ``pieces``, sealed if there is a sealer (NOTE [sealed swap])."""
+        if self.sealer is not None:
+            self.sealer.seal(pieces, self.write_dropped)
+            return
+        for piece in pieces:
+            self.write_dropped(piece.file_offset, [buffer_at(piece.address, piece.nbytes)])
+
+    def read(self, pieces: Sequence[Piece]) -> None:
+        """Read ``pieces`` back into memory, opening them if there is a sealer."""
+        if self.sealer is not None:
+            self.sealer.open(pieces, self.read_dropped)
+            return
+        for piece in pieces:
+            self.read_dropped(piece.file_offset, [buffer_at(piece.address, piece.nbytes)])
+
+    def release(self, chunks: Sequence[Chunk], part_bytes: int | None = None) -> None:
+        """Free the extents of ``chunks``; forget their seals, in parts of ``part_bytes`` if set."""
+        held = [c for c in chunks if c.slot is not None]
+        for slot, _, nbytes in contiguous_runs(held):
+            self.tier.extents.free(slot, nbytes)
+        for chunk in held:
+            assert chunk.slot is not None
+            if self.sealer is not None:
+                step = part_bytes or chunk.nbytes
+                for at in range(0, chunk.nbytes, step):
+                    self.sealer.forget(chunk.slot + at, min(step, chunk.nbytes - at))
+            chunk.slot = None
+
     def close(self) -> None:
-        """Wait for the jobs queued."""
+        """Wait for the jobs queued, then close the swap file and drop the sealer's key."""
         self._pool.shutdown(wait=True)
+        self.tier.close()
+        if self.sealer is not None:
+            self.sealer.close()

@@ -82,29 +82,19 @@ class _Seal:
     nbytes: int
 
 
-def _segments(piece: Piece, segment_bytes: int) -> Iterator[tuple[int, int]]:
-    """(offset within the piece, bytes) of each segment of ``piece``."""
-    for offset in range(0, piece.nbytes, segment_bytes):
-        yield offset, min(segment_bytes, piece.nbytes - offset)
-
-
 class Sealer:
     """Seals pieces on their way to storage and opens them on their way back.
 
     ``seal`` and ``open`` run on the engine's one I/O thread; the AEAD calls release the GIL.
     """
 
-    def __init__(
-        self, cipher: Cipher | str = DEFAULT_CIPHER, *, segment_bytes: int = SEGMENT_BYTES
-    ) -> None:
+    def __init__(self, cipher: Cipher | str = DEFAULT_CIPHER) -> None:
         try:
             self.cipher = Cipher(cipher)
         except ValueError:
             raise VTensorError(
                 f"cipher={cipher!r} is not one of {[c.value for c in Cipher]}"
             ) from None
-        if segment_bytes <= 0:
-            raise VTensorError(f"segment_bytes={segment_bytes}: pass a positive number of bytes")
         if not hasattr(AESGCM, "encrypt_into"):
             raise VTensorError(
                 f"sealing the swap file needs cryptography>=47 (AEAD encrypt_into); "
@@ -114,11 +104,10 @@ class Sealer:
         aead = AESGCM if self.cipher is Cipher.AES_256_GCM else ChaCha20Poly1305
         self._aead: AESGCM | ChaCha20Poly1305 | None = aead(key)
         key[:] = bytes(KEY_BYTES)  # the cipher keeps its own copy; drop ours at once
-        self.segment_bytes = segment_bytes
         self._nonces = itertools.count()
         self._generations = itertools.count(1)
         self._seals: dict[int, _Seal] = {}  # file offset of a segment -> how it was sealed
-        self._staging = bytearray(STAGING_SEGMENTS * (segment_bytes + TAG_BYTES))
+        self._staging = bytearray(STAGING_SEGMENTS * (SEGMENT_BYTES + TAG_BYTES))
 
     @property
     def sealed_segments(self) -> int:
@@ -141,7 +130,8 @@ class Sealer:
         position = 0
         file_end = -1
         for piece in pieces:
-            for offset, nbytes in _segments(piece, self.segment_bytes):
+            for offset in range(0, piece.nbytes, SEGMENT_BYTES):
+                nbytes = min(SEGMENT_BYTES, piece.nbytes - offset)
                 full = position + nbytes + TAG_BYTES > len(self._staging)
                 apart = piece.file_offset + offset != file_end
                 if batch and (full or apart or len(batch) == MAX_IOVECS):
@@ -218,7 +208,7 @@ class Sealer:
 
     def forget(self, file_offset: int, nbytes: int) -> None:
         """Drop the tags of a piece whose slot was released (its extent may be reused)."""
-        for offset in range(0, nbytes, self.segment_bytes):
+        for offset in range(0, nbytes, SEGMENT_BYTES):
             self._seals.pop(file_offset + offset, None)
 
     def close(self) -> None:

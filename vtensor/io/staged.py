@@ -8,18 +8,18 @@ copy of the next part runs while the I/O thread seals and writes the current one
 sealed as its own piece, at the chunk's offsets, as ``FileTransferEngine`` writes it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vtensor.errors import VTensorError
 from vtensor.io.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkState
-from vtensor.io.file_io import SwapFileIo
+from vtensor.io.file_io import SwapFileIo, place_run
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
 from vtensor.io.staging import DeviceCopier, Fence
-from vtensor.io.tiers import StorageTier, buffer_at
-from vtensor.io.transfer import Transfer, bytes_of, contiguous_runs, place_run
+from vtensor.io.tiers import StorageTier
+from vtensor.io.transfer import Transfer, bytes_of
 
 STAGING_SLOTS = 2  # one part in a device copy while the other is sealed and written
 
@@ -33,6 +33,10 @@ class Part:
     nbytes: int
     index: int  # the chunk's
     part_offset: int  # within the chunk
+
+
+# (device bytes, parts, the fence the copies follow, owner) -> moved, on the I/O thread
+_Move = Callable[[torch.Tensor, list[Part], Fence, int], None]
 
 
 def parts_of(chunks: Sequence[Chunk], slot_bytes: int) -> list[Part]:
@@ -62,12 +66,8 @@ def _settle(fences: list[Fence | None]) -> None:
 class StagedTransferEngine:
     """Storage-tier transfers of device memory through pinned staging slots (NOTE [staged swap]).
 
-    Args:
-        tier: the swap file.
-        copier: runs the device copies (``CudaCopier`` on CUDA).
-        slot_bytes: bytes of one staging slot (a chunk's size fits one part).
-        slots: staging slots; ``slots * slot_bytes`` is all the pinned memory it holds.
-        encrypt, cipher: as for ``FileTransferEngine``.
+    ``copier`` runs the device copies (``CudaCopier`` on CUDA); ``slots * slot_bytes`` is all the
+    pinned memory it holds. ``encrypt`` and ``cipher`` are as for ``FileTransferEngine``.
     """
 
     lands_in = ChunkState.STORAGE
@@ -94,39 +94,37 @@ class StagedTransferEngine:
         self.slot_bytes = slot_bytes
         self._slots = [copier.staging(slot_bytes) for _ in range(slots)]
         self.pinned_bytes = slots * slot_bytes
-        self.io = SwapFileIo(tier, "vtensor-staged")
+        self.io = SwapFileIo(tier, "vtensor-staged", self.sealer)
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         _, total = place_run(self.tier, chunks)
-        parts = parts_of(chunks, self.slot_bytes)
-        # The job drops the storage before it ends: the store counts its references once the
-        # transfer is done (NOTE [cuda transfers]).
-        held = [bytes_of(storage)]
-        after, owner = self.copier.mark(), storage._cdata
-
-        def job() -> None:
-            try:
-                self._write_parts(held[0], parts, after, owner)
-            finally:
-                held.clear()
-
+        job = self._job(storage, self._write_parts, parts_of(chunks, self.slot_bytes))
         return self.io.submit_write(job, total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
         parts = parts_of(chunks, self.slot_bytes)
-        self.io.read_ahead.want([(p.file_offset, p.memory_offset, p.nbytes) for p in parts])
+        runs = [(p.file_offset, p.memory_offset, p.nbytes) for p in parts]
+        job = self._job(storage, self._read_parts, parts)
+        return self.io.submit_read(runs, job, sum(c.nbytes for c in chunks))
+
+    def _job(
+        self, storage: torch.UntypedStorage, move: _Move, parts: list[Part]
+    ) -> Callable[[], None]:
+        """``move`` of ``parts`` for the I/O thread, after the compute work queued so far.
+
+        The job drops the storage before it ends: the store counts its references once the
+        transfer is done (NOTE [cuda transfers]).
+        """
         held = [bytes_of(storage)]
         after, owner = self.copier.mark(), storage._cdata
 
         def job() -> None:
             try:
-                self._read_parts(held[0], parts, after, owner)
+                move(held[0], parts, after, owner)
             finally:
                 held.clear()
-                for part in parts:  # a failed restore reads no further
-                    self.io.read_ahead.claim(part.file_offset, part.nbytes)
 
-        return self.io.submit(job, sum(c.nbytes for c in chunks))
+        return job
 
     def _write_parts(self, flat: torch.Tensor, parts: list[Part], after: Fence, owner: int) -> None:
         count = len(self._slots)
@@ -144,7 +142,7 @@ class StagedTransferEngine:
                 fence = fences[i % count]
                 assert fence is not None
                 fence.synchronize()
-                self._write(part, self._slots[i % count], owner)
+                self.io.write([_piece(part, self._slots[i % count], owner)])
         finally:  # never leave a copy into a slot running past the transfer
             _settle(fences)
 
@@ -157,39 +155,16 @@ class StagedTransferEngine:
                 if fence is not None:  # the slot's copy to the device must be done first
                     fence.synchronize()
                 buffer = self._slots[i % count]
-                self._read(part, buffer, owner)
+                self.io.read([_piece(part, buffer, owner)])
                 window = flat[part.memory_offset : part.memory_offset + part.nbytes]
                 fences[i % count] = self.copier.copy(window, buffer[: part.nbytes], after)
         finally:  # never leave a copy out of a slot running past the transfer
             _settle(fences)
 
-    def _write(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
-        if self.sealer is None:
-            self.tier.write(part.file_offset, buffer.data_ptr(), part.nbytes)
-            self.io.behind.written(part.file_offset, part.nbytes)
-        else:
-            self.sealer.seal([_piece(part, buffer, owner)], self.io.write_dropped)
-
-    def _read(self, part: Part, buffer: torch.Tensor, owner: int) -> None:
-        if self.sealer is None:
-            self.io.read_dropped(part.file_offset, [buffer_at(buffer.data_ptr(), part.nbytes)])
-        else:
-            self.sealer.open([_piece(part, buffer, owner)], self.io.read_dropped)
-
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
-        held = [c for c in chunks if c.slot is not None]
-        for slot, _, nbytes in contiguous_runs(held):
-            self.tier.extents.free(slot, nbytes)
-        if self.sealer is not None:
-            for part in parts_of(held, self.slot_bytes):
-                self.sealer.forget(part.file_offset, part.nbytes)
-        for chunk in held:
-            chunk.slot = None
+        self.io.release(chunks, self.slot_bytes)
 
     def close(self) -> None:  # noqa: D102
         self.io.close()
         self.copier.close()
         self._slots.clear()
-        self.tier.close()
-        if self.sealer is not None:
-            self.sealer.close()

@@ -4,7 +4,6 @@ import bisect
 import ctypes
 import ctypes.util
 import errno
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -13,8 +12,6 @@ import torch
 
 from vtensor.errors import StorageTierError
 from vtensor.io import pages
-
-logger = logging.getLogger(__name__)
 
 
 def round_up(nbytes: int, multiple: int) -> int:
@@ -67,17 +64,16 @@ class ExtentAllocator:
     def alloc(self, nbytes: int) -> int:
         """Return the offset of a free extent of at least ``nbytes`` (page-rounded)."""
         size = round_up(nbytes, self.page_bytes)
+        self.used_bytes += size
         for i, (offset, length) in enumerate(self._free):
             if length >= size:
                 if length == size:
                     del self._free[i]
                 else:
                     self._free[i] = (offset + size, length - size)
-                self.used_bytes += size
                 return offset
         offset = self.end_bytes
         self.end_bytes += size
-        self.used_bytes += size
         return offset
 
     def free(self, offset: int, nbytes: int) -> None:
@@ -101,10 +97,11 @@ class ExtentAllocator:
 # without ``fdatasync``'s journal commit and cache flush; ``fdatasync`` where the call is missing.
 #
 # NOTE [write behind]
-# A transfer of several ranges starts each range's write-back without waiting and then waits for,
-# and drops, the range before it, so the device writes while the I/O thread seals. The cache holds
-# at most two ranges, and a transfer ends only once all its bytes are out of the cache, so a failed
-# write-back fails that transfer before the store releases the chunk's memory.
+# A transfer of several ranges (``SwapFileIo.write_dropped``) starts each range's write-back
+# without waiting and then waits for, and drops, the range before it, so the device writes while
+# the I/O thread seals. The cache holds at most two ranges, and a transfer ends only once all its
+# bytes are out of the cache, so a failed write-back fails that transfer before the store
+# releases the chunk's memory.
 _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -114,17 +111,16 @@ if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 
-def _write_back(fd: int, offset: int, nbytes: int) -> None:
-    """Write the range back to the file and wait (NOTE [write-back])."""
+def _sync_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """``sync_file_range`` of the range; False where the libc or the file system lacks it."""
     if _sync_file_range is None:
-        os.fdatasync(fd)
-        return
-    if _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WAIT_ALL) != 0:
+        return False
+    if _sync_file_range(fd, offset, nbytes, flags) != 0:
         code = ctypes.get_errno()
         if code in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE):
-            os.fdatasync(fd)  # the file system does not support it
-            return
+            return False
         raise OSError(code, f"sync_file_range: {os.strerror(code)}")
+    return True
 
 
 class StorageTier:
@@ -152,7 +148,6 @@ class StorageTier:
         self.drop_page_cache = drop_page_cache
         self._fd: int | None = fd
         self.extents = ExtentAllocator()
-        self.page_bytes = self.extents.page_bytes
         if drop_page_cache:
             # The kernel's read-ahead would pull other swapped-out chunks into the page cache,
             # bytes outside the budget; restores ask for exactly their ranges (``read_ahead``).
@@ -205,52 +200,23 @@ class StorageTier:
 
     def start_write_back(self, offset: int, nbytes: int) -> bool:
         """Start writing the range back without waiting (NOTE [write behind]); False: cannot."""
-        if not self.drop_page_cache or _sync_file_range is None:
-            return False
-        if _sync_file_range(self.fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
-            code = ctypes.get_errno()
-            if code in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE):
-                return False
-            raise OSError(code, f"sync_file_range: {os.strerror(code)}")
-        return True
+        return self.drop_page_cache and _sync_range(self.fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
     def release_cache(self, offset: int, nbytes: int, *, dirty: bool) -> None:
         """Drop a range from the page cache so the RAM it used is really free."""
         if not self.drop_page_cache:
             return
-        if dirty:
-            _write_back(self.fd, offset, nbytes)
-        os.posix_fadvise(self.fd, offset, round_up(nbytes, self.page_bytes), os.POSIX_FADV_DONTNEED)
+        if dirty and not _sync_range(self.fd, offset, nbytes, _SYNC_FILE_RANGE_WAIT_ALL):
+            os.fdatasync(self.fd)  # NOTE [write-back]
+        os.posix_fadvise(
+            self.fd, offset, round_up(nbytes, self.extents.page_bytes), os.POSIX_FADV_DONTNEED
+        )
 
     def close(self) -> None:
         """Close (and so delete) the swap file."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-class WriteBehind:
-    """The ranges one transfer writes, each written back behind the next (NOTE [write behind])."""
-
-    def __init__(self, tier: StorageTier) -> None:
-        self.tier = tier
-        self._behind: tuple[int, int] | None = None
-
-    def written(self, offset: int, nbytes: int) -> None:
-        """The range was just written: start its write-back, then finish the one before."""
-        started = self.tier.start_write_back(offset, nbytes)
-        self.settle()
-        if started:
-            self._behind = (offset, nbytes)
-        else:
-            self.tier.release_cache(offset, nbytes, dirty=True)
-
-    def settle(self) -> None:
-        """Wait for the range still being written back and drop it from the page cache."""
-        if self._behind is not None:
-            offset, nbytes = self._behind
-            self._behind = None
-            self.tier.release_cache(offset, nbytes, dirty=True)
 
 
 class HostTier:

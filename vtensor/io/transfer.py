@@ -1,6 +1,6 @@
 """Asynchronous transfer engines: a background thread for file I/O, a side stream for CUDA."""
 
-import logging
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -8,11 +8,9 @@ from typing import Protocol
 import torch
 
 from vtensor.io.chunk import Chunk, ChunkState
-from vtensor.io.file_io import SwapFileIo
+from vtensor.io.file_io import SwapFileIo, contiguous_runs, place_run
 from vtensor.io.sealing import DEFAULT_CIPHER, Cipher, Piece, Sealer
-from vtensor.io.tiers import HostTier, StorageTier, buffer_at
-
-logger = logging.getLogger(__name__)
+from vtensor.io.tiers import HostTier, StorageTier
 
 
 class Transfer(Protocol):
@@ -97,83 +95,41 @@ class FileTransferEngine:
     ) -> None:
         self.tier = tier
         self.sealer = Sealer(cipher) if encrypt else None
-        self.io = SwapFileIo(tier, "vtensor-io")
+        self.io = SwapFileIo(tier, "vtensor-io", self.sealer)
 
     def evict(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
-        start, total = place_run(self.tier, chunks)
-        address = storage.data_ptr() + chunks[0].offset_bytes
-        sealer = self.sealer
-        pieces = _pieces(storage, chunks) if sealer is not None else []
-
-        def job() -> None:
-            if sealer is None:
-                self.tier.write(start, address, total)
-                self.tier.release_cache(start, total, dirty=True)
-            else:
-                sealer.seal(pieces, self.io.write_dropped)
-
-        return self.io.submit_write(job, total)
+        _, total = place_run(self.tier, chunks)
+        pieces = _pieces(storage, chunks, sealed=self.sealer is not None)
+        return self.io.submit_write(functools.partial(self.io.write, pieces), total)
 
     def restore(self, storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> Transfer:  # noqa: D102
-        base = storage.data_ptr()
-        runs = contiguous_runs(chunks)
-        sealer = self.sealer
-        pieces = _pieces(storage, chunks) if sealer is not None else []
-        self.io.read_ahead.want(runs)
-
-        def job() -> None:
-            try:
-                if sealer is not None:
-                    sealer.open(pieces, self.io.read_dropped)
-                    return
-                for slot, offset, nbytes in runs:
-                    self.io.read_dropped(slot, [buffer_at(base + offset, nbytes)])
-            finally:
-                for slot, _, nbytes in runs:  # a failed restore reads no further
-                    self.io.read_ahead.claim(slot, nbytes)
-
-        return self.io.submit(job, sum(c.nbytes for c in chunks))
+        pieces = _pieces(storage, chunks, sealed=self.sealer is not None)
+        job = functools.partial(self.io.read, pieces)
+        return self.io.submit_read(contiguous_runs(chunks), job, sum(c.nbytes for c in chunks))
 
     def release(self, chunks: Sequence[Chunk]) -> None:  # noqa: D102
-        held = [c for c in chunks if c.slot is not None]
-        for slot, _, nbytes in contiguous_runs(held):
-            self.tier.extents.free(slot, nbytes)
-        for chunk in held:
-            if self.sealer is not None:
-                assert chunk.slot is not None
-                self.sealer.forget(chunk.slot, chunk.nbytes)
-            chunk.slot = None
+        self.io.release(chunks)
 
     def close(self) -> None:  # noqa: D102
         self.io.close()
-        self.tier.close()
-        if self.sealer is not None:
-            self.sealer.close()
 
 
-def place_run(tier: StorageTier, chunks: Sequence[Chunk]) -> tuple[int, int]:
-    """Give one eviction's chunks (a tail, contiguous in memory) one contiguous extent.
+def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk], sealed: bool) -> list[Piece]:
+    """The chunks as sealing sees them: file slot, memory address, identity.
 
-    So the run is one write (sealed: one per staging buffer) and one cache drop. Returns the
-    extent's start and bytes.
+    Not ``sealed``: one piece per run of ``contiguous_runs``, so each run is one write or read.
     """
-    total = sum(c.nbytes for c in chunks)
-    start = slot = tier.extents.alloc(total)
-    for chunk in chunks:
-        chunk.slot = slot
-        slot += chunk.nbytes
-    return start, total
-
-
-def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piece]:
-    """The chunks as sealing sees them: file slot, memory address, identity."""
     base = storage.data_ptr()
+    # The storage's address identifies the vTensor: the store keys its records by it too.
+    owner = storage._cdata
+    if not sealed:
+        runs = contiguous_runs(chunks)
+        return [Piece(slot, base + offset, nbytes, owner, 0) for slot, offset, nbytes in runs]
     pieces = []
     for chunk in chunks:
         assert chunk.slot is not None, "chunk has no slot"
-        # The storage's address identifies the vTensor: the store keys its records by it too.
         pieces.append(
-            Piece(chunk.slot, base + chunk.offset_bytes, chunk.nbytes, storage._cdata, chunk.index)
+            Piece(chunk.slot, base + chunk.offset_bytes, chunk.nbytes, owner, chunk.index)
         )
     return pieces
 
@@ -181,19 +137,6 @@ def _pieces(storage: torch.UntypedStorage, chunks: Sequence[Chunk]) -> list[Piec
 def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole of ``storage``."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def contiguous_runs(chunks: Sequence[Chunk]) -> list[tuple[int, int, int]]:
-    """(slot, memory offset, bytes) runs of chunks adjacent both in the file and in memory."""
-    runs: list[list[int]] = []
-    for chunk in sorted(chunks, key=lambda c: c.offset_bytes):
-        assert chunk.slot is not None, "chunk has no slot"
-        last = runs[-1] if runs else None
-        if last and last[0] + last[2] == chunk.slot and last[1] + last[2] == chunk.offset_bytes:
-            last[2] += chunk.nbytes
-        else:
-            runs.append([chunk.slot, chunk.offset_bytes, chunk.nbytes])
-    return [(slot, offset, nbytes) for slot, offset, nbytes in runs]
 
 
 class CudaTransferEngine:
