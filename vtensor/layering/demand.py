@@ -12,9 +12,9 @@ A call whose forward encloses other calls gets a buffer of its own.
 import logging
 import sys
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ __all__ = ["DemandLayering", "LayeringError", "LayeringReport"]
 logger = logging.getLogger(__name__)
 
 
-class DemandLayering:
+class DemandLayering(AbstractContextManager["DemandLayering"]):
     """Runs ``model``'s forward with its tensors streamed from a weight file, layer by layer.
 
     Usage::
@@ -102,8 +102,7 @@ class DemandLayering:
         self._reader = LayerReader(
             self.file, lookahead=self._lookahead, verify=verify, drop_page_cache=drop_page_cache
         )
-        self._direct = self._reader.direct
-        self._align = ALIGN_BYTES if self._direct else PACK_BYTES
+        self._align = ALIGN_BYTES if self._reader.direct else PACK_BYTES
         self._hooks: list[RemovableHandle] = []
         self._running_hooks: list[RemovableHandle] = []
         self._owners: dict[int, tuple[str, str]] = {}
@@ -140,10 +139,10 @@ class DemandLayering:
                 else:
                     setattr(slot.module, slot.attr, slot.placeholder)
             if unit not in resident:
-                self._add_layer(make_layer(unit, modules[unit], slots, self._direct))
+                self._add_layer(make_layer(unit, modules[unit], slots, self._reader.direct))
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             _check_host(f"{name!r}", tensor, "cpu", "meta")  # meta: the placeholders
-            if tensor.device.type == "meta" and id(tensor) not in found.placeholder_ids:
+            if tensor.device.type == "meta" and tensor.untyped_storage()._cdata not in self._owners:
                 raise LayeringError(
                     f"{name!r} is on the meta device and not in the weight file (a non-persistent "
                     "buffer): materialise it (model.to_empty(device='cpu') and initialise it) "
@@ -204,7 +203,7 @@ class DemandLayering:
             call = Call(layer, aligned_bytes(layer.nbytes), None, [])
             call.bound = views(layer, call.buffer)
             self._reader.add_live(layer.nbytes)
-            self._reader.account(*self._reader.fill(layer, call.buffer))
+            self._reader.fill(layer, call.buffer)
         else:
             j = self._reader.cursor + 1
             if j >= len(calls) or calls[j].layer is not layer:
@@ -225,15 +224,15 @@ class DemandLayering:
         mine = [j for j, call in self._bound.items() if call.layer is layer]
         if not mine:
             return  # its pre-hook raised
-        call = self._bound.pop(mine[-1])
+        j = mine[-1]
+        del self._bound[j]
         for slot in layer.slots:
             slot.bind(slot.placeholder)
         if self._reader.calls is None:
-            self._events.append((False, mine[-1]))
+            self._events.append((False, j))
             self._reader.add_live(-layer.nbytes)
         else:
-            self._reader.release(mine[-1])
-        del call
+            self._reader.release(j)
 
     def _end(self, *_: object) -> None:
         failed = sys.exc_info()[1] is not None
@@ -276,17 +275,16 @@ class DemandLayering:
             positions = ring_positions([sizes[j] for j in ring_calls], capacity)
             at = dict(zip(ring_calls, positions, strict=True))
         ring = aligned_bytes(capacity)
+        self._allocated_bytes = capacity
         calls = []
         for j, layer in enumerate(self._order):
             offset = at.get(j)
-            if offset is None:
+            if offset is None:  # not in the ring: a buffer of its own
                 buffer = aligned_bytes(layer.nbytes)
+                self._allocated_bytes += layer.nbytes
             else:
                 buffer = ring[offset : offset + layer.nbytes]
             calls.append(Call(layer, buffer, offset, views(layer, buffer)))
-        self._allocated_bytes = capacity + sum(
-            layer.nbytes for j, layer in enumerate(self._order) if not sizes[j]
-        )
         self._calls_per_forward = len(calls)
         for hook in self._running_hooks:
             hook.remove()
@@ -341,15 +339,7 @@ class DemandLayering:
         if self._own_file:
             self.file.close()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

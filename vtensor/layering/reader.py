@@ -32,13 +32,13 @@ class LayerReader:
         self._live: dict[int, Call] = {}  # calls read (or being read) and not yet released
         self._thread: threading.Thread | None = None
         self._closing = self._active = self._reading = False
-        self._failure: tuple[int, BaseException] | None = None
+        self._failure: BaseException | None = None
         self.cursor, self._next_read, self._read_done = -1, 0, 0
         self.live_bytes = self.peak_live_bytes = self.bytes_read = 0
         self.read_s = self.stall_s = 0.0
 
-    def fill(self, layer: Layer, buffer: torch.Tensor) -> tuple[int, float]:
-        """Read ``layer``'s bytes into ``buffer`` (any thread; ``preadv`` releases the GIL)."""
+    def fill(self, layer: Layer, buffer: torch.Tensor) -> None:
+        """Read ``layer``'s bytes into ``buffer``, counted (any thread; preadv releases the GIL)."""
         started = time.perf_counter()
         base = buffer.data_ptr()
         nbytes = 0
@@ -56,17 +56,14 @@ class LayerReader:
             if self._verify == "always" or (self._verify == "first" and name not in self._verified):
                 self.file.check_crc(slot.entry, buffer_at(base + slot.offset, slot.entry.nbytes))
                 self._verified.add(name)
-        return nbytes, time.perf_counter() - started
+        with self.cond:
+            self.bytes_read += nbytes
+            self.read_s += time.perf_counter() - started
 
     def add_live(self, nbytes: int) -> None:
         """Count ``nbytes`` more (or fewer) held, and their peak (under the lock once started)."""
         self.live_bytes += nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-
-    def account(self, nbytes: int, seconds: float) -> None:
-        """Count a read of ``nbytes`` that took ``seconds``."""
-        self.bytes_read += nbytes
-        self.read_s += seconds
 
     def reset_stats(self, live_bytes: int) -> None:
         """Count afresh, with ``live_bytes`` (the resident modules') held."""
@@ -87,8 +84,7 @@ class LayerReader:
     def begin_forward(self) -> None:
         """A forward starts: once a read left from the last one ends, read from call 0."""
         with self.cond:
-            while self._reading:
-                self.cond.wait()
+            self.cond.wait_for(lambda: not self._reading)
             self.cursor, self._next_read, self._read_done = -1, 0, 0
             self._live.clear()
             self._failure = None
@@ -102,11 +98,10 @@ class LayerReader:
             if self._may_read():  # wake the reader only to read: each wake-up costs GIL turns
                 self.cond.notify_all()
             started = time.perf_counter()
-            while self._read_done <= j and self._failure is None:
-                self.cond.wait()
+            self.cond.wait_for(lambda: self._read_done > j or self._failure is not None)
             self.stall_s += time.perf_counter() - started
             if self._read_done <= j and self._failure is not None:
-                raise self._failure[1]
+                raise self._failure
 
     def release(self, j: int) -> None:
         """Call ``j`` has run: its bytes are free for later reads."""
@@ -121,8 +116,7 @@ class LayerReader:
         """The forward ends: read no further, and wait for a read in progress to end."""
         with self.cond:
             self._active = False
-            while self._reading:
-                self.cond.wait()
+            self.cond.wait_for(lambda: not self._reading)
 
     def drop_unused(self, live_bytes: int) -> None:
         """Forget calls read ahead but never used (after an exception); ``live_bytes`` held."""
@@ -165,8 +159,7 @@ class LayerReader:
         assert self.calls is not None
         while True:
             with self.cond:
-                while not self._closing and not self._may_read():
-                    self.cond.wait()
+                self.cond.wait_for(lambda: self._closing or self._may_read())
                 if self._closing:
                     return
                 j = self._next_read
@@ -176,14 +169,13 @@ class LayerReader:
                 self.add_live(call.layer.nbytes)
             failure: BaseException | None = None
             try:
-                nbytes, seconds = self.fill(call.layer, call.buffer)
+                self.fill(call.layer, call.buffer)
             except Exception as exc:  # raised in the forward that needs this call
-                failure, nbytes, seconds = exc, 0, 0.0
+                failure = exc
             with self.cond:
                 self._reading = False
-                self.account(nbytes, seconds)
                 if failure is None:
                     self._read_done = j + 1
                 else:
-                    self._failure = (j, failure)
+                    self._failure = failure
                 self.cond.notify_all()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vtensor.io.tiers import round_up
 from vtensor.layering.weightfile import ALIGN_BYTES, TensorEntry
 
 
@@ -61,15 +62,9 @@ class ModelSlots:
     by_unit: dict[str, list[Slot]]
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]]  # tensor name -> shape, dtype
     owners: dict[int, tuple[str, str]]  # placeholder storage -> (tensor name, its module's name)
-    placeholder_ids: set[int]  # ids of the tensors that the placeholders stand for
 
 
 PACK_BYTES = 64  # alignment of tensors in a buffer: a cache line, more than any dtype needs
-
-
-def round_up(nbytes: int, multiple: int) -> int:
-    """``nbytes`` rounded up to a multiple of ``multiple``."""
-    return -(-nbytes // multiple) * multiple
 
 
 def aligned_bytes(nbytes: int) -> torch.Tensor:
@@ -94,7 +89,7 @@ def find_slots(modules: dict[str, nn.Module], units: set[str]) -> ModelSlots:
 
     A module named in ``units`` takes the slots of its whole subtree; a shared tensor gets one.
     """
-    found = ModelSlots({}, {}, {}, set())
+    found = ModelSlots({}, {}, {})
     seen: set[tuple[int, str]] = set()
     placeholders: dict[int, torch.Tensor] = {}
     for name, module in modules.items():
@@ -121,7 +116,6 @@ def find_slots(modules: dict[str, nn.Module], units: set[str]) -> ModelSlots:
             found.by_unit.setdefault(unit, []).append(
                 Slot(module, attr, is_param, entry, placeholder)
             )
-    found.placeholder_ids = {id(p) for p in placeholders.values()}
     return found
 
 

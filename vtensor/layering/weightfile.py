@@ -8,14 +8,15 @@ on read. safetensors files are read as well (no checksums, no alignment).
 """
 
 import json
+import math
 import os
 import struct
 import zlib
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -56,10 +57,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return buffer_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _parse_dtype(path: Path, name: str, text: object) -> torch.dtype:
     dtype = getattr(torch, str(text), None)
     if not isinstance(dtype, torch.dtype):
@@ -75,7 +72,9 @@ def write_weights(
 ) -> Path:
     """Write ``state_dict`` as a weight file at ``path``, atomically; returns the path."""
     target = Path(path)
-    tensors: list[tuple[str, torch.Tensor]] = []
+    tensors: list[torch.Tensor] = []
+    entries: list[dict[str, Any]] = []  # "offset": from the data start
+    data_bytes = 0
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor) or value.device.type == "meta":
             raise WeightFileMismatchError(
@@ -83,27 +82,21 @@ def write_weights(
                 f"state_dict entry {name!r} is not a tensor with data; pass a "
                 "state_dict of materialised tensors (extra_state objects are not supported)",
             )
-        tensors.append((name, value.detach().cpu().contiguous()))
-    entries: list[dict[str, Any]] = []
-    relative: list[int] = []  # offsets from the data start
-    data_bytes = 0
-    for name, tensor in tensors:
+        tensor = value.detach().cpu().contiguous()
+        tensors.append(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         crc = zlib.crc32(_tensor_bytes(tensor)) if nbytes else 0
+        dtype = str(tensor.dtype).removeprefix("torch.")
         shape = list(tensor.shape)
-        dtype = _dtype_name(tensor.dtype)
         entries.append(
-            {"name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "crc32": crc}
+            dict(name=name, dtype=dtype, shape=shape, offset=data_bytes, nbytes=nbytes, crc32=crc)
         )
-        relative.append(data_bytes)
         data_bytes += round_up(nbytes, ALIGN_BYTES)
     # The header holds absolute offsets, whose digits depend on where the data starts, which
     # depends on the header's length: grow the data start until the header fits before it.
     data_start = ALIGN_BYTES
     while True:
-        for entry, rel in zip(entries, relative, strict=True):
-            entry["offset"] = data_start + rel
-        header = _header_json(entries, data_start, data_start + data_bytes, metadata)
+        header = _header_json(entries, data_start, data_bytes, metadata)
         if _PREAMBLE.size + len(header) <= data_start:
             break
         data_start = round_up(_PREAMBLE.size + len(header), ALIGN_BYTES)
@@ -112,16 +105,16 @@ def write_weights(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.pwrite(fd, preamble + header, 0)
-        for entry, (_, tensor) in zip(entries, tensors, strict=True):
+        for entry, tensor in zip(entries, tensors, strict=True):
             if entry["nbytes"]:
-                _write_all(fd, _tensor_bytes(tensor), entry["offset"])
+                _write_all(fd, _tensor_bytes(tensor), data_start + entry["offset"])
         os.ftruncate(fd, data_start + data_bytes)  # zero padding up to the last boundary
         os.fsync(fd)
     except BaseException:
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, target)
     dir_fd = os.open(target.parent, os.O_RDONLY)
     try:
@@ -132,14 +125,14 @@ def write_weights(
 
 
 def _header_json(
-    entries: list[dict[str, Any]], data_start: int, file_bytes: int, meta: Mapping[str, str] | None
+    entries: list[dict[str, Any]], data_start: int, data_bytes: int, meta: Mapping[str, str] | None
 ) -> bytes:
     header = {
         "alignment": ALIGN_BYTES,
         "data_start": data_start,
-        "file_bytes": file_bytes,
+        "file_bytes": data_start + data_bytes,
         "metadata": dict(meta or {}),
-        "tensors": entries,
+        "tensors": [{**entry, "offset": data_start + entry["offset"]} for entry in entries],
     }
     return json.dumps(header, separators=(",", ":")).encode()
 
@@ -159,7 +152,7 @@ def evict_page_cache(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-class WeightFile:
+class WeightFile(AbstractContextManager["WeightFile"]):
     """An open, checked weight file (this project's format, or safetensors).
 
     Opening checks the magic, the version, the header's checksum and that the file is as long
@@ -266,22 +259,17 @@ class WeightFile:
             raise WeightFileFormatError(
                 self.path, f"malformed safetensors header ({exc!r})"
             ) from exc
-        file_bytes = max((e.offset + e.nbytes for e in entries.values()), default=data_start)
-        return self._checked(entries, file_bytes)
+        return self._checked(entries, self.file_bytes)
 
     def _checked(self, entries: dict[str, TensorEntry], file_bytes: int) -> dict[str, TensorEntry]:
         for entry in entries.values():
-            numel = 1
-            for size in entry.shape:
-                numel *= size
-            itemsize = torch.empty((), dtype=entry.dtype).element_size()
-            if entry.nbytes != numel * itemsize:
+            if entry.nbytes != math.prod(entry.shape) * entry.dtype.itemsize:
                 raise WeightFileFormatError(
                     self.path,
                     f"tensor {entry.name!r} has {entry.nbytes} bytes for shape "
                     f"{entry.shape} of {entry.dtype}; {_FIX_REWRITE}",
                 )
-            if entry.offset + entry.nbytes > min(file_bytes, self.file_bytes):
+            if entry.offset + entry.nbytes > file_bytes:  # file_bytes: at most the size on disk
                 raise WeightFileTruncatedError(
                     self.path,
                     f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes}"
@@ -366,13 +354,5 @@ class WeightFile:
                 os.close(fd)
         self.fd, self.direct_fd = -1, None
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
