@@ -36,12 +36,10 @@ def install_offload_hooks(model: nn.Module, target: "OffloadPasses") -> list[Rem
 
         handles.append(unit.module.register_forward_pre_hook(pre))
         handles.append(unit.module.register_forward_hook(post, always_call=True))
-    handles.append(
-        model.register_forward_pre_hook(lambda _m, _a: target.begin_forward(), prepend=True)
-    )
-    handles.append(
-        model.register_forward_hook(lambda _m, _a, _o: target.end_forward(), always_call=True)
-    )
+    handles += [
+        model.register_forward_pre_hook(lambda _m, _a: target.begin_forward(), prepend=True),
+        model.register_forward_hook(lambda _m, _a, _o: target.end_forward(), always_call=True),
+    ]
     for record in target.params.values():
         if record.param.requires_grad:
 

@@ -138,10 +138,8 @@ def state_bytes(
     """
     params = sum(p.nbytes for p in parameters) + sum(b.nbytes for b in buffers)
     grads = sum(p.nbytes for p in parameters if p.requires_grad)
-    state = 0
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
+    states = optimizer.state.values() if optimizer is not None else ()
+    state = sum(v.nbytes for s in states for v in s.values() if isinstance(v, torch.Tensor))
     return params + grads + state + pending
 
 
@@ -149,4 +147,4 @@ def offloaded_min_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> i
     """The least the parameter side holds at once when offloaded (NOTE [offload units])."""
     units, kept = find_units(model, ())
     records = describe_params(model, optimizer, units, kept, 4096)
-    return footprint(units, records.values(), 1).min_budget_bytes
+    return footprint(units, records, 1).min_budget_bytes

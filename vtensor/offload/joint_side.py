@@ -186,7 +186,6 @@ class JointSide:
         for name in sorted(self._lives):
             life = self._lives[name]
             life.unpin(n_steps - 1)  # still pinned when the iteration ended
-            uses = tuple(sorted(u for u in life.uses if 0 <= u < n_steps))
             start = 0 if life.existed else min(life.start, n_steps - 1)
             tensors.append(
                 TraceTensor(
@@ -195,7 +194,7 @@ class JointSide:
                     dtypes=(life.dtype,),
                     saved_step=start,
                     evictable_step=start,
-                    use_steps=tuple(u for u in uses if u >= start),
+                    use_steps=tuple(sorted(u for u in life.uses if start <= u < n_steps)),
                     kind=life.kind,
                     name=name,
                     persistent=life.end is None,

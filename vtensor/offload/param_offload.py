@@ -4,7 +4,6 @@ import contextlib
 import functools
 import logging
 from os import PathLike
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from vtensor.sizes import format_bytes, parse_bytes
 logger = logging.getLogger(__name__)
 
 
-class ParamOffload:
+class ParamOffload(contextlib.AbstractContextManager["ParamOffload"]):
     """Trains ``model`` with its parameters, gradients and optimizer state under ``budget``.
 
     Usage::
@@ -84,7 +83,7 @@ class ParamOffload:
         self.units, kept = find_units(model, resident)
         self._params = describe_params(model, optimizer, self.units, kept, min_tensor_bytes)
         copies = 2 if accumulation_steps > 1 else 1
-        self.footprint = footprint(self.units, self._params.values(), copies)
+        self.footprint = footprint(self.units, self._params, copies)
         if self.budget_bytes < self.footprint.min_budget_bytes:
             raise InfeasibleBudgetError(
                 self.budget_bytes,
@@ -192,9 +191,7 @@ class ParamOffload:
                 f"step() after {passes.backwards_done} backward passes; accumulation_steps="
                 f"{passes.accumulation_steps}: call step() once after that many loss.backward()"
             )
-        total = None
-        if passes.max_grad_norm is not None:
-            total = passes.clip_and_update()
+        total = passes.clip_and_update() if passes.max_grad_norm is not None else None
         passes.backwards_done = 0  # the next backward pass is the first of a new step
         self.pool.reap()
         self._step_peaks.append(self.meter.peak_bytes)
@@ -262,15 +259,7 @@ class ParamOffload:
         self._engine.close()
         logger.debug("parameter offloading closed: %s", format_bytes(self.meter.peak_bytes))
 
-    def __enter__(self) -> "ParamOffload":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:

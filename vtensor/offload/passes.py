@@ -76,7 +76,7 @@ class OffloadPasses:
         self._forward_calls = 0
         if not self.joint:
             # A forward outside the manager's steps (evaluation): a joint plan's hold ends.
-            self.pool.end_hold()
+            self.pool.listener = None
         if self._recording and self._guard is None:
             self._guard = UseGuard(self.params.values(), self.units, self._running)
             self._guard.__enter__()  # type: ignore[no-untyped-call]
@@ -229,22 +229,17 @@ class OffloadPasses:
     # -- update -------------------------------------------------------------------------------
     def clip_and_update(self) -> torch.Tensor:
         """Clip every kept gradient by the global norm and update, unit by unit."""
-        pending = [r for r in self.params.values() if r.grad is not None]
-        norms = [
-            (r.grad.tensor, r.norm) for r in pending if r.grad is not None and r.norm is not None
-        ]
-        total = total_norm(norms, self.norm_type)
+        pending = [(r, r.grad, r.norm) for r in self.params.values() if r.grad is not None]
+        total = total_norm([(g.tensor, n) for _, g, n in pending if n is not None], self.norm_type)
         max_norm = self.max_grad_norm
         assert max_norm is not None
-        order = [*self.policy.update_order(len(self.units)), -1]
-        by_unit = {i: [r for r in pending if r.units and r.units[0] == i] for i in order}
-        by_unit[-1] = [r for r in pending if not r.units]
-        for index in order:
-            records = by_unit[index]
-            self.pool.acquire([r.grad for r in records if r.grad is not None], "clip-and-update")
-            for record in records:
-                grad = record.grad
-                assert grad is not None
+        by_unit: dict[int, list[tuple[ParamRecord, OffloadedTensor]]] = {}
+        for record, grad, _ in pending:
+            by_unit.setdefault(record.units[0] if record.units else -1, []).append((record, grad))
+        for index in [*self.policy.update_order(len(self.units)), -1]:
+            group = by_unit.get(index, [])
+            self.pool.acquire([grad for _, grad in group], "clip-and-update")
+            for record, grad in group:
                 clip_(grad.tensor, max_norm, total)
                 record.grad, record.norm = None, None
                 update_parameter(self.pool, self.optimizer, record, grad, self.min_tensor_bytes)

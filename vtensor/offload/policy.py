@@ -50,10 +50,5 @@ class Lookahead:
 
     def update_order(self, units: int) -> list[int]:
         """Units in the order the update pass visits them: backward's order, then the rest."""
-        seen: dict[int, None] = {}
-        for event in self.schedule:
-            if event.phase is Phase.BACKWARD:
-                seen.setdefault(event.unit, None)
-        for unit in range(units):
-            seen.setdefault(unit, None)
-        return list(seen)
+        backward = [e.unit for e in self.schedule if e.phase is Phase.BACKWARD]
+        return list(dict.fromkeys([*backward, *range(units)]))

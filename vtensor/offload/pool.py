@@ -42,7 +42,7 @@ class OffloadPool:
         self._wanted_order = itertools.count()
         self._wanted_at: dict[int, int] = {}
         self.fixed_bytes = 0  # bytes of fixed tensors: always in memory
-        self._listener: JointSide | None = None
+        self.listener: JointSide | None = None  # a joint step's (None outside one or its hold)
         self._before_allocate: Callable[[int], None] | None = None
         self._unoffloaded = 0  # NOTE [offload probe] in activations/offloads.py
 
@@ -59,14 +59,14 @@ class OffloadPool:
             entry.pins = 1
         elif kind is not TensorKind.STATE:
             self._unoffloaded += entry.nbytes
-        if self._listener is not None:
-            self._listener.adopted(entry)
+        if self.listener is not None:
+            self.listener.adopted(entry)
         return entry
 
     def forget(self, entry: OffloadedTensor) -> None:
         """Stop managing ``entry`` (a gradient after its update, a replaced state tensor)."""
-        if self._listener is not None:
-            self._listener.forgotten(entry)
+        if self.listener is not None:
+            self.listener.forgotten(entry)
         if id(entry) in self._fixed:
             self.fixed_bytes -= entry.nbytes
         entry.discard()
@@ -92,8 +92,8 @@ class OffloadPool:
         # the use allocates are announced with the reads: they come without a hook point.
         self._announce(self.missing_bytes(entries) + extra_bytes)
         for entry in entries:
-            if self._listener is not None:
-                self._listener.used(entry)
+            if self.listener is not None:
+                self.listener.used(entry)
             entry.pins += 1
             entry.wanted = False
             self._wanted_at.pop(id(entry), None)
@@ -108,8 +108,8 @@ class OffloadPool:
             return  # never leaves, or forgotten during the use (a gradient after its update)
         assert entry.pins > 0, f"{entry.name!r} released more often than acquired"
         entry.pins -= 1
-        if self._listener is not None:
-            self._listener.released(entry)
+        if self.listener is not None:
+            self.listener.released(entry)
         self.let_go(entry)
 
     def prefetch(self, entries: list[OffloadedTensor]) -> bool:
@@ -131,11 +131,6 @@ class OffloadPool:
         if nbytes and self._before_allocate is not None:
             self._before_allocate(nbytes)
 
-    @property
-    def listener(self) -> "JointSide | None":
-        """What a joint step connected (None outside one, or once its hold ended)."""
-        return self._listener
-
     def must_read(self, entry: OffloadedTensor) -> bool:
         """True if ``entry`` is managed and not in memory: holding it needs a read."""
         return not entry.in_memory and id(entry) in self._alive
@@ -143,7 +138,7 @@ class OffloadPool:
     # -- a joint step (NOTE [one plan]) -------------------------------------------------------
     def connect(self, listener: "JointSide | None", before_allocate: Callable[[int], None]) -> None:
         """For one joint iteration: ``listener`` sees every move; reads and uses announced first."""
-        self._listener = listener
+        self.listener = listener
         self._before_allocate = before_allocate
         self._unoffloaded = sum(e.nbytes for e in self.tensors if not self.is_fixed(e))
 
@@ -151,17 +146,13 @@ class OffloadPool:
         """End a joint iteration; a replayed plan's listener may keep holding its tensors."""
         self._before_allocate = None
         if not keep_listener:
-            self._listener = None
-
-    def end_hold(self) -> None:
-        """Stop a joint plan's hold on what it kept resident (a forward outside its steps)."""
-        self._listener = None
+            self.listener = None
 
     def let_go(self, entry: OffloadedTensor) -> None:
         """Move an unpinned, unwanted tensor toward the tier: drop if clean, else write."""
         if entry.pins or entry.wanted or self.is_fixed(entry) or not entry.done():
             return
-        if self._listener is not None and self._listener.holds(entry):
+        if self.listener is not None and self.listener.holds(entry):
             return
         entry.complete()
         if entry.state is not Residency.RESIDENT:

@@ -8,6 +8,7 @@ whose forward encloses others', and tied ones, stay in memory across other units
 *long-lived*, and the smallest budget counts them in full next to the largest other unit.
 """
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,6 @@ class Unit:
     Attributes:
         index: position in registration order.
         name: the module's qualified name ("" for the root).
-        module: the module.
         params: names (as ``model.named_parameters()`` gives them) of the parameters it owns.
         encloses: True when another unit runs inside its forward (its parameters are long-lived).
     """
@@ -99,12 +99,9 @@ def _atomic(module: nn.Module) -> bool:
 
 def long_lived(units: list[Unit]) -> set[str]:
     """Parameters held across other units' uses: of enclosing units, or owned by two units."""
-    seen: dict[str, int] = {}
-    for unit in units:
-        for name in unit.params:
-            seen[name] = seen.get(name, 0) + 1
+    owners = Counter(name for unit in units for name in unit.params)
     enclosing = {name for unit in units if unit.encloses for name in unit.params}
-    return enclosing | {name for name, count in seen.items() if count > 1}
+    return enclosing | {name for name, count in owners.items() if count > 1}
 
 
 def probe_state(
@@ -138,13 +135,13 @@ class Footprint:
     largest_unit: str
 
 
-def footprint(units: list[Unit], records: Iterable["ParamRecord"], grad_copies: int) -> Footprint:
+def footprint(units: list[Unit], records: dict[str, "ParamRecord"], grad_copies: int) -> Footprint:
     """The totals and the smallest feasible budget (NOTE [offload units]).
 
-    A parameter at its worst holds itself, its state and ``grad_copies`` gradients (accumulated
-    and new). Fixed and long-lived ones count in full; of the others, the largest unit.
+    ``records``: per parameter name. A parameter at its worst holds itself, its state and
+    ``grad_copies`` gradients (accumulated and new). Fixed and long-lived ones count in full; of
+    the others, the largest unit.
     """
-    by_name = {r.name: r for r in records}
     lasting = long_lived(units)
 
     def full(record: "ParamRecord") -> int:
@@ -152,18 +149,19 @@ def footprint(units: list[Unit], records: Iterable["ParamRecord"], grad_copies: 
         grads = grad_copies * nbytes if record.param.requires_grad else 0
         return nbytes + record.state_bytes + grads
 
-    always = sum(full(r) for r in by_name.values() if r.fixed or r.name in lasting)
+    always = sum(full(r) for r in records.values() if r.fixed or r.name in lasting)
     worst, largest = 0, ""
     for unit in units:
-        offloaded = [by_name[n] for n in unit.params if not by_name[n].fixed and n not in lasting]
-        need = sum(full(r) for r in offloaded)
+        need = sum(
+            full(records[n]) for n in unit.params if not records[n].fixed and n not in lasting
+        )
         if need > worst:
             worst, largest = need, unit.name or "<root>"
-    sizes = [(r.param.untyped_storage().nbytes(), r.param.requires_grad) for r in by_name.values()]
+    sizes = [(r.param.untyped_storage().nbytes(), r.param.requires_grad) for r in records.values()]
     return Footprint(
         param_bytes=sum(nbytes for nbytes, _ in sizes),
         grad_bytes=sum(nbytes for nbytes, trained in sizes if trained),
-        state_bytes=sum(r.state_bytes for r in by_name.values()),
+        state_bytes=sum(r.state_bytes for r in records.values()),
         min_budget_bytes=always + worst,
         largest_unit=largest,
     )

@@ -42,11 +42,9 @@ def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, group:
 
 def gradient_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     """The norm of one gradient, by the op ``clip_grad_norm_`` would use for it."""
-    norm: torch.Tensor
     if _has_foreach_support([grad], grad.device):
-        norm = torch._foreach_norm([grad], norm_type)[0]
-    else:
-        norm = torch.linalg.vector_norm(grad, norm_type)
+        return torch._foreach_norm([grad], norm_type)[0]
+    norm: torch.Tensor = torch.linalg.vector_norm(grad, norm_type)  # torch types it Any
     return norm
 
 
@@ -83,17 +81,15 @@ def adopt_state(
     """Track the optimizer's state tensors of ``record`` (created by its first update)."""
     items = optimizer.state.get(record.param, {}).items()
     named = {t.untyped_storage()._cdata: (k, t) for k, t in items if isinstance(t, torch.Tensor)}
-    tensors = {storage: t for storage, (_, t) in named.items()}
     for entry in list(record.state):
-        if entry.storage._cdata not in tensors:
+        if entry.storage._cdata not in named:
             record.state.remove(entry)
             pool.forget(entry)
     known = {e.storage._cdata for e in record.state}
-    for key, tensor in tensors.items():
-        if key not in known:
-            small = tensor.untyped_storage().nbytes() < min_tensor_bytes
-            fixed = record.fixed or small
-            name = f"{record.name}#state:{named[key][0]}"  # unique: joint plans match by name
+    for storage, (key, tensor) in named.items():
+        if storage not in known:
+            fixed = record.fixed or tensor.untyped_storage().nbytes() < min_tensor_bytes
+            name = f"{record.name}#state:{key}"  # unique: joint plans match by name
             record.state.append(pool.adopt(tensor, name, TensorKind.STATE, fixed=fixed))
 
 
