@@ -63,11 +63,12 @@ class DeviceMemory:
 
 def parse_budget(value: int | float | str, *, what: str = "budget") -> BudgetSpec:
     """Parse any budget form (NOTE [budget forms]); ``BudgetFormatError`` lists them."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
+    text = value.strip() if isinstance(value, str) else ""
+    if text.lower() == "auto":
         return BudgetSpec(BudgetKind.DEVICE)
-    if isinstance(value, str) and value.strip().endswith("%"):
+    if text.endswith("%"):
         try:
-            percent = float(value.strip()[:-1])
+            percent = float(text[:-1])
         except ValueError:
             percent = math.nan
         if not 0 < percent <= 100:  # NaN fails too
@@ -162,11 +163,6 @@ def _cgroup_dir() -> Path:
 def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return _NO_LIMIT
-    try:
-        return int(text)
-    except ValueError:
+        return _NO_LIMIT if text == "max" else int(text)
+    except (OSError, ValueError):
         return None

@@ -66,8 +66,8 @@ def parse_bytes(value: int | float | str, *, what: str = "budget") -> int:
 def format_bytes(nbytes: int | float) -> str:
     """Format a byte count for humans, in binary units (``12.3 MiB``)."""
     size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(size) < 1024:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} GiB"

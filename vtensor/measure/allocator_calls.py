@@ -28,6 +28,7 @@ _MI_PURGE_DELAY_DEFAULT_MS = 10
 _SHT_SYMTAB = 2
 _STT_FUNC = 2
 _JEMALLOC_PURGE_ALL = b"arena.4096.purge"
+_LIBC10 = Path(torch.__file__).parent / "lib" / "libc10.so"
 
 
 @functools.cache
@@ -42,17 +43,8 @@ def allocator_collect() -> Callable[[], None] | None:
         mallctl.restype = ctypes.c_int
         mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
         mallctl.argtypes += [ctypes.c_void_p, ctypes.c_size_t]
-
-        def purge() -> None:
-            mallctl(_JEMALLOC_PURGE_ALL, None, None, None, 0)
-
-        return purge
-    address = _local_function(_libc10(), b"mi_collect")
-    return _bool_call(address) if address else None
-
-
-def _libc10() -> Path:
-    return Path(torch.__file__).parent / "lib" / "libc10.so"
+        return functools.partial(mallctl, _JEMALLOC_PURGE_ALL, None, None, None, 0)
+    return _bool_call(_local_function(_LIBC10, b"mi_collect"))
 
 
 @functools.cache
@@ -63,8 +55,8 @@ def purge_at_once() -> bool:
     """
     if "MIMALLOC_PURGE_DELAY" in os.environ:
         return os.environ["MIMALLOC_PURGE_DELAY"].strip() == "0"
-    getter = _local_function(_libc10(), b"mi_option_get")
-    setter = _local_function(_libc10(), b"mi_option_set")
+    getter = _local_function(_LIBC10, b"mi_option_get")
+    setter = _local_function(_LIBC10, b"mi_option_set")
     if not getter or not setter:
         return False
     get = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_int)(getter)
@@ -78,12 +70,7 @@ def purge_at_once() -> bool:
 def _bool_call(address: int) -> Callable[[], None] | None:
     if not address:
         return None
-    function = ctypes.CFUNCTYPE(None, ctypes.c_bool)(address)
-
-    def collect() -> None:
-        function(True)
-
-    return collect
+    return functools.partial(ctypes.CFUNCTYPE(None, ctypes.c_bool)(address), True)
 
 
 def _local_function(library: Path, name: bytes) -> int:

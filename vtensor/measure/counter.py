@@ -14,6 +14,7 @@ refuses to start (``UnmeasurableMemoryError``), naming the allocator's option th
 at once: a budget it cannot measure is one it cannot keep.
 """
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -106,20 +107,14 @@ def cpu_counter() -> CpuCounter:
     Raises:
         UnmeasurableMemoryError: neither counter follows torch's allocations and frees.
     """
-    try:
-        heap: MallocTracker | None = MallocTracker()
-    except VTensorError:
-        heap = None
-    if heap is not None and _moves(heap, freed_too=False):
-        return CpuCounter.HEAP
+    with contextlib.suppress(VTensorError):  # no mallinfo2()
+        if _moves(MallocTracker(), freed_too=False):
+            return CpuCounter.HEAP
     purge_at_once()  # the mimalloc inside PyTorch's aarch64 libc10, which users do not choose
-    try:
-        resident: ResidentTracker | None = ResidentTracker(allocator_collect())
-    except VTensorError:
-        resident = None
-    if resident is not None and _moves(resident, freed_too=True):
-        logger.info("CPU bytes are read from the resident pages: torch allocates outside glibc")
-        return CpuCounter.RESIDENT
+    with contextlib.suppress(VTensorError):  # no /proc/self/statm
+        if _moves(ResidentTracker(allocator_collect()), freed_too=True):
+            logger.info("CPU bytes are read from the resident pages: torch allocates outside glibc")
+            return CpuCounter.RESIDENT
     raise UnmeasurableMemoryError(unmeasurable_message(allocator_name()))
 
 

@@ -69,7 +69,7 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._peak_bytes = 0
         self._window_peak_bytes = 0
         self._marks: list[tuple[str, int]] = []
-        self._active = False
+        # Set while tracking: undoes the patch of UntypedStorage.resize_.
         self._restore_resize: Callable[[], None] | None = None
 
     @property
@@ -105,16 +105,14 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._see_tensor(t)
 
     def __enter__(self) -> Self:
-        if self._active:
+        if self._restore_resize is not None:
             raise VTensorError("LiveStorageTracker is already active; it cannot nest in itself.")
-        self._install_resize_hook()
-        self._active = True
+        self._restore_resize = self._install_resize_hook()
         try:
             entered: Self = super().__enter__()  # type: ignore[no-untyped-call]
             return entered
         except BaseException:
             self._uninstall_resize_hook()
-            self._active = False
             raise
 
     def __exit__(self, *exc_info: object) -> None:
@@ -122,7 +120,6 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
         finally:
             self._uninstall_resize_hook()
-            self._active = False
 
     def __torch_dispatch__(
         self,
@@ -157,7 +154,8 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 # Storage Python objects are preserved while the StorageImpl lives, so this
                 # callback runs exactly when the storage is freed.
                 alive = weakref.ref(st, functools.partial(self._forget, key))
-                self._live[key] = _LiveStorage(_storage_weak_ref(st), alive, nbytes)
+                weak = StorageWeakRef(st)  # type: ignore[no-untyped-call]
+                self._live[key] = _LiveStorage(weak, alive, nbytes)
                 self._add(nbytes)
             elif record.nbytes != nbytes:
                 # aten resize_/set_ change a known storage's size in place.
@@ -191,7 +189,7 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 absent += absent_bytes(storage.data_ptr(), record.nbytes)
         return self._current_bytes - absent
 
-    def _install_resize_hook(self) -> None:
+    def _install_resize_hook(self) -> Callable[[], None]:
         # UntypedStorage.resize_ does not go through the dispatcher, so the mode never sees it;
         # torch's own mem_tracker patches it the same way (_track_resize).
         cls = torch.UntypedStorage
@@ -214,13 +212,9 @@ class LiveStorageTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 del cls.resize_
 
         cls.resize_ = resize_  # type: ignore[method-assign,assignment]
-        self._restore_resize = restore
+        return restore
 
     def _uninstall_resize_hook(self) -> None:
         if self._restore_resize is not None:
             self._restore_resize()
             self._restore_resize = None
-
-
-def _storage_weak_ref(st: torch.UntypedStorage) -> StorageWeakRef:
-    return StorageWeakRef(st)  # type: ignore[no-untyped-call]

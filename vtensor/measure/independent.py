@@ -63,9 +63,9 @@ class IndependentPeak:
             return None
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-            return baseline_bytes + max(0, peak - self._start)
-        assert self.rss is not None
-        peak = max(self.rss.peak_rss_bytes(), seen_peak_bytes)
+        else:
+            assert self.rss is not None
+            peak = max(self.rss.peak_rss_bytes(), seen_peak_bytes)
         return baseline_bytes + max(0, peak - self._start)
 
     def close(self) -> None:

@@ -46,43 +46,32 @@ class DeviceTracker(Protocol):
         ...
 
 
+# Field order of glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33); every field is a size_t.
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
 class _MallInfo2(ctypes.Structure):
-    # Field order of glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33); every field is a size_t.
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
 
 
-def _mkl_pool_reader() -> Callable[[], int] | None:
-    """Bytes held by MKL's memory manager now (NOTE [MKL buffer pool]); None without MKL."""
+def _no_pool() -> int:
+    return 0
+
+
+def _mkl_pool_reader() -> Callable[[], int]:
+    """Bytes held by MKL's memory manager now (NOTE [MKL buffer pool]); always 0 without MKL."""
     # NOTE [MKL buffer pool]: MKL's GEMM mallocs packing buffers in the first GEMM that needs
     # them and keeps them for the process's life; counted, a first iteration would see them as a
     # step's growth. So they are left out and reported apart (``pool_bytes``).
-    libraries: list[str | None] = [None]
     torch_cpu = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"  # MKL linked statically
-    if torch_cpu.exists():
-        libraries.append(str(torch_cpu))
-    for library in libraries:
+    for library in (None, str(torch_cpu)):
         try:
             handle = ctypes.PyDLL(library)  # NOTE [readings hold the GIL]
-        except OSError:
+        except OSError:  # no such file
             continue
         for name in ("mkl_serv_mem_stat", "MKL_Mem_Stat", "mkl_mem_stat"):
-            try:
-                mem_stat = getattr(handle, name)
-            except AttributeError:
+            mem_stat = getattr(handle, name, None)
+            if mem_stat is None:
                 continue
             mem_stat.restype = ctypes.c_int64
             mem_stat.argtypes = [ctypes.POINTER(ctypes.c_int)]
@@ -92,7 +81,7 @@ def _mkl_pool_reader() -> Callable[[], int] | None:
                 return max(0, int(mem_stat(ctypes.byref(buffers))))
 
             return read
-    return None
+    return _no_pool
 
 
 class MallocTracker:
@@ -117,14 +106,11 @@ class MallocTracker:
     def current_bytes(self) -> int:
         """Returns the bytes in heap chunks plus mmapped blocks, less MKL's pool."""
         info = self._mallinfo2()
-        heap = int(info.uordblks + info.hblkhd)
-        if self._mkl_pool is not None:
-            heap -= self._mkl_pool()
-        return heap
+        return int(info.uordblks + info.hblkhd) - self._mkl_pool()
 
     def pool_bytes(self) -> int:
         """Bytes of MKL's buffer pool, left out of :meth:`current_bytes` (0 without MKL)."""
-        return self._mkl_pool() if self._mkl_pool is not None else 0
+        return self._mkl_pool()
 
     def settle(self) -> None:
         """Nothing to do: the heap counter reads live bytes."""
@@ -164,12 +150,11 @@ class ResidentTracker:
         if self._pid != os.getpid():
             self._open()
         fields = os.pread(self._fd, 256, 0).split()
-        resident = (int(fields[1]) - int(fields[2])) * _PAGE_BYTES
-        return resident - self._mkl_pool() if self._mkl_pool is not None else resident
+        return (int(fields[1]) - int(fields[2])) * _PAGE_BYTES - self._mkl_pool()
 
     def pool_bytes(self) -> int:
         """Bytes of MKL's buffer pool, left out of :meth:`current_bytes` (0 without MKL)."""
-        return self._mkl_pool() if self._mkl_pool is not None else 0
+        return self._mkl_pool()
 
     def settle(self) -> None:
         """Have the allocator hand back the freed pages a step could grow into unseen."""
