@@ -167,14 +167,13 @@ def _evict_group(
 
     The smallest that covers it alone goes, else the largest, and repeat: small overshoot.
     """
-    stops = {t.vid: _gap(t, step, lgm.n_steps)[1] for t in group}
-    away = {
-        t.vid: windows[(t.vid, stops[t.vid])].nbytes
-        for t in group
-        if (t.vid, stops[t.vid]) in windows
-    }
-    sizes = sorted((t.nbytes - away.get(t.vid, 0), t.vid, t) for t in group)
-    sizes = [entry for entry in sizes if entry[0] > 0]
+    sizes: list[tuple[int, int, TraceTensor]] = []
+    for t in group:
+        w = windows.get((t.vid, _gap(t, step, lgm.n_steps)[1]))
+        left = t.nbytes - (w.nbytes if w else 0)
+        if left > 0:
+            sizes.append((left, t.vid, t))
+    sizes.sort()
     while deficit > 0 and sizes:
         i = bisect.bisect_left(sizes, deficit, key=lambda entry: entry[0])
         _, _, t = sizes.pop(i if i < len(sizes) else -1)
@@ -202,13 +201,19 @@ def _evict_more(
     """Evict the fewest more tail chunks of ``t`` covering ``deficit``; return bytes freed."""
     first, stop = _gap(t, step, lgm.n_steps)
     w = windows.setdefault((t.vid, stop), _Window(t.vid, first, stop))
-    total = lgm.n_chunks(t)
-    if w.n_chunks == total:
+    if w.n_chunks == lgm.n_chunks(t):
         return 0
     k = max(w.n_chunks + 1, _chunks_for(lgm, t, w.nbytes + deficit))
-    freed = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), k) - w.nbytes
-    w.n_chunks, w.nbytes = k, w.nbytes + freed
-    resident[first:stop] -= freed
+    return _resize(lgm, w, k, resident)
+
+
+def _resize(lgm: LayeredGraph, w: _Window, n_chunks: int, resident: Bytes) -> int:
+    """Set ``w`` to the last ``n_chunks`` chunks of its vTensor; return the bytes this frees."""
+    t = lgm.trace.tensors[w.vid]
+    nbytes = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), n_chunks)
+    freed = nbytes - w.nbytes
+    w.n_chunks, w.nbytes = n_chunks, nbytes
+    resident[w.first : w.stop] -= freed
     return freed
 
 
@@ -228,12 +233,9 @@ def _trim_overshoot(
     """Bring back, largest first, whole chunks no layer of their window needs away any more."""
     for w in sorted(windows, key=lambda w: (-w.nbytes, w.vid, w.first)):
         slack = int((caps[w.first : w.stop] - resident[w.first : w.stop]).min())
-        t = lgm.trace.tensors[w.vid]
-        k = _chunks_for(lgm, t, w.nbytes - slack)
+        k = _chunks_for(lgm, lgm.trace.tensors[w.vid], w.nbytes - slack)
         if k < w.n_chunks:
-            kept = tail_chunk_bytes(t.nbytes, chunk_of(t, lgm.chunk_bytes), k)
-            resident[w.first : w.stop] += w.nbytes - kept
-            w.n_chunks, w.nbytes = k, kept
+            _resize(lgm, w, k, resident)
     return [w for w in windows if w.n_chunks]
 
 
@@ -259,9 +261,7 @@ def _close_cycles(lgm: LayeredGraph, windows: list[_Window], resident: Bytes) ->
         if starts and not ends and last_use + 1 < n:
             added.append(_Window(vid, last_use + 1, n))
     for w in added:
-        t = lgm.trace.tensors[w.vid]
-        w.n_chunks, w.nbytes = lgm.n_chunks(t), t.nbytes
-        resident[w.first : w.stop] -= t.nbytes
+        _resize(lgm, w, lgm.n_chunks(lgm.trace.tensors[w.vid]), resident)
     return sorted([*windows, *added], key=lambda w: (w.stop, w.vid))
 
 

@@ -20,7 +20,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from vtensor.errors import VTensorError
 from vtensor.planner.keys import PlanKey
@@ -78,7 +77,7 @@ def _set_mtime_now(path: Path) -> None:
 
 def _encode_entry(key: PlanKey, plan: Plan) -> bytes:
     text = plan.to_json()
-    entry: dict[str, Any] = {
+    entry = {
         "cache_schema_version": CACHE_SCHEMA_VERSION,
         "key": dataclasses.asdict(key),
         "plan": text,

@@ -3,7 +3,6 @@
 docs/lgm.md states the model; NOTE [memory model] in memory_model.py, what occupies memory.
 """
 
-import logging
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
@@ -14,8 +13,6 @@ import numpy.typing as npt
 from vtensor.planner.memory_model import chunk_of, last_live_step, simulate, step_unmanaged
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace, TraceTensor
-
-logger = logging.getLogger(__name__)
 
 # Conservative defaults for the swap file: writes that wait for write-back, cold reads.
 DEFAULT_WRITE_BYTES_PER_S = 0.3e9

@@ -105,13 +105,7 @@ def simulate(plan: Plan | None, trace: Trace) -> list[int]:
 READING_STRIDE = 8
 
 
-def watched_steps(
-    plan: Plan,
-    trace: Trace,
-    margin_bytes: int,
-    slack_bytes: int,
-    stride: int = READING_STRIDE,
-) -> tuple[int, ...]:
+def watched_steps(plan: Plan, trace: Trace, margin_bytes: int, slack_bytes: int) -> tuple[int, ...]:
     """The steps near the budget and the peak's that a lean replay reads at.
 
     NOTE [confirmed readings] picks them from those predicted within ``margin_bytes``.
@@ -122,7 +116,7 @@ def watched_steps(
     top = max(range(len(resident)), key=resident.__getitem__)
     near = plan.budget_bytes - margin_bytes
     candidates = [i for i, b in enumerate(resident) if b >= near or i == top]
-    return confirming_readings(resident, candidates, top, slack_bytes, stride)
+    return confirming_readings(resident, candidates, top, slack_bytes, READING_STRIDE)
 
 
 def confirming_readings(

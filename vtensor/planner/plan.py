@@ -2,10 +2,10 @@
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from vtensor.planner.trace import tuples_in
+from vtensor.planner.trace import shallow, tuples_in
 
 PLAN_SCHEMA_VERSION = 14
 
@@ -21,9 +21,6 @@ class TensorMove:
     evict_bytes: int
     evict_step: int
     prefetch_step: int
-
-
-_MOVE_FIELDS = tuple(f.name for f in fields(TensorMove))
 
 
 @dataclass(frozen=True)
@@ -85,8 +82,8 @@ class Plan:
 
     def to_json(self) -> str:
         """JSON text, built field by field: ``asdict`` deep-copies every leaf, slow here."""
-        plain = {f.name: getattr(self, f.name) for f in fields(self)}
-        plain["moves"] = [{n: getattr(m, n) for n in _MOVE_FIELDS} for m in self.moves]
+        plain = shallow(self)
+        plain["moves"] = [shallow(m) for m in self.moves]
         return json.dumps(plain, sort_keys=True)
 
     @classmethod

@@ -11,8 +11,8 @@ alone.
 
 from collections.abc import Sequence
 
-from vtensor.planner.lgm import build_lgm, empty_plan, min_budget
-from vtensor.planner.memory_model import simulate
+from vtensor.planner.lgm import build_lgm, min_budget
+from vtensor.planner.memory_model import unmanaged_peak
 from vtensor.planner.recomputed import whole_s, with_recompute
 from vtensor.planner.trace import TensorKind, Trace, TraceUnit
 
@@ -49,9 +49,8 @@ def unit_regrowth(trace: Trace) -> dict[str, int]:
 
 def choose_recompute(trace: Trace, budget_bytes: int) -> Names:
     """The cheapest units of ``trace`` to recompute to cover its deficit at ``budget_bytes``."""
-    # What the iteration would hold if nothing moved (the profiled one already swapped).
-    demand = simulate(empty_plan(trace, budget_bytes, trace.chunk_bytes), trace)
-    deficit = max(demand, default=0) - budget_bytes
+    # Against what the iteration would hold if nothing moved (the profiled one already swapped).
+    deficit = unmanaged_peak(trace) - budget_bytes
     if deficit <= 0:
         return ()
     options = [(u, whole_s(u), inner_bytes(trace, u)) for u in trace.units if u.safe]
@@ -104,9 +103,7 @@ def _cheapest_finish(
             return None  # no cheaper than a finish already priced
         if any(_nested(unit.name, other) for other in chosen):
             continue
-        trial = with_recompute(trace, [*chosen, unit.name])
-        kept = simulate(empty_plan(trial, budget_bytes, trial.chunk_bytes), trial)
-        if max(kept, default=0) <= budget_bytes:
+        if unmanaged_peak(with_recompute(trace, [*chosen, unit.name])) <= budget_bytes:
             return seconds, unit.name
     return None
 

@@ -45,11 +45,7 @@ def with_recompute(trace: Trace, names: Sequence[str]) -> Trace:
         _add_working(trace, unit, first, extra, part_extra)
     steps = tuple(_with_extra(s, extra[s.index], part_extra.get(s.index)) for s in trace.steps)
     tensors = tuple(
-        dataclasses.replace(
-            t,
-            vid=i,
-            evictable_step=-1 if t.vid in kept else t.evictable_step,
-        )
+        dataclasses.replace(t, vid=i, evictable_step=-1 if t.vid in kept else t.evictable_step)
         for i, t in enumerate(t for t in trace.tensors if t.vid not in gone)
     )
     return dataclasses.replace(trace, steps=steps, tensors=tensors, units=(), recomputed=())
@@ -83,7 +79,6 @@ def _add_working(
     last = min([*ended, parts - 1])
     by_part = part_extra.setdefault(at, [0] * parts)
     step = trace.steps[at]
-    # NOTE [working set at an unpack]
     start = max(step.part_base_bytes[: last + 1], default=-1)
     for j in range(last + 1):
         if start < 0:  # no part's base known: held on top of the part's own peak

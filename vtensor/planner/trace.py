@@ -165,9 +165,9 @@ class Trace:
 
     def to_json(self) -> str:
         """JSON text, built field by field: ``asdict`` deep-copies every leaf, slow here."""
-        plain = {f.name: getattr(self, f.name) for f in fields(self)}
+        plain = shallow(self)
         for name in ("steps", "tensors", "units"):
-            plain[name] = [_shallow(item) for item in plain[name]]
+            plain[name] = [shallow(item) for item in plain[name]]
         return json.dumps(plain, sort_keys=True)
 
     @classmethod
@@ -199,6 +199,6 @@ def _tuple(value: Any) -> Any:
     return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def _shallow(item: Any) -> dict[str, Any]:
+def shallow(item: Any) -> dict[str, Any]:
     """A dataclass of plain leaves as a dict, its leaves not copied."""
     return {f.name: getattr(item, f.name) for f in fields(item)}
