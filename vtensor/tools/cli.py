@@ -19,11 +19,10 @@ from collections.abc import Sequence
 
 from vtensor.activations.report import Granularity
 from vtensor.errors import InfeasibleBudgetError
-from vtensor.sizes import parse_bytes
 from vtensor.tools import demo
 from vtensor.tools.figures import print_summary, summary, write_outputs
 from vtensor.tools.plan_run import PlanRequest, Progress, measure
-from vtensor.tools.workload import UsageError, load_builder, loss_name
+from vtensor.tools.workload import UsageError, load_builder, loss_name, make_batch
 
 EXIT_INFEASIBLE = demo.EXIT_INFEASIBLE
 
@@ -41,8 +40,6 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-_size = demo.size_argument
-_fraction = demo.fraction_argument
 _SWITCHES: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
@@ -65,14 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-dtype", choices=("float", "long"), default="float")
     p.add_argument("--vocab", type=int, help="token vocabulary size (with --input-dtype long)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--budget", type=_size("budget"), help="absolute budget, e.g. 64MiB")
     budget.add_argument(
-        "--fraction", type=_fraction, default=0.5, help="of the unmanaged peak (default 0.5)"
+        "--budget", type=demo.size_argument("budget"), help="absolute budget, e.g. 64MiB"
     )
-    p.add_argument(
-        "--chunk-bytes", type=_size("chunk_bytes"), default=parse_bytes("1MiB"), help="default 1MiB"
+    budget.add_argument(
+        "--fraction",
+        type=demo.fraction_argument,
+        default=0.5,
+        help="of the unmanaged peak (default 0.5)",
     )
-    p.add_argument("--granularity", choices=("chunk", "tensor"), default="chunk")
+    demo.add_swap_arguments(p)
     p.add_argument(
         "--recompute",
         action="store_true",
@@ -100,7 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write the timeline PNG here")
     p.add_argument("--plan-cache", help="plan cache directory (shared by runs)")
     p.add_argument("--json", help="write the figures as JSON here")
-    p.add_argument("--storage-dir", help="directory of the swap file (default: a temp dir)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.set_defaults(parser=p)  # usage errors found after parsing are reported by this parser
     return parser
@@ -117,13 +115,12 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     progress(f"building {args.model}")
     try:
         vocab = args.vocab if args.input_dtype == "long" else None
-        build = load_builder(args.model, tuple(args.batch_shape), vocab)
+        build = load_builder(args.model, args.batch_shape, vocab)
+        batch, classes = make_batch(args.batch_shape, args.target_shape, vocab, args.device)
+        loss = loss_name(build, batch, classes)
         request = PlanRequest(
-            batch_shape=tuple(args.batch_shape),
-            target_shape=tuple(args.target_shape) if args.target_shape else None,
-            input_dtype=args.input_dtype,
-            vocab=args.vocab,
-            device=args.device,
+            batch=batch,
+            classes=classes,
             steps=args.steps,
             budget_bytes=args.budget,
             fraction=args.fraction,
@@ -135,8 +132,6 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             plan_cache_dir=args.plan_cache,
             storage_dir=args.storage_dir,
         )
-        batch, classes = request.batch()
-        loss = loss_name(build, batch, classes)
         outcome = measure(request, build, progress)
     except UsageError as err:
         parser.error(str(err))

@@ -54,6 +54,23 @@ def fraction_argument(text: str) -> float:
     return value
 
 
+def add_swap_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options demo and plan share: --chunk-bytes, --granularity, --storage-dir."""
+    parser.add_argument(
+        "--chunk-bytes",
+        type=size_argument("chunk_bytes"),
+        default=parse_bytes("1MiB"),
+        help="chunk size (default 1MiB)",
+    )
+    parser.add_argument(
+        "--granularity",
+        choices=("chunk", "tensor"),
+        default="chunk",
+        help="swap unit (default chunk)",
+    )
+    parser.add_argument("--storage-dir", help="directory of the swap file (default: a temp dir)")
+
+
 def build_model() -> nn.Module:
     """A VGG-style CNN whose saved activations dominate its parameters."""
     torch.manual_seed(0)
@@ -94,30 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget",
         type=size_argument("budget"),
-        default=None,
         help="absolute budget instead, e.g. '24MiB' (overrides --fraction)",
     )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument(
-        "--chunk-bytes",
-        type=size_argument("chunk_bytes"),
-        default=parse_bytes("1MiB"),
-        help="chunk size (default 1MiB)",
-    )
-    parser.add_argument(
-        "--granularity",
-        choices=("chunk", "tensor"),
-        default="chunk",
-        help="swap unit (default chunk)",
-    )
-    parser.add_argument(
-        "--storage-dir", default=None, help="directory of the swap file (default: system temp dir)"
-    )
+    add_swap_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    batch, _ = make_batch((args.batch_size, 3, 64, 64), None, "float", None, "cpu")
+    batch, _ = make_batch((args.batch_size, 3, 64, 64), None, None, "cpu")
 
     with tempfile.TemporaryDirectory() as scratch:
         with MemoryManager("1TiB", storage_dir=scratch) as probe:

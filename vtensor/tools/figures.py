@@ -92,7 +92,14 @@ def _seconds(value: float | None) -> str:
 def print_summary(s: dict[str, Any], args: argparse.Namespace, loss: str) -> None:
     """The figures, one per line, for people (and tests) to read."""
     print(f"model: {args.model}, batch {tuple(args.batch_shape)} {args.input_dtype}, loss: {loss}")
-    _print_budget(s, args)
+    peak = s["unmanaged_peak_bytes"]
+    print(f"unmanaged peak: {_bytes(peak)}, with the optimizer state its first update creates")
+    print(
+        f"budget: {_bytes(s['budget_bytes'])}, {s['budget_bytes'] / peak:.0%} of the peak, "
+        f"{args.granularity} granularity, chunk {format_bytes(args.chunk_bytes)}"
+    )
+    minimum = _bytes(s["min_budget_bytes"])
+    print(f"smallest feasible budget (the manager's stated minimum): {minimum}")
     _print_plan(s, args)
     print(f"bytes to move per iteration (plan): {_bytes(s['plan_bytes_moved'])}")
     print(f"predicted peak: {_bytes(s['predicted_peak_bytes'])}")
@@ -103,17 +110,6 @@ def print_summary(s: dict[str, Any], args: argparse.Namespace, loss: str) -> Non
     print(f"weights bit-identical to unmanaged training: {s['weights_identical']}")
     if s["failure"]:
         print(f"managed run stopped early: {s['failure']}")
-
-
-def _print_budget(s: dict[str, Any], args: argparse.Namespace) -> None:
-    peak = s["unmanaged_peak_bytes"]
-    print(f"unmanaged peak: {_bytes(peak)}, with the optimizer state its first update creates")
-    print(
-        f"budget: {_bytes(s['budget_bytes'])}, {s['budget_bytes'] / peak:.0%} of the peak, "
-        f"{args.granularity} granularity, chunk {format_bytes(args.chunk_bytes)}"
-    )
-    minimum = _bytes(s["min_budget_bytes"])
-    print(f"smallest feasible budget (the manager's stated minimum): {minimum}")
 
 
 def _print_plan(s: dict[str, Any], args: argparse.Namespace) -> None:

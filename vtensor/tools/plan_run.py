@@ -13,11 +13,10 @@ from torch import nn
 from vtensor.activations.manager import MemoryManager
 from vtensor.activations.report import Granularity, IterationReport
 from vtensor.errors import InfeasibleBudgetError
-from vtensor.io.chunk import DEFAULT_CHUNK_BYTES
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes
-from vtensor.tools.workload import Batch, Builder, make_batch, training_loss
+from vtensor.tools.workload import Batch, Builder, training_loss
 
 
 class Progress:
@@ -104,32 +103,23 @@ class PlanRequest:
     ``recompute``, ``encode_masks`` and ``offload_params`` go to ``MemoryManager`` as they are.
     """
 
-    batch_shape: tuple[int, ...]
-    target_shape: tuple[int, ...] | None = None
-    input_dtype: str = "float"
-    vocab: int | None = None
-    device: str = "cpu"
-    steps: int = 4
-    budget_bytes: int | None = None
-    fraction: float = 0.5
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    granularity: Granularity = Granularity.CHUNK
-    recompute: bool = False
-    encode_masks: bool | str = False
-    offload_params: bool | str = "auto"
-    plan_cache_dir: str | None = None
-    storage_dir: str | None = None
-
-    def batch(self) -> tuple[Batch, int]:
-        """The random batch and the number of target classes."""
-        return make_batch(
-            self.batch_shape, self.target_shape, self.input_dtype, self.vocab, self.device
-        )
+    batch: Batch
+    classes: int
+    steps: int
+    budget_bytes: int | None
+    fraction: float
+    chunk_bytes: int
+    granularity: Granularity
+    recompute: bool
+    encode_masks: bool | str
+    offload_params: bool | str
+    plan_cache_dir: str | None
+    storage_dir: str | None
 
 
 def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome:
     """Run the plain, unmanaged and managed iterations; raises ``InfeasibleBudgetError``."""
-    batch, classes = request.batch()
+    batch, classes = request.batch, request.classes
     # A plain step first: a process's first iteration allocates what kernels keep for later,
     # which would inflate the unmanaged peak (docs/vtensor.md, Limits). The others take turns
     # with the managed ones, so that both are timed under the same load.
@@ -144,7 +134,7 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
     with tempfile.TemporaryDirectory(prefix="vtensor-plan-") as scratch:
         storage = request.storage_dir or scratch
         progress("one step at a 1TiB budget: the unmanaged peak and trace")
-        probe, trace, peak = _unmanaged(build, batch, classes, storage)
+        probe, trace, peak = _unmanaged(build, request, storage)
         budget = request.budget_bytes or int(peak * request.fraction)
         progress(f"unmanaged peak {format_bytes(peak)}, budget {format_bytes(budget)}")
         mm = MemoryManager(
@@ -160,7 +150,7 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
         with mm:
             model, opt = _fresh(build, batch)
             managed_s, param_moved, failure = _train_managed(
-                model, opt, batch, classes, request.steps, mm, progress, plain_step
+                model, opt, request, mm, progress, plain_step
             )
             plan = mm.plan_for(model, batch)
             offloaded = mm.params_offloaded
@@ -186,11 +176,11 @@ def measure(request: PlanRequest, build: Builder, progress: Progress) -> Outcome
 
 
 def _unmanaged(
-    build: Builder, batch: Batch, classes: int, storage_dir: str
+    build: Builder, request: PlanRequest, storage_dir: str
 ) -> tuple[IterationReport, Trace, int]:
     """A step at 1 TiB: its report, its trace, and the manager's unmanaged peak."""
     with MemoryManager("1TiB", storage_dir=storage_dir) as probe:
-        train_step(*_fresh(build, batch), batch, classes, probe)
+        train_step(*_fresh(build, request.batch), request.batch, request.classes, probe)
     assert probe.trace is not None  # a first iteration is always profiled
     # The manager's own unmanaged peak: with the optimizer state the first update creates.
     peak = probe.unmanaged_peak_bytes or probe.report().peak_device_bytes
@@ -200,9 +190,7 @@ def _unmanaged(
 def _train_managed(
     model: nn.Module,
     opt: torch.optim.Optimizer,
-    batch: Batch,
-    classes: int,
-    steps: int,
+    request: PlanRequest,
     mm: MemoryManager,
     progress: Progress,
     between: Callable[[], None],
@@ -211,6 +199,7 @@ def _train_managed(
 
     Returns each step's seconds, its parameter bytes moved, and why it stopped (or None).
     """
+    steps = request.steps
     seconds: list[float] = []
     param_moved: list[int] = []
     try:
@@ -219,7 +208,7 @@ def _train_managed(
                 f"managed iteration {i} ({i + 1} of {steps}) at {format_bytes(mm.budget_bytes)}"
             )
             before = _param_bytes_moved(mm)
-            seconds.append(train_step(model, opt, batch, classes, mm))
+            seconds.append(train_step(model, opt, request.batch, request.classes, mm))
             param_moved.append(_param_bytes_moved(mm) - before)
             rep = mm.report()
             progress(

@@ -80,23 +80,21 @@ def _zoo_factory(
 def make_batch(
     batch_shape: tuple[int, ...],
     target_shape: tuple[int, ...] | None,
-    input_dtype: str,
     vocab: int | None,
     device: str | torch.device,
 ) -> tuple[Batch, int]:
     """A random batch and its number of target classes.
 
-    ``input_dtype`` ``"long"``: token ids below ``vocab``, targets of the inputs' shape; else
-    floats, one target class per example.
+    With a ``vocab``: token ids below it, targets of the inputs' shape; else floats, one target
+    class per example.
     """
     gen = torch.Generator().manual_seed(1)
-    tokens = input_dtype == "long"
-    classes = vocab if tokens and vocab is not None else DEFAULT_CLASSES
-    if tokens:
-        x = torch.randint(0, classes, batch_shape, generator=gen)
-    else:
+    classes = DEFAULT_CLASSES if vocab is None else vocab
+    if vocab is None:
         x = torch.randn(batch_shape, generator=gen)
-    default_targets = batch_shape if tokens else batch_shape[:1]
+    else:
+        x = torch.randint(0, classes, batch_shape, generator=gen)
+    default_targets = batch_shape[:1] if vocab is None else batch_shape
     y = torch.randint(0, classes, target_shape or default_targets, generator=gen)
     return (x.to(device), y.to(device)), classes
 
