@@ -7,13 +7,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
 from os import PathLike
-from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
-from vtensor.activations.model_state import ScanCache, StateStorages, device_of
+from vtensor.activations.model_state import ScanCache, device_of, state_storages
 from vtensor.activations.offloads import Offloads
 from vtensor.activations.plan.decision import PlanBook
 from vtensor.activations.plan.iteration_plan import IterationPlan
@@ -182,7 +181,7 @@ class MemoryManager:
         self._reports: list[IterationReport] = []
         self._trace: Trace | None = None
         self._state_shapes: dict[tuple[int, torch.dtype], StateShape | None] = {}
-        self._scans, self._states = ScanCache(), StateStorages()  # NOTE [scan once], [state once]
+        self._scans = ScanCache()  # NOTE [scan once]
         self._tracker: DeviceTracker  # made with the store, once: it holds no state of a step
         self._active = False
 
@@ -190,12 +189,7 @@ class MemoryManager:
     def __enter__(self) -> "MemoryManager":
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -324,9 +318,7 @@ class MemoryManager:
         params, optimizer, pending = side.params, side.optimizer, side.pending
         store, policy, tracker = self._ensure_started(device)
         held = held_outside(params.pool, model) if params is not None else 0
-        protected, held_state = self._states.of(
-            scan, optimizer, inputs, device, self._scans.pointers
-        )
+        protected, held_state = state_storages(scan, optimizer, inputs, device)
         if not self.budget_bytes:
             self._budget.resolve_device(device, held_state)
             self._budget_resolved()

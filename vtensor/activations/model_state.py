@@ -126,7 +126,7 @@ class ModelScan:
 # model is walked again only when torch's global registration hooks saw a registration, or the
 # modules' own dicts hold other tensors (a conversion may replace them without registering), or a
 # ``requires_grad`` changed. Each step reads only what is cheap together: the dicts' members,
-# ``requires_grad`` and the data pointers, which the state's reading shares (NOTE [state once]).
+# ``requires_grad`` and the data pointers.
 # Shapes and dtypes are compared only when a pointer moved, since they change with the data; an
 # in-place view that keeps the pointer shows up as a divergence from the plan instead (NOTE
 # [fingerprint once]).
@@ -153,7 +153,7 @@ class ScanCache:
     """A manager's last :class:`ModelScan`, walked again only when it may be stale.
 
     NOTE [scan once]. Holds the model weakly, so the manager keeps neither it nor its
-    parameters alive. ``pointers``: the state's data pointers as :meth:`of` last read them.
+    parameters alive.
     """
 
     def __init__(self) -> None:
@@ -161,7 +161,7 @@ class ScanCache:
         self._registrations = -1
         self._scan: ModelScan | None = None
         self._flags: list[bool] = []
-        self.pointers: list[int] = []
+        self._pointers: list[int] = []
 
     def of(self, model: nn.Module) -> ModelScan:
         """The scan of ``model``: the last one while it still holds, else a new walk."""
@@ -176,14 +176,14 @@ class ScanCache:
             and list(map(_requires_grad, scan.parameters)) == self._flags
         ):
             pointers = list(map(_data_ptr, scan.state))
-            if pointers == self.pointers or _tensors_structure(scan) == scan.tensors:
-                self.pointers = pointers
+            if pointers == self._pointers or _tensors_structure(scan) == scan.tensors:
+                self._pointers = pointers
                 return scan
         self._registrations = _registrations
         self._scan = scan = ModelScan.of(model)
         self._model = weakref.ref(model, self._dropped)
         self._flags = list(map(_requires_grad, scan.parameters))
-        self.pointers = list(map(_data_ptr, scan.state))
+        self._pointers = list(map(_data_ptr, scan.state))
         return scan
 
     def _dropped(self, _: "weakref.ref[nn.Module]") -> None:
@@ -283,34 +283,3 @@ def _with_inputs(seen: dict[int, int], inputs: Sequence[torch.Tensor], device: t
             if storage._cdata not in seen:
                 extra[storage._cdata] = storage.nbytes()
     return sum(seen.values()) + sum(extra.values())
-
-
-class StateStorages:
-    """A manager's :func:`state_storages`, read again only when a state tensor's data moved.
-
-    NOTE [state once]: each step needs the state's storage identities and bytes, and reading a
-    storage makes a Python object per tensor. The last reading holds while the state's data
-    pointers are the same, in order: a replaced storage is made while the old one lives, so its
-    pointer differs. Zero-size storages (null pointer) force a new reading; inputs are read
-    every step.
-    """
-
-    def __init__(self) -> None:
-        self._last: tuple[tuple[object, ...], set[int], dict[int, int]] | None = None
-
-    def of(
-        self,
-        scan: ModelScan,
-        optimizer: torch.optim.Optimizer | None,
-        inputs: Sequence[torch.Tensor],
-        device: torch.device,
-        pointers: list[int],
-    ) -> tuple[set[int], int]:
-        """:func:`state_storages` (a shared set: read only); ``pointers``: of ``scan.state``."""
-        made = _made_by_steps(scan, optimizer)
-        made_pointers = list(map(_data_ptr, made))
-        key = (device, pointers, made_pointers)
-        if self._last is None or self._last[0] != key or 0 in pointers or 0 in made_pointers:
-            self._last = (key, *_state_seen([*scan.state, *made], device))
-        _, protected, seen = self._last
-        return protected, _with_inputs(seen, inputs, device)

@@ -12,7 +12,6 @@ import vtensor
 from vtensor.activations.model_state import (
     ModelScan,
     ScanCache,
-    StateStorages,
     device_of,
     on_device_type,
     state_storages,
@@ -98,31 +97,6 @@ def test_the_device_test_matches_the_device_type() -> None:
     admission = Admission(CPU, set(), 0)
     assert admission.storage(torch.ones(2)) is not None
     assert admission.storage(torch.ones(2, device="meta")) is None
-
-
-def test_the_state_read_again_only_when_its_data_moved_matches_a_fresh_reading() -> None:
-    # NOTE [state once]
-    model, cache, states = _model(), ScanCache(), StateStorages()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(4, 8)
-
-    def same() -> tuple[set[int], int]:
-        scan = cache.of(model)
-        got = states.of(scan, opt, (x,), CPU, cache.pointers)
-        assert got == state_storages(scan, opt, (x,), CPU)
-        return got
-
-    first = same()
-    assert same()[0] is first[0]  # nothing moved: the reading kept
-    model(x).sum().backward()
-    opt.step()  # gradients and momentum appear
-    with_state = same()
-    assert with_state[1] > first[1]
-    model[0].weight.data = model[0].weight.data.clone()  # a new storage, same shape
-    replaced = same()
-    assert _storage(model[0].weight) in replaced[0]
-    model[3].bias.data = torch.zeros(0)  # a zero-size storage: read again at every step
-    assert same()[0] is not same()[0]
 
 
 def test_the_device_read_from_a_scan_is_the_models() -> None:

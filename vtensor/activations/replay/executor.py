@@ -35,9 +35,7 @@ class PlanExecutor:
         # By plan position; None: passed to autograd (NOTE [passed]).
         self.records: dict[int, VTensor | None] = {}
         self.placed = 0  # saved storages placed so far
-        self._position_of: dict[int, int] = {}  # plan position by vTensor vid
         self.diverged: str | None = None
-        self.missed = 0  # planned evictions that could not be issued (vTensor still in use)
         self.issued_bytes = 0  # bytes of the evictions it issued (the guard's come on top)
         self._started: set[tuple[int, int]] = set()  # (vid, planned step) started a step early
         self._evictions: dict[int, list[TensorMove]] = defaultdict(list)
@@ -66,10 +64,6 @@ class PlanExecutor:
         """The plan position of the next storage saved for the first time."""
         return self.placed
 
-    def position_of(self, record: VTensor) -> int | None:
-        """The plan position of ``record``, if this replay placed it."""
-        return self._position_of.get(record.vid)
-
     def on_record(self, record: VTensor) -> None:
         """A vTensor was saved for the first time in this iteration."""
         self._place(record, record.nbytes)
@@ -85,8 +79,6 @@ class PlanExecutor:
         position = self.next_position()
         self.placed += 1
         self.records[position] = record
-        if record is not None:
-            self._position_of[record.vid] = position
         if position >= self._count or self.plan.tensor_bytes[position] != nbytes:
             want = self.plan.tensor_bytes[position] if position < self._count else "none"
             self.diverge(f"saved tensor {position} has {nbytes} bytes, plan: {want}")
@@ -118,11 +110,9 @@ class PlanExecutor:
                     blocking = True
                 continue
             record = self._record(move)
-            if record is not None and self.store.evictable(record):
+            if record is not None and self.store.evictable(record):  # else still in use
                 self.issued_bytes += self.store.evict(record, move.evict_bytes)
                 blocking = True
-            else:
-                self.missed += 1
         if blocking:
             self.store.reap(block=True)
         for move in self._evictions.get(index + 1, ()):
