@@ -11,7 +11,8 @@ Two measurements:
   same process, interleaved round-robin after one profiling round; the median step time over
   the timed rounds, bytes moved, I/O thread busy time and stall. Gradients are compared
   between the variants on every round. With ``--keep-page-cache`` a second pair runs with
-  ``drop_page_cache=False``: no ``fdatasync`` per write, so the cipher's share shows plainly.
+  ``drop_page_cache=False``: no write-back or cache drop per write, so the cipher's share shows
+  plainly.
 
 Run from the repository root::
 
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=float, default=0.5, help="fraction of the unmanaged peak")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7; quick: 5)")
     p.add_argument("--chunk-bytes", type=int, default=MIB)
-    p.add_argument("--keep-page-cache", action="store_true", help="also run without fdatasync")
+    p.add_argument(
+        "--keep-page-cache", action="store_true", help="also run with the page cache kept"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--storage-dir", default=None, help="directory of the swap files")
     add_repeats(p, "best-of repeats of each AEAD measurement", full=7, quick=3)

@@ -2,16 +2,17 @@
 
 The three workloads in their small sizes at small batches, so that a step is short, as on a
 GPU, and the manager's per-step and per-tensor Python work shows. MobileNetV2 and ResNet-18
-have every module of their full sizes (narrower), the char GPT two of its four layers. Two
+have every module of their full sizes (narrower), the char GPT two of its four layers. Three
 copies of each model from the same weights train side by side in one process: one unmanaged,
-one under a manager whose budget is far above its peak (its plan moves nothing and replays
-lean, without module hooks: NOTE [lean replay] and NOTE [hookless replay] in
-``vtensor/activations/replay/lean.py``). After
-the warm-up rounds (profiling and the first replays), the two take turns, each round in the
-other order, and every round checks that their gradients are bit-identical. Per model: the
-median step (forward and backward, ``time.perf_counter``; on CUDA after waiting for the
-device), the median overhead and ratio, and the median host time spent entering ``mm.step``
-(the plan key, the model's state, the hooks) and leaving it. Run from the repository root::
+one under torch's saved-tensor hooks doing nothing (the floor any manager that sees each saved
+tensor starts from), one under a manager whose budget is far above its peak (its plan moves
+nothing and replays lean, without module hooks: NOTE [lean replay] and NOTE [hookless replay]
+in ``vtensor/activations/replay/lean.py``). After the warm-up rounds (profiling and the first
+replays), they take turns, each round in another order, and every round checks that their
+gradients are bit-identical. Per model: the median step (forward and backward,
+``time.perf_counter``; on CUDA after waiting for the device), the median overhead and ratio,
+and the median host time spent entering ``mm.step`` (the plan key, the model's state, the
+hooks) and leaving it. Run from the repository root::
 
     python -m benchmarks.unbound_cost --rounds 60 --out unbound_cost.jsonl
     python -m benchmarks.unbound_cost --device cuda --batch-scale 4   # on a GPU
@@ -34,6 +35,7 @@ from benchmarks.common import add_out, add_quick, describe, environment, tagged,
 from benchmarks.zoo.workloads import Workload, workloads
 
 UNBOUND_BYTES = 1 << 50
+_TURNS = ["unmanaged", "hooks", "unbound"]
 
 
 def _opt(model: nn.Module) -> torch.optim.Optimizer:
@@ -53,6 +55,16 @@ def _plain(w: Workload, model: nn.Module, opt: torch.optim.Optimizer, batch: Any
     begin = _now(device)
     w.loss(model, *batch).backward()  # type: ignore[no-untyped-call]
     return _now(device) - begin
+
+
+def _noop_hooks(w: Workload, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float:
+    """One step under saved-tensor hooks that do nothing: what torch's hooks cost alone."""
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        return _plain(w, model, opt, batch)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _managed(
@@ -87,8 +99,8 @@ def run_model(w: Workload, rounds: int, warmup: int, device: torch.device) -> di
     """One model's rounds on ``device``; its row."""
     torch.manual_seed(0)
     plain = w.build().to(device)
-    managed = copy.deepcopy(plain)
-    opt_plain, opt_managed = _opt(plain), _opt(managed)
+    managed, hooked = copy.deepcopy(plain), copy.deepcopy(plain)
+    opt_plain, opt_managed, opt_hooked = _opt(plain), _opt(managed), _opt(hooked)
     saved = 0
 
     def count(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,25 +111,28 @@ def run_model(w: Workload, rounds: int, warmup: int, device: torch.device) -> di
     batch = tuple(t.to(device) for t in w.batch(0))
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         w.loss(plain, *batch).backward()  # type: ignore[no-untyped-call]
-    times: dict[str, list[float]] = {"unmanaged": [], "unbound": [], "enter": [], "exit": []}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("unmanaged", "unbound", "hooks", "enter", "exit")
+    }
     identical = True
     with vtensor.MemoryManager(UNBOUND_BYTES) as mm:
         for r in range(warmup + rounds):
             batch = tuple(t.to(device) for t in w.batch(r))
-            first_plain = r % 2 == 0
-            if first_plain:
-                plain_s = _plain(w, plain, opt_plain, batch)
-            step_s, enter_s, exit_s = _managed(w, managed, opt_managed, batch, mm)
-            if not first_plain:
-                plain_s = _plain(w, plain, opt_plain, batch)
-            identical = identical and _same_grads(plain, managed)
-            opt_plain.step()
-            opt_managed.step()
+            took: dict[str, float] = {}
+            enter_s = exit_s = 0.0
+            for name in _TURNS[r % 3 :] + _TURNS[: r % 3]:  # each copy in every position
+                if name == "unmanaged":
+                    took[name] = _plain(w, plain, opt_plain, batch)
+                elif name == "hooks":
+                    took[name] = _noop_hooks(w, hooked, opt_hooked, batch)
+                else:
+                    took[name], enter_s, exit_s = _managed(w, managed, opt_managed, batch, mm)
+            identical = identical and _same_grads(plain, managed) and _same_grads(plain, hooked)
+            for opt in (opt_plain, opt_managed, opt_hooked):
+                opt.step()
             if r >= warmup:
-                times["unmanaged"].append(plain_s)
-                times["unbound"].append(step_s)
-                times["enter"].append(enter_s)
-                times["exit"].append(exit_s)
+                for name, seconds in (*took.items(), ("enter", enter_s), ("exit", exit_s)):
+                    times[name].append(seconds)
         report = mm.report()
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     overheads = [b - a for a, b in zip(times["unmanaged"], times["unbound"], strict=True)]
@@ -129,6 +144,7 @@ def run_model(w: Workload, rounds: int, warmup: int, device: torch.device) -> di
         "unbound_ms": ms["unbound"],
         "overhead_ms": 1e3 * statistics.median(overheads),
         "ratio": ms["unbound"] / ms["unmanaged"],
+        "noop_hooks_ratio": ms["hooks"] / ms["unmanaged"],
         "enter_ms": ms["enter"],
         "exit_ms": ms["exit"],
         "lean": report.lean,
@@ -162,16 +178,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     print(
         "| model | saved tensors | unmanaged ms | unbound ms | overhead ms | ratio "
-        "| entering ms | leaving ms | lean | gradients identical |"
+        "| no-op hooks ratio | entering ms | leaving ms | lean | gradients identical |"
     )
-    print("|---" * 10 + "|")
+    print("|---" * 11 + "|")
     for name in args.models:
         row = run_model(zoo[name], rounds, 2 if args.quick else args.warmup, device)
         rows.append(row)
         print(
             f"| {row['describe']} | {row['saved_tensors']} | {row['unmanaged_ms']:.2f} "
             f"| {row['unbound_ms']:.2f} | {row['overhead_ms']:.2f} | {row['ratio']:.3f}x "
-            f"| {row['enter_ms']:.2f} | {row['exit_ms']:.2f} | {row['lean']} "
+            f"| {row['noop_hooks_ratio']:.3f}x | {row['enter_ms']:.2f} | {row['exit_ms']:.2f} "
+            f"| {row['lean']} "
             f"| {row['grads_identical']} |",
             flush=True,
         )
