@@ -1,7 +1,8 @@
 """The step-time model: constants measured on this machine, and the time it predicts (pure).
 
 NOTE [calibrated model]
-A step under a plan takes its measured compute, plus its waits for transfers (``predict_stalls``),
+A step under a plan takes its measured compute (the profiled steps' durations, the manager's own
+work left out: NOTE [own time]), plus its waits for transfers (``predict_stalls``),
 plus the swap engine's CPU time per byte moved, plus its recomputations (``whole_s``). The
 bandwidths come from the profiled iteration's transfers; the per-byte cost starts at 0 and is
 corrected once from a validating replay. Keep, swap and recompute are priced by this one model;

@@ -4,9 +4,11 @@ validating replay; a hybrid plan from the calibrated model; a cached one in a fr
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from recompute_models import (
     MIB,
     Block,
@@ -17,11 +19,13 @@ from recompute_models import (
     peak_bytes,
     train,
 )
+from torch import nn
 
 import vtensor
 from vtensor.activations.plan.decision import Decision, PlanBook, Profile, Stage
 from vtensor.activations.plan.iteration_plan import IterationPlan, Recomputation
 from vtensor.activations.report import PlanSource
+from vtensor.activations.runtime.live import LiveBytes
 from vtensor.planner.costs import Costs
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
@@ -177,3 +181,29 @@ def test_every_replay_form_keeps_bit_identity_under_a_budget_that_never_binds(
         sources = [(r.plan_source, r.lean) for r in mm.reports]
     assert sources[:3] == [("profiled", False), ("planned", False), ("planned", True)]
     assert_same(Block, model, grads)
+
+
+def test_a_profiled_step_leaves_the_managers_own_time_out_of_its_compute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [own time]: each reading made slow; the trace's compute must not grow with them.
+    slept = 0.0
+    read = LiveBytes.read
+
+    def slow(self: LiveBytes) -> int:
+        nonlocal slept
+        time.sleep(0.01)
+        slept += 0.01
+        return read(self)
+
+    monkeypatch.setattr(LiveBytes, "read", slow)
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())]
+    model, x = nn.Sequential(*layers), torch.randn(32, 64)
+    with vtensor.MemoryManager(1 << 40, storage_dir=tmp_path, offload_params=False) as mm:
+        with mm.step(model, inputs=(x,)):
+            model(x).sum().backward()
+        trace = mm.trace
+    assert trace is not None
+    assert slept >= 0.2  # readings at every hook point of the profiled step
+    assert sum(s.duration_s for s in trace.steps) < slept / 4

@@ -1,7 +1,15 @@
-"""Torch glue: saved-tensor pack/unpack hooks and module boundary hooks. They only route events."""
+"""Torch glue: saved-tensor pack/unpack hooks and module boundary hooks. They only route events.
 
+NOTE [own time]
+A profiled step's duration is the model's compute (NOTE [calibrated model]), so on the CPU the time
+the hooks spend in the manager (readings, books, evictions, waits for transfers) is left out of
+it, as the recomputation checks' is: the model adds the waits it predicts and the swap engine's
+CPU time per byte itself. On CUDA the host's hook time overlaps queued device work: it stays.
+"""
+
+import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +30,11 @@ class HookTarget(Protocol):
     step_index: int
     recomputing: int  # above 0 while a forward runs again (NOTE [recompute])
     admission: Admission  # which saved tensors are activations, and which of them it manages
+    own_time_excluded: bool  # NOTE [own time]
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the open step's duration."""
+        ...
 
     def accepts(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
         """Whether ``tensor``, plain for ``admission`` with ``storage``, may be virtualized."""
@@ -119,7 +132,25 @@ def make_saved_tensor_hooks(
         # A fresh alias per unpack: while backward holds it, the use count pins the record.
         return alias.detach()
 
-    return pack, unpack
+    return _timed(pack, target), _timed(unpack, target)
+
+
+R = TypeVar("R")
+
+
+def _timed(handler: Callable[..., R], target: HookTarget) -> Callable[..., R]:
+    """``handler``, its time left out of the open step where the target says so."""
+    if not target.own_time_excluded:
+        return handler
+
+    def timed(*args: Any) -> R:
+        began = time.perf_counter()
+        try:
+            return handler(*args)
+        finally:
+            target.exclude_time(time.perf_counter() - began)  # NOTE [own time]
+
+    return timed
 
 
 def _check_version(saved: torch.Tensor, version: int) -> None:
@@ -151,6 +182,7 @@ class _NodeSampler:
         # freed nodes' ids are reused, and holding nodes would keep alive graphs never run.
         self._token = object()
         self._handles: list[RemovableHandle] = []
+        self._hook = _timed(self._after, target)
 
     def add_graph_of(self, tensors: Iterable[torch.Tensor]) -> None:
         """Hook every node of the graph behind ``tensors`` not hooked yet."""
@@ -164,7 +196,7 @@ class _NodeSampler:
             if metadata.get(_SAMPLED_KEY) is self._token:
                 continue
             metadata[_SAMPLED_KEY] = self._token
-            self._handles.append(node.register_hook(self._after))
+            self._handles.append(node.register_hook(self._hook))
             stack.extend(next_node for next_node, _ in node.next_functions)  # None: a leaf
 
     def _after(self, _grad_inputs: Any, _grad_outputs: Any) -> None:
@@ -187,8 +219,8 @@ class ModuleHooks:
         # Marks in node metadata, by this step's token: node ids are reused.
         self._token = object()
         self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post),
+            register_module_forward_pre_hook(_timed(self._pre, target)),
+            register_module_forward_hook(_timed(self._post, target)),
         ]
 
     def _pre(self, module: nn.Module, _args: Any) -> None:
@@ -221,7 +253,7 @@ class ModuleHooks:
             def on_backward(_grads: Any, name: str = name) -> None:
                 target.begin_step(name)
 
-            node.register_prehook(on_backward)
+            node.register_prehook(_timed(on_backward, target))
 
     def remove(self) -> None:
         """Take every hook off."""

@@ -58,6 +58,8 @@ class Iteration:
         self.admission = Admission(device, protected_storages, min_tensor_bytes)
         self.baseline_bytes = baseline_bytes
         self.record_trace = record_trace
+        # NOTE [own time] in runtime/hooks.py: a profile's durations are the model's compute.
+        self.own_time_excluded = record_trace and device.type == "cpu"
         self.executor = executor
         # NOTE [transient bytes] in runtime/recorder.py; it also keeps the RSS peak.
         self.rss = rss if record_trace or count_workspaces else None
@@ -395,6 +397,6 @@ class Iteration:
         self.one_time_bytes = max(0, self.tracker.pool_bytes() - self._entry_pool)
 
     def exclude_time(self, seconds: float) -> None:
-        """Leave ``seconds`` (a check the profiler ran) out of the open step's duration."""
+        """Leave ``seconds`` (the profiler's own work) out of the open step's duration."""
         if self._open is not None:
             self._open.started += seconds

@@ -108,6 +108,8 @@ class IterationBooks:
     def close(self, step: OpenStep, stats: StoreStats, transient: int, *, counted: bool) -> None:
         """Book ``step`` as it ends; ``counted``: its ``transient`` joins the unmanaged peak."""
         now = time.perf_counter()
+        # Time left out (NOTE [own time]) may cross a boundary a little: never below zero.
+        duration = max(0.0, now - step.started)
         before = step.stats_at_start
         parted, extra = len(step.parts) > 1, transient if counted else 0
         phase = Phase(step.name.split(":", 1)[0])
@@ -116,7 +118,7 @@ class IterationBooks:
                 step.index,
                 step.name,
                 phase,
-                now - step.started,
+                duration,
                 step.peak,
                 stats.bytes_out - before.bytes_out,
                 stats.bytes_in - before.bytes_in,
@@ -129,7 +131,7 @@ class IterationBooks:
                 step.index,
                 step.name,
                 phase,
-                now - step.started,
+                duration,
                 step.live_start,
                 step.peak,
                 max(step.unmanaged_peak, 0) + extra,
