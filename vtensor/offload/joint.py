@@ -33,8 +33,14 @@ from vtensor.planner.plan import Plan
 class RoomMaker(Protocol):
     """The activation manager's side of the shared budget."""
 
+    own_time_excluded: bool  # NOTE [own time]
+
     def make_room(self, nbytes: int) -> None:
         """Evict activations so that ``nbytes`` about to be allocated fit the budget."""
+        ...
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the open step's duration."""
         ...
 
 
@@ -68,11 +74,13 @@ class JointStep:
         pool.connect(self.side, room.make_room)
         # No lookahead in a shared budget: it would read ahead as far as the whole budget allows,
         # blind to the activations beside it. A replayed plan reads ahead where it planned to.
-        self.params.passes.joint = True
+        passes = self.params.passes
+        passes.joint = True
+        passes.own_time = room.exclude_time if room.own_time_excluded else None
         try:
             yield
         finally:
-            self.params.passes.joint = False
+            passes.joint, passes.own_time = False, None
             # A replayed plan keeps holding what it has resident: the next iteration starts there.
             pool.disconnect(keep_listener=self.side is not None and self.side.plan is not None)
 
