@@ -36,7 +36,6 @@ from vtensor.offload.joint import (
     ParamOffloadReport,
     held_outside,
 )
-from vtensor.planner.costs import Transfers
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import Trace
 from vtensor.sizes import format_bytes, parse_bytes
@@ -376,20 +375,15 @@ class MemoryManager:
         excused = books.violated and self._plans.excuse(chosen, iteration.was_lean)
         if side.probing or (books.violated and not excused):
             raise self._offloads.refusal(side, iteration, model, inputs, self.budget_bytes)
-        params_moved = Transfers()  # the parameter side's traffic
-        if params is not None and params_before is not None:
-            params_moved = params.report().moved_since(params_before)
-        self._record(
-            iteration,
-            chosen,
-            device,
-            started,
-            stats_before,
-            joint,
-            pending,
-            excused,
-            params_moved=params_moved,
-        )
+        self._record(iteration, chosen, device, started, stats_before, joint, pending, excused)
+        if params is not None and params_before is not None:  # the parameter side's traffic
+            after = params.report()
+            self._reports[-1] = dataclasses.replace(
+                self._reports[-1],
+                params_offloaded=True,
+                params_bytes_out=after.bytes_out - params_before.bytes_out,
+                params_bytes_in=after.bytes_in - params_before.bytes_in,
+            )
         peak = self._budget.unmanaged_peak_bytes or 0
         self._offloads.after_step(side, fits=0 < peak <= self.budget_bytes)
 
@@ -403,8 +397,6 @@ class MemoryManager:
         joint: JointStep | None = None,
         pending_state_bytes: int = 0,
         excused: bool = False,
-        *,
-        params_moved: Transfers,
     ) -> None:
         assert self._store is not None and self._policy is not None and self._peaks is not None
         trace = None
@@ -422,7 +414,7 @@ class MemoryManager:
             wall_s=device_now(device) - started,
             guard_bytes=self._guard_bytes(chosen, before),
             state_to_come_bytes=pending_state_bytes,
-            moved=StoreCounters.of(self._store).since(before) + params_moved,
+            moved=StoreCounters.of(self._store).since(before),
             excused=excused,
         )
         report = iteration_report(
@@ -438,15 +430,7 @@ class MemoryManager:
             pending_state_bytes,
             self._plans.planning_s if chosen.record_trace else 0.0,
         )
-        self._reports.append(
-            dataclasses.replace(
-                report,
-                budget_source=budget_source,
-                params_offloaded=joint is not None,
-                params_bytes_out=params_moved.bytes_out,
-                params_bytes_in=params_moved.bytes_in,
-            )
-        )
+        self._reports.append(dataclasses.replace(report, budget_source=budget_source))
         if trace is not None and self._budget.note_profile(trace, pending_state_bytes):
             self._budget_resolved()
         if logger.isEnabledFor(logging.DEBUG):

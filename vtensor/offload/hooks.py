@@ -1,9 +1,8 @@
 """Torch glue of parameter offloading: hooks that only route, and the first forward's guard."""
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,8 +34,8 @@ def install_offload_hooks(model: nn.Module, target: "OffloadPasses") -> list[Rem
         def post(_module: nn.Module, _args: Any, output: Any, unit: Unit = unit) -> None:
             target.end_call(unit, output)
 
-        handles.append(unit.module.register_forward_pre_hook(timed(pre, target)))
-        handles.append(unit.module.register_forward_hook(timed(post, target), always_call=True))
+        handles.append(unit.module.register_forward_pre_hook(pre))
+        handles.append(unit.module.register_forward_hook(post, always_call=True))
     handles += [
         model.register_forward_pre_hook(lambda _m, _a: target.begin_forward(), prepend=True),
         model.register_forward_hook(lambda _m, _a, _o: target.end_forward(), always_call=True),
@@ -51,29 +50,6 @@ def install_offload_hooks(model: nn.Module, target: "OffloadPasses") -> list[Rem
                 record.param.register_post_accumulate_grad_hook(arrived)  # type: ignore[no-untyped-call]
             )
     return handles
-
-
-R = TypeVar("R")
-
-
-def timed(handler: Callable[..., R], target: "OffloadPasses") -> Callable[..., R]:
-    """``handler``, its time left out of a joint profile's compute (NOTE [own time]).
-
-    Its reads and pins wait for the pool; the update a gradient's arrival runs is compute, so
-    that hook is not timed.
-    """
-
-    def call(*args: Any) -> R:
-        sink = target.own_time
-        if sink is None:
-            return handler(*args)
-        began = time.perf_counter()
-        try:
-            return handler(*args)
-        finally:
-            sink(time.perf_counter() - began)
-
-    return call
 
 
 def on_backward_start(output: Any, callback: Callable[[], None]) -> None:

@@ -33,14 +33,8 @@ from vtensor.planner.plan import Plan
 class RoomMaker(Protocol):
     """The activation manager's side of the shared budget."""
 
-    own_time_excluded: bool  # NOTE [own time]
-
     def make_room(self, nbytes: int) -> None:
         """Evict activations so that ``nbytes`` about to be allocated fit the budget."""
-        ...
-
-    def exclude_time(self, seconds: float) -> None:
-        """Leave ``seconds`` out of the open step's duration."""
         ...
 
 
@@ -74,13 +68,11 @@ class JointStep:
         pool.connect(self.side, room.make_room)
         # No lookahead in a shared budget: it would read ahead as far as the whole budget allows,
         # blind to the activations beside it. A replayed plan reads ahead where it planned to.
-        passes = self.params.passes
-        passes.joint = True
-        passes.own_time = room.exclude_time if room.own_time_excluded else None
+        self.params.passes.joint = True
         try:
             yield
         finally:
-            passes.joint, passes.own_time = False, None
+            self.params.passes.joint = False
             # A replayed plan keeps holding what it has resident: the next iteration starts there.
             pool.disconnect(keep_listener=self.side is not None and self.side.plan is not None)
 

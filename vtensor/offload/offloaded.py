@@ -48,8 +48,6 @@ class ResidentMeter:
     bytes_out: int = 0
     bytes_in: int = 0
     stall_s: float = 0.0
-    write_s: float = 0.0  # the I/O thread's time on the writes and reads (NOTE [calibrated model])
-    read_s: float = 0.0
 
     def add(self, nbytes: int) -> None:
         """``nbytes`` more are held in memory."""
@@ -145,10 +143,8 @@ class OffloadedTensor:
         self._transfer = None
         if self.state is Residency.WRITING:
             self.meter.bytes_out += self.nbytes
-            self.meter.write_s += transfer.busy_s()
         else:
             self.meter.bytes_in += self.nbytes
-            self.meter.read_s += transfer.busy_s()
         self._move(Residency.RESIDENT)
         self.clean = True
 

@@ -237,8 +237,6 @@ class ParamOffload(contextlib.AbstractContextManager["ParamOffload"]):
             bytes_in=self.meter.bytes_in,
             stall_s=self.meter.stall_s,
             steps=len(self._step_peaks),
-            write_s=self.meter.write_s,
-            read_s=self.meter.read_s,
         )
 
     def close(self) -> None:

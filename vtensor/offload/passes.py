@@ -12,12 +12,11 @@ streamed clip-and-update pass of ``step()``. Reads for the next ``lookahead`` us
 """
 
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from vtensor.offload.hooks import UseGuard, on_backward_start, timed
+from vtensor.offload.hooks import UseGuard, on_backward_start
 from vtensor.offload.offloaded import OffloadedTensor
 from vtensor.offload.policy import Event, Lookahead, Phase
 from vtensor.offload.pool import OffloadPool
@@ -65,8 +64,6 @@ class OffloadPasses:
         self._guard: UseGuard | None = None
         # Inside a MemoryManager step that shares the budget: its plan reads, not the lookahead.
         self.joint = False
-        # Where a joint profile takes the pool's time out of its compute (NOTE [own time]).
-        self.own_time: Callable[[float], None] | None = None
 
     def close_guard(self) -> None:
         """End a first forward's use guard if one is open."""
@@ -118,7 +115,7 @@ class OffloadPasses:
             self.pool.release(self.params[name].entry)
         if output is None or not torch.is_grad_enabled():
             return
-        on_backward_start(output, timed(lambda: self._begin_backward(unit, saved), self))
+        on_backward_start(output, lambda: self._begin_backward(unit, saved))
 
     # -- backward -----------------------------------------------------------------------------
     @property

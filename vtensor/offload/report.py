@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-from vtensor.planner.costs import Transfers
 from vtensor.sizes import format_bytes
 
 
@@ -19,7 +18,6 @@ class ParamOffloadReport:
             the offloader makes or sees.
         step_peak_bytes: the peak of each ``step()``.
         bytes_out, bytes_in: bytes written to and read from the storage tier.
-        write_s, read_s: seconds the I/O thread spent on those writes and reads.
         stall_s: seconds training waited on transfers still in flight.
         steps: completed ``step()`` calls.
     """
@@ -36,17 +34,6 @@ class ParamOffloadReport:
     bytes_in: int
     stall_s: float
     steps: int
-    write_s: float = 0.0
-    read_s: float = 0.0
-
-    def moved_since(self, before: "ParamOffloadReport") -> Transfers:
-        """The transfers between ``before`` and this report."""
-        return Transfers(
-            self.bytes_out - before.bytes_out,
-            self.write_s - before.write_s,
-            self.bytes_in - before.bytes_in,
-            self.read_s - before.read_s,
-        )
 
     @property
     def footprint_bytes(self) -> int:

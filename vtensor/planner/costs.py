@@ -2,11 +2,11 @@
 
 NOTE [calibrated model]
 A step under a plan takes its measured compute (the profiled steps' durations, the manager's own
-work left out: NOTE [own time]), plus its waits for transfers (``predict_stalls``), plus the swap
-engine's CPU time per byte moved, plus its recomputations (``whole_s``). The bandwidths come from
-the profiled iteration's transfers, the parameter side's too; the per-byte cost starts at 0 and
-is corrected once from a validating replay. Keep, swap and recompute are priced by this one
-model; no option is tried in an iteration of its own.
+work left out: NOTE [own time]), plus its waits for transfers (``predict_stalls``),
+plus the swap engine's CPU time per byte moved, plus its recomputations (``whole_s``). The
+bandwidths come from the profiled iteration's transfers; the per-byte cost starts at 0 and is
+corrected once from a validating replay. Keep, swap and recompute are priced by this one model;
+no option is tried in an iteration of its own.
 """
 
 from dataclasses import dataclass, replace
@@ -31,14 +31,6 @@ class Transfers:
     write_s: float = 0.0
     bytes_in: int = 0
     read_s: float = 0.0
-
-    def __add__(self, other: "Transfers") -> "Transfers":
-        return Transfers(
-            self.bytes_out + other.bytes_out,
-            self.write_s + other.write_s,
-            self.bytes_in + other.bytes_in,
-            self.read_s + other.read_s,
-        )
 
 
 @dataclass(frozen=True)

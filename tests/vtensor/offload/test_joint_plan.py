@@ -27,12 +27,7 @@ from torch import Tensor, nn
 import vtensor
 from vtensor.errors import VTensorError
 from vtensor.planner.belady import plan_lgm
-from vtensor.planner.lgm import (
-    DEFAULT_READ_BYTES_PER_S,
-    DEFAULT_WRITE_BYTES_PER_S,
-    build_lgm,
-    min_budget,
-)
+from vtensor.planner.lgm import build_lgm, min_budget
 from vtensor.planner.memory_model import check_plan, predict_stalls, simulate, writing_moves
 from vtensor.planner.plan import Plan, TensorMove
 from vtensor.planner.trace import Phase, Trace, TraceStep, TraceTensor
@@ -424,29 +419,3 @@ def test_a_forward_outside_the_steps_ends_the_plans_hold(tmp_storage_dir: Path) 
     reference = _reference("sgd_momentum", STEPS, 1, None)
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
-
-
-def test_a_joint_profile_calibrates_the_bandwidths_from_the_parameter_side(
-    tmp_storage_dir: Path,
-) -> None:
-    # NOTE [calibrated model]: where the activations move too little to measure, the parameter
-    # side's transfers give the bandwidths (the defaults would price its waits).
-    torch.manual_seed(0)
-    layers = [m for w in (256, 512, 512, 512) for m in (nn.Linear(w, 512), nn.ReLU())]
-    model = nn.Sequential(*layers, nn.Linear(512, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = 3 * sum(p.nbytes for p in model.parameters())  # parameters, gradients, momentum
-    x = torch.randn(4, 256)
-    with vtensor.MemoryManager(
-        int(0.6 * state), storage_dir=tmp_storage_dir, offload_params=True
-    ) as mm:
-        for _ in range(3):
-            with mm.step(model, optimizer, inputs=(x,)):
-                model(x).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        reports, costs = mm.reports, mm._plans.costs
-    assert all(r.bytes_out + r.bytes_in < 1 << 20 for r in reports)  # activations: too little
-    assert all(r.params_bytes_out >= 1 << 20 for r in reports)
-    assert costs.write_bytes_per_s != DEFAULT_WRITE_BYTES_PER_S
-    assert costs.read_bytes_per_s != DEFAULT_READ_BYTES_PER_S
