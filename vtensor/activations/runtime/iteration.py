@@ -58,8 +58,7 @@ class Iteration:
         self.admission = Admission(device, protected_storages, min_tensor_bytes)
         self.baseline_bytes = baseline_bytes
         self.record_trace = record_trace
-        # NOTE [own time] in runtime/hooks.py: a profile's durations are the model's compute.
-        self.own_time_excluded = record_trace and device.type == "cpu"
+        self.own_time_excluded = record_trace and device.type == "cpu"  # NOTE [own time]
         self.executor = executor
         # NOTE [transient bytes] in runtime/recorder.py; it also keeps the RSS peak.
         self.rss = rss if record_trace or count_workspaces else None
@@ -105,9 +104,7 @@ class Iteration:
 
     # -- measurement --------------------------------------------------------------------------
     def _step_name(self) -> str:
-        if self._open is not None:
-            return self._open.name
-        return self._lean_step or "start"
+        return self._open.name if self._open is not None else self._lean_step or "start"
 
     def live_bytes(self) -> int:
         """Tracked device bytes now."""
