@@ -10,14 +10,13 @@ deployed node) a client measures the peak itself, once per process
 (``edgefl.peak.resolve_budget``).
 
 NOTE [budget quantum]: two processes measure the same model's peak a few KiB apart (vtensor's
-heap counter sees every allocation of the process: 3.2 KiB across the main job's clients on the
-2-vCPU VM), and vtensor keys its plan cache by the budget in bytes. Taken exactly, a relative
-budget differed from one process to the next, so the clients of one device class each made
-their own plans instead of sharing one (every Ray worker profiled, tried and raced again), and a
-plan cache kept from an earlier run was never hit. The budget is therefore rounded down to a
-multiple of a power of two, the largest not above 1/128 of it (at most 0.8 % less than the exact
-share; ``vtensor.share_of_peak``): processes whose peaks lie within a few KiB agree unless a
-multiple falls between them (for 40 % of a 64.8 MiB peak: 128 KiB steps against KiB of jitter).
+heap counter sees every allocation of the process), and vtensor keys its plan cache by the budget
+in bytes. Taken exactly, a relative budget would differ from one process to the next: the clients
+of one device class would each make their own plan instead of sharing one, and a plan cache kept
+from an earlier run would never be hit. The budget is therefore rounded down to a multiple of a
+power of two, the largest not above 1/128 of it (at most 0.8 % less than the exact share;
+``vtensor.share_of_peak``): processes whose peaks lie within a few KiB agree unless a multiple
+falls between them (for 40 % of a 64.8 MiB peak: 128 KiB steps against KiB of jitter).
 """
 
 from dataclasses import dataclass

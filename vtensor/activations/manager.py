@@ -431,7 +431,8 @@ class MemoryManager:
             self._plans.planning_s if chosen.record_trace else 0.0,
         )
         self._reports.append(dataclasses.replace(report, budget_source=budget_source))
-        if trace is not None and self._budget.note_profile(trace, pending_state_bytes):
+        kept = joint.side.consumed() if joint is not None and joint.side is not None else ()
+        if trace is not None and self._budget.note_profile(trace, pending_state_bytes, kept):
             self._budget_resolved()
         if logger.isEnabledFor(logging.DEBUG):
             sizes = (report.peak_device_bytes, self.budget_bytes, report.bytes_out, report.bytes_in)

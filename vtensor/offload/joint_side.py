@@ -1,4 +1,15 @@
-"""The parameter side of a joint iteration: recorded while profiled, replayed from its plan."""
+"""The parameter side of a joint iteration: recorded while profiled, replayed from its plan.
+
+NOTE [fresh in their step]
+A tensor a step creates and adopts (a gradient) was counted among the step's unmanaged bytes
+until adopted; a trace tensor from that step as well would count it twice at the step's peak.
+So while profiled, a tensor counts as unmanaged through the step that created it, and one that
+step also lets go of (a gradient its update consumed) is no trace tensor at all: the step's
+unmanaged peak holds it where it was. One that outlives the step is both in that step
+(conservative) and a trace tensor from there on. A plain loop keeps each gradient to the
+iteration's end: its unmanaged peak adds the consumed ones back from their step on
+(``consumed``, ``planner/memory_model.py``'s ``unmanaged_peak``).
+"""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,8 +173,21 @@ class JointSide:
         self.pool.reap(block=True)
 
     def resident_bytes(self) -> int:
-        """Bytes of movable parameter-side tensors in memory (the trace plans them)."""
+        """Bytes of movable parameter-side tensors in memory."""
         return self.pool.meter.resident_bytes - self.pool.fixed_bytes
+
+    def traced_bytes(self) -> int:
+        """Of ``resident_bytes``, those the trace places (NOTE [fresh in their step])."""
+        fresh = sum(
+            e.nbytes
+            for e in self.pool.tensors
+            if e.in_memory and self._fresh(self._lives.get(e.name), self.step)
+        )
+        return self.resident_bytes() - fresh
+
+    @staticmethod
+    def _fresh(life: "_Life | None", step: int) -> bool:
+        return life is not None and not life.existed and life.start == step
 
     def unoffloaded_bytes(self) -> int:
         """What its tensors would hold in memory now, were they never offloaded."""
@@ -180,11 +204,21 @@ class JointSide:
             e.nbytes for e in pool.tensors if e.in_memory and e.pins and not pool.is_fixed(e)
         )
 
+    def consumed(self) -> list[tuple[int, int]]:
+        """``(step, bytes)`` of each tensor a step made and let go (NOTE [fresh in their step])."""
+        lives = self._lives.values()
+        return [(life.start, life.nbytes) for life in lives if self._consumed(life)]
+
+    def _consumed(self, life: _Life) -> bool:
+        return life.end is not None and self._fresh(life, life.end)
+
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """The recorded tensors as trace tensors, by name, numbered from ``first_vid``."""
         tensors: list[TraceTensor] = []
         for name in sorted(self._lives):
             life = self._lives[name]
+            if self._consumed(life):
+                continue  # NOTE [fresh in their step]: in the step's unmanaged figure
             life.unpin(n_steps - 1)  # still pinned when the iteration ended
             start = 0 if life.existed else min(life.start, n_steps - 1)
             tensors.append(

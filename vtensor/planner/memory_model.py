@@ -75,9 +75,16 @@ def next_use(t: TraceTensor, step: int) -> int | None:
     return uses[i] if i < len(uses) else None
 
 
-def unmanaged_peak(trace: Trace) -> int:
-    """The most bytes ``trace``'s iteration would have held with nothing moved or recomputed."""
-    return max(simulate(None, trace), default=0)
+def unmanaged_peak(trace: Trace, kept: Sequence[tuple[int, int]] = ()) -> int:
+    """The most bytes ``trace``'s iteration would have held with nothing moved or recomputed.
+
+    ``kept``: ``(step, bytes)`` the trace leaves out that the plain loop holds from that step to
+    the iteration's end (the gradients an offloaded update consumed at once).
+    """
+    resident = np.array(simulate(None, trace), dtype=np.int64)
+    for step, nbytes in kept:
+        resident[step:] += nbytes
+    return int(resident.max(initial=0))
 
 
 def simulate(plan: Plan | None, trace: Trace) -> list[int]:

@@ -1,5 +1,7 @@
 """A manager's budget: the form it was given in, and the bytes it resolved to."""
 
+from collections.abc import Sequence
+
 import torch
 
 from vtensor.budget import BudgetKind, device_budget, parse_budget, share_of_peak
@@ -40,11 +42,16 @@ class ManagerBudget:
         if self.share_pending:
             self.source += f"; the profiled iteration, for {self.spec} of its peak"
 
-    def note_profile(self, trace: Trace, pending_state_bytes: int) -> bool:
-        """A profiled trace (not one that recomputed); whether a share of its peak resolved now."""
+    def note_profile(
+        self, trace: Trace, pending_state_bytes: int, kept: Sequence[tuple[int, int]] = ()
+    ) -> bool:
+        """A profiled trace (not one that recomputed); whether a share of its peak resolved now.
+
+        ``kept``: as for ``unmanaged_peak``.
+        """
         if trace.recomputed:
             return False
-        self.unmanaged_peak_bytes = unmanaged_peak(trace) + pending_state_bytes
+        self.unmanaged_peak_bytes = unmanaged_peak(trace, kept) + pending_state_bytes
         if not self.share_pending:
             return False
         self.share_pending = False

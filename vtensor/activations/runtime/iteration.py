@@ -124,7 +124,7 @@ class Iteration:
             if self.record_trace:
                 unmanaged = live - self.store.device_bytes()
                 if self.params is not None:
-                    unmanaged -= self.params.resident_bytes()  # the plan places them
+                    unmanaged -= self.params.traced_bytes()  # the plan places them
                 self.books.note_unmanaged(self._open, unmanaged)
 
     def _next_event(self) -> None:

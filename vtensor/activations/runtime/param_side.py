@@ -35,6 +35,10 @@ class PlannedRead(Protocol):
 class ParamSide(ResidentParams, Protocol):
     """The parameter offloading that shares the iteration's budget (``offload/joint.py``)."""
 
+    def traced_bytes(self) -> int:
+        """Of the resident bytes, those its trace tensors place (the rest count unmanaged)."""
+        ...
+
     def on_step(self, index: int) -> Sequence[PlannedRead]:
         """Step ``index`` begins; returns the reads the plan starts now, in order."""
         ...
