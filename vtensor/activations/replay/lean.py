@@ -20,9 +20,16 @@ it acts at (NOTE [step reserve]).
 NOTE [passed]
 A lean replay leaves every saved storage its plan never moves to autograd as it is (no vTensor, no
 record), so per-tensor work happens only where the plan acts. Its position and size are still
-matched with the plan's (a weak reference finds a storage seen again) and unpacking still checks it
-was not modified in place. The price: a guard that takes over after a divergence can evict only
+matched with the plan's (a weak reference finds a storage seen again) and unpacking still checks
+it was not modified in place. The price: a guard that takes over after a divergence can evict only
 the storages saved as vTensors.
+
+NOTE [passed storages seen again]
+A storage saved again is found by its address and a Python weak reference to its Python object,
+which torch keeps as long as the storage lives: it dies with the storage, so another storage at the
+same address is not taken for it. A ``StorageWeakRef`` would keep each storage's C++ object
+allocated until the step ends: small blocks among the freed tensors' memory, whose release at once
+lets the allocator trim its heap, for the next step to fault back in page by page.
 
 NOTE [hookless replay]
 A lean replay of a plan that moves no activation installs no module hooks: it reads the tracked
@@ -32,10 +39,10 @@ model a noticeable share of its step. A plan with a watched step that no event f
 module hooks; a reading over the budget turns the checks back on at the saved-tensor hooks.
 """
 
+import weakref
 from collections.abc import Callable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from vtensor.activations.replay.executor import PlanExecutor
 from vtensor.activations.store.chunk_store import ChunkStore
@@ -51,7 +58,7 @@ class Passing:
     ) -> None:
         self.store = store
         self.executor = executor
-        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._seen: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
         # NOTE [hookless replay]: without module hooks, the bytes are read at these events.
         self._read = read
         self._events = set(executor.plan.watched_events) if read is not None else set()
@@ -73,12 +80,12 @@ class Passing:
         if not executor.active or (self.store.records and self.store.known(storage)):
             return None
         seen = self._seen.get(storage._cdata)
-        if seen is not None and not seen[0].expired():  # type: ignore[no-untyped-call]
+        if seen is not None and seen[0]() is storage:
             return seen[1]
         position = executor.next_position()
         if not executor.passes_next(storage.nbytes()):
             return None  # a vTensor; past a divergence the iteration leaves the lean replay
-        self._seen[storage._cdata] = (StorageWeakRef(storage), position)  # type: ignore[no-untyped-call]
+        self._seen[storage._cdata] = (weakref.ref(storage), position)
         if self.reading:
             self._at((position, 0))
         return position
