@@ -2,7 +2,8 @@
 
 The three workloads in their small sizes at small batches, so that a step is short, as on a
 GPU, and the manager's per-step and per-tensor Python work shows. MobileNetV2 and ResNet-18
-have every module of their full sizes (narrower), the char GPT two of its four layers. Three
+have every module of their full sizes (narrower), the char GPT two of its four layers; beside
+them the main job's MLP at its batch, whose large tensors show what the allocator does. Three
 copies of each model from the same weights train side by side in one process: one unmanaged,
 one under torch's saved-tensor hooks doing nothing (the floor any manager that sees each saved
 tensor starts from), one under a manager whose budget is far above its peak (its plan moves
@@ -28,14 +29,32 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import vtensor
 from benchmarks.common import add_out, add_quick, describe, environment, tagged, write_json_lines
 from benchmarks.zoo.workloads import Workload, workloads
+from vtensor.tools.workload import load_builder
 
 UNBOUND_BYTES = 1 << 50
 _TURNS = ["unmanaged", "hooks", "unbound"]
+
+
+def _main_job_mlp() -> Workload:
+    """The main job's MLP (4 x 1,024 units) on MNIST-sized random images at its batch of 64."""
+
+    def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(index)
+        return torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+    return Workload(
+        "main",
+        "the main job's MLP, 4 x 1,024 units, batch 64",
+        load_builder("mlp", (64, 1, 28, 28), None),
+        batch,
+        lambda model, x, y: F.cross_entropy(model(x), y),
+    )
 
 
 def _opt(model: nn.Module) -> torch.optim.Optimizer:
@@ -156,7 +175,7 @@ def run_model(w: Workload, rounds: int, warmup: int, device: torch.device) -> di
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["mobilenet", "resnet", "gpt"])
+    p.add_argument("--models", nargs="+", default=["mobilenet", "resnet", "gpt", "main"])
     p.add_argument("--rounds", type=int, default=60, help="timed rounds per model")
     p.add_argument("--warmup", type=int, default=6, help="untimed rounds first (profiling)")
     p.add_argument(
@@ -173,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         script="unbound_cost", rounds=rounds, batch_scale=args.batch_scale, device=args.device
     )
     print(describe(env), flush=True)
-    zoo = workloads(quick=True, batch_scale=args.batch_scale)
+    zoo = {**workloads(quick=True, batch_scale=args.batch_scale), "main": _main_job_mlp()}
     device = torch.device(args.device)
     rows = []
     print(
