@@ -60,6 +60,7 @@ class JointSide:
         self.step = 0 if plan is None else -1
         self.created_state = False
         self._lives: dict[str, _Life] = {}
+        self._fresh_now: list[OffloadedTensor] = []  # adopted in the running step (recording)
         self._planned: dict[str, None] = {}  # names the plan places, in its order
         self._shed: set[str] = set()  # let go where the budget needed them gone
         self._windows: dict[str, list[tuple[int, int]]] = {}
@@ -94,6 +95,7 @@ class JointSide:
         if entry.kind is TensorKind.STATE:
             self.created_state = True  # a first update: later iterations will differ
         self._lives[entry.name] = _Life.of(entry, start=max(self.step, 0), existed=False)
+        self._fresh_now.append(entry)
 
     def used(self, entry: OffloadedTensor) -> None:
         """A use pinned ``entry``."""
@@ -135,6 +137,7 @@ class JointSide:
         The iteration makes room for each read under the shared budget before starting it.
         """
         self.step = index
+        self._fresh_now.clear()
         if not self._replaying():
             return []
         evict, fetch = self._evict.get(index, []), self._fetch.get(index, [])
@@ -178,16 +181,7 @@ class JointSide:
 
     def traced_bytes(self) -> int:
         """Of ``resident_bytes``, those the trace places (NOTE [fresh in their step])."""
-        fresh = sum(
-            e.nbytes
-            for e in self.pool.tensors
-            if e.in_memory and self._fresh(self._lives.get(e.name), self.step)
-        )
-        return self.resident_bytes() - fresh
-
-    @staticmethod
-    def _fresh(life: "_Life | None", step: int) -> bool:
-        return life is not None and not life.existed and life.start == step
+        return self.resident_bytes() - sum(e.nbytes for e in self._fresh_now if e.in_memory)
 
     def unoffloaded_bytes(self) -> int:
         """What its tensors would hold in memory now, were they never offloaded."""
@@ -209,8 +203,9 @@ class JointSide:
         lives = self._lives.values()
         return [(life.start, life.nbytes) for life in lives if self._consumed(life)]
 
-    def _consumed(self, life: _Life) -> bool:
-        return life.end is not None and self._fresh(life, life.end)
+    @staticmethod
+    def _consumed(life: _Life) -> bool:
+        return not life.existed and life.start == life.end
 
     def trace_tensors(self, first_vid: int, n_steps: int) -> list[TraceTensor]:
         """The recorded tensors as trace tensors, by name, numbered from ``first_vid``."""
