@@ -122,7 +122,6 @@ sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
 import vtensor
-from vtensor.planner.memory_model import simulate
 from test_one_object import _train, CHUNK
 budget, offload = int(sys.argv[2]), {"True": True, "False": False, "auto": "auto"}[sys.argv[4]]
 try:
