@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import vtensor
+from vtensor.offload.offloaded import OffloadedTensor
 from vtensor.planner.memory_model import simulate
 
 CHUNK = 64 * 1024
@@ -265,3 +266,24 @@ def test_a_joint_plan_counts_a_consumed_gradient_once(tmp_path: Path) -> None:
         predicted = max(simulate(plan, mm.trace))
     largest_grad = max(p.nbytes for p in model.parameters())
     assert predicted - reports[-1].peak_device_bytes < largest_grad
+
+
+def test_a_gradient_its_update_consumes_is_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Adopted pinned (OffloadPool.adopt(used=True)): the reap that making room for the update
+    # runs must not start writing a gradient that is discarded right after its update.
+    budget = int(0.45 * _peak(tmp_path))
+    written: list[str] = []
+    start_write = OffloadedTensor.start_write
+
+    def noting(entry: OffloadedTensor) -> None:
+        written.append(entry.name)
+        start_write(entry)
+
+    monkeypatch.setattr(OffloadedTensor, "start_write", noting)
+    with vtensor.MemoryManager(budget, chunk_bytes=CHUNK, storage_dir=tmp_path) as mm:
+        _train(mm)
+        assert mm.params_offloaded
+    assert written, "nothing was written: the budget did not make the state move"
+    assert not [name for name in written if name.endswith("#grad")]

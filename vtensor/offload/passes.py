@@ -201,9 +201,9 @@ class OffloadPasses:
             self.pool.reap(block=True)
 
     def _keep_gradient(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        # Pinned from here on: making room for what follows must not take the gradient away.
-        entry = self.pool.adopt(grad, f"{record.name}#grad", TensorKind.GRAD, fixed=record.fixed)
-        self.pool.acquire([entry], f"gradient of {record.name}")
+        # Pinned from its adoption: making room for what follows must not write it away.
+        name = f"{record.name}#grad"
+        entry = self.pool.adopt(grad, name, TensorKind.GRAD, fixed=record.fixed, used=True)
         if record.acc is not None:
             acc = record.acc
             self.pool.acquire([acc], f"accumulating {record.name}")

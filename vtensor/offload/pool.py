@@ -47,9 +47,13 @@ class OffloadPool:
         self._unoffloaded = 0  # NOTE [offload probe] in activations/offloads.py
 
     def adopt(
-        self, tensor: torch.Tensor, name: str, kind: TensorKind, *, fixed: bool
+        self, tensor: torch.Tensor, name: str, kind: TensorKind, *, fixed: bool, used: bool = False
     ) -> OffloadedTensor:
-        """Start managing ``tensor`` of ``kind`` (resident now, counted from now on)."""
+        """Start managing ``tensor`` of ``kind`` (resident now, counted from now on).
+
+        ``used``: a use holds it from the start (a gradient about to be used), pinned before
+        anything could let it go; its end is a :meth:`release` as after :meth:`acquire`.
+        """
         entry = OffloadedTensor(tensor, name, self.engine, self.meter, self.chunk_bytes, kind)
         self.tensors.append(entry)
         self._alive.add(id(entry))
@@ -61,6 +65,10 @@ class OffloadPool:
             self._unoffloaded += entry.nbytes
         if self.listener is not None:
             self.listener.adopted(entry)
+        if used:
+            if self.listener is not None:
+                self.listener.used(entry)
+            entry.pins += 1
         return entry
 
     def forget(self, entry: OffloadedTensor) -> None:

@@ -500,7 +500,7 @@ def test_a_cached_plan_a_full_replay_proved_starts_lean_in_the_next_manager(tmp_
 
 
 FAULTS = """
-import resource, sys, torch, vtensor
+import resource, statistics, sys, torch, vtensor
 from torch import nn
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -511,16 +511,18 @@ model = nn.Sequential(*layers, nn.Linear(1024, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
 check = sys.argv[1] == "full"
+faults = []
 with vtensor.MemoryManager("1TiB", offload_params=False, check_every_hook=check) as mm:
     for step in range(30):
-        if step == 10:
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with mm.step(model, opt, inputs=(x, y)):
             nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    assert mm.report().lean != check
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 20)
+        report = mm.report()
+        if step >= 5 and report.plan_source.value in ("planned", "cached") and report.lean != check:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(len(faults), statistics.median(faults))
 """
 
 
@@ -537,7 +539,9 @@ def test_a_lean_replay_leaves_no_page_to_fault_in_again() -> None:
             [sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, env=env
         )
         assert done.returncode == 0, done.stderr[-2000:]
-        return int(done.stdout.split()[-1])
+        replays, median = done.stdout.split()[-2:]
+        assert int(replays) >= 10, f"{mode}: {replays} replays of its kind in 30 steps"
+        return int(float(median))
 
     full, lean = faults("full"), faults("lean")
-    assert lean <= full + 64, f"{lean} page faults a lean step, {full} checking every hook"
+    assert lean <= full + 64, f"{lean} page faults a lean step (median), {full} checking every hook"
