@@ -14,7 +14,7 @@ iteration's end: its unmanaged peak adds the consumed ones back from their step 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vtensor.offload.offloaded import OffloadedTensor
+from vtensor.offload.offloaded import OffloadedTensor, Residency
 from vtensor.offload.pool import OffloadPool
 from vtensor.planner.plan import Plan
 from vtensor.planner.trace import TensorKind, TraceTensor
@@ -174,6 +174,10 @@ class JointSide:
     def settle(self) -> None:
         """Wait for the pool's writes in flight, which hold their bytes until done."""
         self.pool.reap(block=True)
+
+    def writing_bytes(self) -> int:
+        """Bytes of the pool's writes in flight: counted gone by the plan, still in memory."""
+        return sum(e.nbytes for e in self.pool.tensors if e.state is Residency.WRITING)
 
     def resident_bytes(self) -> int:
         """Bytes of movable parameter-side tensors in memory."""

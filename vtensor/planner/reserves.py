@@ -6,7 +6,8 @@ where no hook can make room; one headroom for the whole iteration would sit unde
 and the guard would evict at every replay. So the profile books per step and hook event how far
 the bytes rose after the guard acted there, less the manager's own restores and recomputations
 (``TraceStep.growth_bytes``, ``Plan.step_reserve_bytes``), and a replay following its plan keeps
-that (at least a chunk). Joint or diverged replays keep the largest.
+that (at least a chunk). Diverged replays keep the largest. A joint replay's write-backs hold their
+bytes until done, so it waits for them where they exceed the step's predicted headroom.
 
 NOTE [planned headroom]
 The rises are in the trace's step model already, and planning under the largest at every step

@@ -152,20 +152,22 @@ def test_a_plan_leaves_the_guard_its_chunk_where_the_guard_keeps_each_points_ris
     assert plan is not None and plan.budget_bytes == budget - chunk
     assert plan.moves == (TensorMove(0, chunk, 1, 3),)
     assert leaves_headroom(plan, budget) and not leaves_headroom(plan, budget - 1)
-    # Where the guard keeps the largest rise everywhere (a joint plan with parameter
-    # offloading, a trace without rises booked), the plan leaves it that: here none fits.
+    # A joint plan (parameter offloading) keeps each point's rise too; where none was booked, the
+    # guard keeps the largest rise everywhere and the plan leaves it that: here none fits.
     param = TraceTensor(1, 4, ("float32",), 0, 0, (3,), TensorKind.PARAM, "w", persistent=True)
-    joint = dataclasses.replace(trace, tensors=(*tensors, param))
+    joint = plan_within_guard(
+        dataclasses.replace(trace, tensors=(*tensors, param)), budget, chunk, 40 * KIB, 0
+    )
+    assert joint is not None and joint.budget_bytes == budget - chunk
     unbooked = dataclasses.replace(
         trace, steps=tuple(dataclasses.replace(s, growth_bytes=()) for s in steps)
     )
-    for other in (joint, unbooked):
-        filled = plan_within_guard(other, budget, chunk, 40 * KIB, 0)
-        assert filled is not None and filled.budget_bytes == budget
-        assert not leaves_headroom(filled, budget)
-        under = dataclasses.replace(filled, budget_bytes=budget - 40 * KIB + 1)
-        assert not leaves_headroom(under, budget)  # a chunk is not the one reserve
-        assert leaves_headroom(dataclasses.replace(under, budget_bytes=budget - 40 * KIB), budget)
+    filled = plan_within_guard(unbooked, budget, chunk, 40 * KIB, 0)
+    assert filled is not None and filled.budget_bytes == budget
+    assert not leaves_headroom(filled, budget)
+    under = dataclasses.replace(filled, budget_bytes=budget - 40 * KIB + 1)
+    assert not leaves_headroom(under, budget)  # a chunk is not the one reserve
+    assert leaves_headroom(dataclasses.replace(under, budget_bytes=budget - 40 * KIB), budget)
 
 
 def test_the_guard_keeps_what_followed_each_hook_event_while_the_plan_is_followed(

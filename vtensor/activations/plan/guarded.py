@@ -9,7 +9,7 @@ from vtensor.planner.costs import DEFAULT_COSTS, Costs
 from vtensor.planner.memory_model import step_headroom, watched_events, watched_steps
 from vtensor.planner.plan import Plan
 from vtensor.planner.reserves import MIN_BUDGET_MARGIN_BYTES, planned_headroom, step_reserves
-from vtensor.planner.trace import TensorKind, Trace
+from vtensor.planner.trace import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ def plan_within_guard(
     refusing would leave the much slower reactive policy. Such a plan never replays lean.
     """
     plan: Plan | None = None
-    joint = any(t.kind is not TensorKind.ACTIVATION for t in trace.tensors)
-    reserves = () if joint else step_reserves(trace)
+    reserves = step_reserves(trace)
     under_guard = max(0, budget_bytes - planned_headroom(reserves, reserve_bytes, chunk_bytes))
     margined = max(0, under_guard - margin_bytes)
     for planned_bytes in dict.fromkeys((margined, under_guard, budget_bytes)):

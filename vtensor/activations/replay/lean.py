@@ -25,11 +25,13 @@ it was not modified in place. The price: a guard that takes over after a diverge
 the storages saved as vTensors.
 
 NOTE [passed storages seen again]
-A storage saved again is found by its address and a Python weak reference to its Python object,
-which torch keeps as long as the storage lives: it dies with the storage, so another storage at the
-same address is not taken for it. A ``StorageWeakRef`` would keep each storage's C++ object
-allocated until the step ends: small blocks among the freed tensors' memory, whose release at once
-lets the allocator trim its heap, for the next step to fault back in page by page.
+A storage saved again is found by its address and data pointer, with no reference to it: autograd
+holds every saved storage until backward uses it, so in the meantime an address names one
+storage. Where one is freed and its address reused (a recomputation in backward), the size the
+plan expects next does not match and the replay leaves the plan, as at any divergence. A
+reference kept here would keep each storage's C++ object allocated until the step ends (a
+``StorageWeakRef`` does): small blocks among the freed tensors' memory, whose release at once lets
+the allocator trim its heap, for the next step to fault back in page by page.
 
 NOTE [hookless replay]
 A lean replay of a plan that moves no activation installs no module hooks: it reads the tracked
@@ -39,7 +41,6 @@ model a noticeable share of its step. A plan with a watched step that no event f
 module hooks; a reading over the budget turns the checks back on at the saved-tensor hooks.
 """
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -58,7 +59,7 @@ class Passing:
     ) -> None:
         self.store = store
         self.executor = executor
-        self._seen: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._seen: dict[int, tuple[int, int]] = {}  # address -> (data pointer, position)
         # NOTE [hookless replay]: without module hooks, the bytes are read at these events.
         self._read = read
         self._events = set(executor.plan.watched_events) if read is not None else set()
@@ -80,12 +81,12 @@ class Passing:
         if not executor.active or (self.store.records and self.store.known(storage)):
             return None
         seen = self._seen.get(storage._cdata)
-        if seen is not None and seen[0]() is storage:
+        if seen is not None and seen[0] == storage.data_ptr():
             return seen[1]
         position = executor.next_position()
         if not executor.passes_next(storage.nbytes()):
             return None  # a vTensor; past a divergence the iteration leaves the lean replay
-        self._seen[storage._cdata] = (weakref.ref(storage), position)
+        self._seen[storage._cdata] = (storage.data_ptr(), position)
         if self.reading:
             self._at((position, 0))
         return position
@@ -138,6 +139,5 @@ def replays_lean(
 
 def leaves_headroom(plan: Plan, budget_bytes: int) -> bool:
     """Whether ``plan`` leaves the guard room (NOTE [plan within the guard])."""
-    reserves = () if plan.tensor_names else plan.step_reserve_bytes  # joint: the one reserve
-    headroom = planned_headroom(reserves, plan.reserve_bytes, plan.chunk_bytes)
+    headroom = planned_headroom(plan.step_reserve_bytes, plan.reserve_bytes, plan.chunk_bytes)
     return plan.budget_bytes + headroom <= budget_bytes

@@ -238,14 +238,15 @@ class Iteration:
         if self.executor is not None:
             if self.executor.active:  # what a lean replay waits for, a full one too
                 wait_for_room(self.store, self.executor.plan, self.step_index)
-            joint = self.params is not None
-            self.policy.at_plan_step(self.step_index, active=self.executor.active, joint=joint)
+            self.policy.at_plan_step(self.step_index, active=self.executor.active)
             self.executor.on_step(self.step_index, name, self.make_room)  # NOTE [room for restores]
             if not self.executor.active:
-                self.policy.at_plan_step(self.step_index, active=False, joint=joint)
+                self.policy.at_plan_step(self.step_index, active=False)
         if self.params is not None:
             reads = self.params.on_step(self.step_index)
-            if reads:  # the plan counts its write-backs as gone before it reads more
+            # The plan counts its write-backs as gone: before it reads more, and where those in
+            # flight exceed the step's predicted headroom (NOTE [lean waits]), they are waited for.
+            if reads or self.params.writing_bytes() > self._plan_headroom():
                 self.params.settle()
             for entry in reads:
                 self.make_room(entry.nbytes)
@@ -255,6 +256,13 @@ class Iteration:
         # The epoch does not count parameter reads, so a joint iteration always reads again.
         same = self.store.memory_epoch == epoch and self.params is None
         self.enforce(live_hint=live if same else None)
+
+    def _plan_headroom(self) -> int:
+        """What the followed plan predicts free at the running step (0 without one)."""
+        if self.executor is None or not self.executor.active:
+            return 0
+        headroom = self.executor.plan.step_headroom_bytes
+        return headroom[self.step_index] if self.step_index < len(headroom) else 0
 
     def after_node(self) -> None:
         """Sample a backward node's working set (NOTE [node peaks]); no eviction: it is allocated.

@@ -47,6 +47,10 @@ class ParamSide(ResidentParams, Protocol):
         """Let go of up to ``nbytes`` it holds but does not use now (the budget needs them)."""
         ...
 
+    def writing_bytes(self) -> int:
+        """Bytes of its writes in flight, which hold their memory until done."""
+        ...
+
     def settle(self) -> None:
         """Wait for its writes in flight: the bytes they hold leave memory."""
         ...

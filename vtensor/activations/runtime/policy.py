@@ -79,9 +79,9 @@ class ReactivePolicy:
         self._now = self.step_reserves[index] if known else None
         self.at_event(0)
 
-    def at_plan_step(self, index: int, *, active: bool, joint: bool) -> None:
+    def at_plan_step(self, index: int, *, active: bool) -> None:
         """A replay's step ``index`` begins; ``active``: it follows its plan."""
-        self.at_step(index, following=active and not joint)
+        self.at_step(index, following=active)
         self.follow_plan(active)
 
     def at_event(self, event: int) -> None:
